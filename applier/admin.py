@@ -1,0 +1,158 @@
+"""Setting up and looking at a replication: init, preflight checks, status, skip.
+
+Library functions behind ``applier init``, ``status`` and ``skip``, and the
+checks every command runs before it touches anything: a wrong config (server
+unreachable, missing publication or slot, missing privileges, target not
+initialized) is one ``ConfigError`` naming the key or object.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import psycopg
+from sqlalchemy import create_engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from applier.config import Config, ConfigError, redact_dsn
+from applier.lsn import LSN
+from applier.progress.migrate import current_revision, head_revision, migrate
+from applier.progress.store import PG_SQL, SQLITE_SQL, Progress
+from applier.source.base import SourceError
+from applier.source.walsender import WalSender
+
+
+def _source_conn(cfg: Config) -> psycopg.Connection[Any]:
+    try:
+        return psycopg.connect(cfg.source["dsn"], autocommit=True, connect_timeout=cfg.source["connect_timeout"])
+    except psycopg.Error as exc:
+        raise ConfigError(f"{cfg.where('source', 'dsn')}: cannot connect to the source "
+                          f"({redact_dsn(cfg.source['dsn'])}): {' '.join(str(exc).split())}") from None
+
+
+def check_source(cfg: Config, need_slot: bool = True) -> dict[str, Any]:
+    """Source reachable, wal_level logical, publications exist, slot exists (if needed); returns facts."""
+    with _source_conn(cfg) as conn:
+        facts: dict[str, Any] = {"server_version": conn.info.server_version}
+        wal_level = conn.execute("SHOW wal_level").fetchone()[0]
+        if wal_level != "logical":
+            raise ConfigError(f"source: wal_level is {wal_level!r}, logical replication needs 'logical'")
+        have = {r[0] for r in conn.execute("SELECT pubname FROM pg_publication WHERE pubname = ANY(%s)",
+                                           [cfg.source["publications"]])}
+        for pub in cfg.source["publications"]:
+            if pub not in have:
+                raise ConfigError(f"{cfg.where('source', 'publications')}: publication {pub!r} does not exist "
+                                  f"on the source (CREATE PUBLICATION {pub} FOR …)")
+        row = conn.execute(
+            "SELECT plugin, slot_type, two_phase, confirmed_flush_lsn::text, database = current_database() "
+            "FROM pg_replication_slots WHERE slot_name = %s", [cfg.source["slot"]]).fetchone()
+        facts["slot"] = row
+        if row is None and need_slot:
+            raise ConfigError(f"{cfg.where('source', 'slot')}: replication slot {cfg.source['slot']!r} does not exist "
+                              f"on the source (run `applier init`)")
+        if row is not None:
+            if row[0] != "pgoutput" or row[1] != "logical":
+                raise ConfigError(f"{cfg.where('source', 'slot')}: slot {cfg.source['slot']!r} is a {row[1]} slot "
+                                  f"of plugin {row[0]!r}, not a logical pgoutput slot")
+            if not row[4]:
+                raise ConfigError(f"{cfg.where('source', 'slot')}: slot {cfg.source['slot']!r} belongs to another "
+                                  f"database")
+        priv = conn.execute("SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()
+        if not priv or not priv[0]:
+            raise ConfigError(f"{cfg.where('source', 'dsn')}: the source role lacks the REPLICATION privilege "
+                              f"(ALTER ROLE … REPLICATION)")
+        return facts
+
+
+def check_target(cfg: Config, need_init: bool = True) -> str | None:
+    """Target reachable and (if needed) its control tables at the newest revision; returns the revision."""
+    try:
+        engine = create_engine(cfg.target["url"])
+        try:
+            rev = current_revision(engine)
+        finally:
+            engine.dispose()
+    except SQLAlchemyError as exc:
+        raise ConfigError(f"{cfg.where('target', 'url')}: cannot open the target "
+                          f"({redact_dsn(cfg.target['url'])}): {' '.join(str(exc.orig or exc).split())[:300]}") from None
+    if need_init and rev != head_revision():
+        raise ConfigError(f"{cfg.where('target', 'url')}: the target's control tables are "
+                          f"{'missing' if rev is None else f'at revision {rev}'}; run `applier init`")
+    return rev
+
+
+def init(cfg: Config) -> list[str]:
+    """Migrate the control tables and create the slot if missing; returns what was done, a line each."""
+    done = []
+    facts = check_source(cfg, need_slot=False)
+    check_target(cfg, need_init=False)
+    before, after = migrate(cfg.target["url"])
+    done.append(f"control tables: {'created at' if before is None else 'upgraded from ' + before + ' to'} {after}"
+                if before != after else f"control tables: already at {after}")
+    if facts["slot"] is None:
+        ws = WalSender(cfg.source["dsn"], connect_timeout=cfg.source["connect_timeout"])
+        try:
+            info = ws.create_slot(cfg.source["slot"], two_phase=cfg.source["two_phase"])
+        except SourceError as exc:
+            raise ConfigError(f"{cfg.where('source', 'slot')}: {exc}") from None
+        finally:
+            ws.close()
+        done.append(f"slot {cfg.source['slot']!r}: created at {info.consistent_point}")
+    else:
+        done.append(f"slot {cfg.source['slot']!r}: exists (confirmed up to {facts['slot'][3]})")
+    return done
+
+
+def _progress_sql(cfg: Config) -> Any:
+    return SQLITE_SQL if cfg.target_dialect == "sqlite" else PG_SQL
+
+
+def read_progress(cfg: Config) -> Progress:
+    """The applied position recorded on the target."""
+    sql = _progress_sql(cfg)
+    engine = create_engine(cfg.target["url"])
+    try:
+        with engine.connect() as conn:
+            raw = conn.connection.dbapi_connection
+            cur = raw.cursor()
+            cur.execute(sql.select, [cfg.apply["name"]])
+            return Progress.from_row(cur.fetchone())
+    finally:
+        engine.dispose()
+
+
+def skip(cfg: Config, lsn: LSN) -> str:
+    """Ask the engine to skip the one transaction finished at ``lsn``; returns a line for the log."""
+    check_target(cfg)
+    sql = _progress_sql(cfg)
+    engine = create_engine(cfg.target["url"])
+    try:
+        with engine.begin() as conn:
+            cur = conn.connection.dbapi_connection.cursor()
+            cur.execute(sql.set_skip, [cfg.apply["name"], str(lsn)])
+    finally:
+        engine.dispose()
+    return f"the transaction finished at {lsn} will be skipped (once) by the next apply"
+
+
+def status(cfg: Config) -> dict[str, Any]:
+    """Slot position, applied position and lag (bytes and seconds)."""
+    check_target(cfg)
+    progress = read_progress(cfg)
+    with _source_conn(cfg) as conn:
+        row = conn.execute(
+            "SELECT confirmed_flush_lsn::text, restart_lsn::text, active, pg_current_wal_lsn()::text "
+            "FROM pg_replication_slots WHERE slot_name = %s", [cfg.source["slot"]]).fetchone()
+    out: dict[str, Any] = {"slot": cfg.source["slot"], "applied_lsn": str(progress.lsn)}
+    if row is None:
+        out["slot_exists"] = False
+        return out
+    current = LSN.parse(row[3])
+    out.update(slot_exists=True, slot_confirmed_lsn=row[0], slot_restart_lsn=row[1], slot_active=row[2],
+               source_wal_lsn=str(current), lag_bytes=max(0, current - progress.lsn))
+    if progress.commit_time is not None:
+        out["last_commit_age_seconds"] = round(time.time() - (progress.commit_time / 1e6 + 946684800), 3)
+    if progress.skip_lsn is not None:
+        out["skip_lsn"] = str(progress.skip_lsn)
+    return out

@@ -1,0 +1,146 @@
+"""Commands of the apply engine: init, catchup, run, status, skip, demo (registered on import)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from applier.cli.main import ConfigOpt, DsnOpt, PubOpt, SlotOpt, TargetOpt, app, make_config, run_guarded
+from applier.lsn import LSN
+
+log = logging.getLogger("applier")
+
+
+@app.command()
+def init(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publication: PubOpt = None,
+         target: TargetOpt = None) -> None:
+    """Bring the target's control tables to the newest revision and create the slot if missing (idempotent).
+
+    Examples:
+
+      applier init -c applier.toml
+
+      applier init --dsn "host=db dbname=app user=rep" -p app_pub --target sqlite:////var/lib/replica.db
+    """
+    from applier.admin import init as do_init
+
+    def go() -> None:
+        for line in do_init(make_config(config, dsn, slot, publication, target)):
+            typer.echo(line)
+
+    run_guarded(go)
+
+
+def _apply(catchup: bool, config: Path | None, dsn: str | None, slot: str | None, publication: list[str] | None,
+           target: str | None) -> None:
+    from applier.admin import check_source, check_target
+    from applier.engine.runner import Runner
+
+    cfg = make_config(config, dsn, slot, publication, target)
+    check_source(cfg)
+    check_target(cfg)
+    stop = threading.Event()
+    if not catchup:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    summary = Runner(cfg, catchup=catchup, stop=stop).run()
+    typer.echo(summary.line())
+
+
+@app.command()
+def catchup(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publication: PubOpt = None,
+            target: TargetOpt = None) -> None:
+    """Apply everything the slot holds up to the source's WAL position now, then exit with a summary.
+
+    Examples:
+
+      applier catchup -c applier.toml
+
+      APPLIER_TARGET_URL=sqlite:////tmp/r.db applier catchup -c applier.toml
+    """
+    run_guarded(_apply, True, config, dsn, slot, publication, target)
+
+
+@app.command()
+def run(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publication: PubOpt = None,
+        target: TargetOpt = None) -> None:
+    """Follow the source until SIGTERM/SIGINT (the daemon); then finish or roll back and exit 0.
+
+    Examples:
+
+      applier run -c applier.toml
+
+      applier -v run -c applier.toml   # with debug logging
+    """
+    run_guarded(_apply, False, config, dsn, slot, publication, target)
+
+
+@app.command()
+def status(config: ConfigOpt = None, as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+           dsn: DsnOpt = None, slot: SlotOpt = None, target: TargetOpt = None) -> None:
+    """Slot position, applied position, lag in bytes and seconds.
+
+    Examples:
+
+      applier status -c applier.toml
+
+      applier status -c applier.toml --json
+    """
+    from applier.admin import status as do_status
+
+    def go() -> None:
+        info = do_status(make_config(config, dsn, slot, None, target))
+        if as_json:
+            typer.echo(json.dumps(info))
+        else:
+            for k, v in info.items():
+                typer.echo(f"{k}: {v}")
+
+    run_guarded(go)
+
+
+@app.command()
+def skip(lsn: Annotated[str, typer.Option("--lsn", help="Finish LSN of the failing transaction (from the error).")],
+         config: ConfigOpt = None, target: TargetOpt = None) -> None:
+    """Skip exactly one failing transaction: the one that finished at --lsn.
+
+    Examples:
+
+      applier skip -c applier.toml --lsn 0/16F4428
+    """
+    from applier.admin import skip as do_skip
+
+    def go() -> None:
+        try:
+            at = LSN.parse(lsn)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--lsn") from None
+        line = do_skip(make_config(config, target=target), at)
+        log.warning(line)
+        typer.echo(line)
+
+    run_guarded(go)
+
+
+@app.command()
+def demo(
+    rows: Annotated[int, typer.Option("--rows", help="Rows to insert in the demo.")] = 1000,
+    out: Annotated[Path, typer.Option("--target-file", help="SQLite file to replicate into.")] = Path("applier-demo.db"),
+) -> None:
+    """Start a throwaway PostgreSQL, change data in it, replicate it into a SQLite file, show the result.
+
+    Examples:
+
+      applier demo
+
+      applier demo --rows 100000 --target-file /tmp/demo.db
+    """
+    from applier.demo import run_demo
+
+    run_guarded(run_demo, rows, out, typer.echo)

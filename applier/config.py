@@ -1,0 +1,194 @@
+"""Configuration: a TOML file, overridden by ``APPLIER_<SECTION>_<KEY>`` variables, then flags.
+
+Every key is declared once in ``SCHEMA`` with its type and default; an unknown
+key, a missing required key or a value of the wrong type is a ``ConfigError``
+that names the file and key, before anything is touched. ``config.example.toml``
+documents the same keys for people.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+REQUIRED = object()
+
+# section -> key -> (type, default)
+SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
+    "source": {
+        "dsn": (str, REQUIRED),
+        "slot": (str, "applier"),
+        "publications": (list, ["applier_pub"]),
+        "proto_version": (int, None),
+        "binary": (bool, False),
+        "streaming": ((bool, str), False),
+        "two_phase": (bool, False),
+        "origin": (str, None),
+        "sql_interface": (bool, False),
+        "status_interval": (float, 10.0),
+        "connect_timeout": (int, 10),
+    },
+    "target": {
+        "url": (str, REQUIRED),
+        "tables": (dict, {}),
+        "synchronous_commit": (str, "off"),
+        "prepared_on_sqlite_way": (bool, False),
+    },
+    "apply": {
+        "name": (str, "applier"),
+        "work_dir": (str, "applier-work"),
+        "skip_origins": (list, []),
+        "on_error": (str, "retry"),
+        "retry_initial": (float, 1.0),
+        "retry_max": (float, 60.0),
+        "group_commit_delay": (float, 0.2),
+        "text_types": (list, []),
+    },
+    "spark": {
+        "master": (str, "local[*]"),
+        "partitions": (int, 4),
+    },
+}
+
+_CHOICES = {
+    ("apply", "on_error"): ("retry", "stop"),
+    ("source", "origin"): ("any", "none"),
+    ("target", "synchronous_commit"): ("on", "off", "local", "remote_write", "remote_apply"),
+}
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message names the file and key."""
+
+
+@dataclass
+class Config:
+    """The validated configuration, one dict per section."""
+
+    source: dict[str, Any]
+    target: dict[str, Any]
+    apply: dict[str, Any]
+    spark: dict[str, Any]
+    path: Path | None = None
+    origin_of: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def target_dialect(self) -> str:
+        """'postgresql' or 'sqlite'."""
+        return make_url(self.target["url"]).get_backend_name()
+
+    def where(self, section: str, key: str) -> str:
+        """Where a key's value came from, for error messages."""
+        return self.origin_of.get(f"{section}.{key}", f"{section}.{key}")
+
+
+def _coerce(section: str, key: str, value: Any, where: str) -> Any:
+    typ, _ = SCHEMA[section][key]
+    if isinstance(value, str) and typ is not str and not (isinstance(typ, tuple) and str in typ):
+        value = _from_env_text(value, typ)
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    types = typ if isinstance(typ, tuple) else (typ,)
+    if bool not in types and isinstance(value, bool) or not isinstance(value, types):
+        names = " or ".join(t.__name__ for t in types)
+        raise ConfigError(f"{where}: {section}.{key} must be {names}, got {value!r}")
+    if (section, key) in _CHOICES and value not in _CHOICES[(section, key)]:
+        raise ConfigError(f"{where}: {section}.{key} must be one of {', '.join(_CHOICES[(section, key)])}, got {value!r}")
+    if (section, key) == ("source", "streaming") and isinstance(value, str) and value not in ("on", "off", "parallel"):
+        raise ConfigError(f"{where}: source.streaming must be true, false or 'parallel', got {value!r}")
+    return value
+
+
+def _from_env_text(text: str, typ: Any) -> Any:
+    if typ is bool:
+        low = text.strip().lower()
+        if low in ("1", "true", "on", "yes"):
+            return True
+        if low in ("0", "false", "off", "no"):
+            return False
+        return text
+    if typ is list:
+        return [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        return typ(text)
+    except (TypeError, ValueError):
+        return text
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                env: dict[str, str] | None = None, need_target: bool = True) -> Config:
+    """Read the file (if any), apply the environment, then ``overrides`` ('section.key' -> value); validate.
+
+    ``need_target=False`` for commands that only read the source: target.url may then be missing.
+    """
+    env = dict(os.environ if env is None else env)
+    raw: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    fname = str(path) if path is not None else "(no config file)"
+    if path is not None:
+        p = Path(path)
+        try:
+            raw = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{p}: config file not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    values: dict[str, dict[str, Any]] = {s: {} for s in SCHEMA}
+    for section, body in raw.items():
+        if section not in SCHEMA:
+            raise ConfigError(f"{fname}: unknown section [{section}] (known: {', '.join(SCHEMA)})")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{fname}: {section} must be a table")
+        for key, value in body.items():
+            if key not in SCHEMA[section]:
+                raise ConfigError(f"{fname}: unknown key {section}.{key} (known: {', '.join(SCHEMA[section])})")
+            values[section][key] = _coerce(section, key, value, fname)
+            origin[f"{section}.{key}"] = f"{fname}: {section}.{key}"
+    for section, keys in SCHEMA.items():
+        for key in keys:
+            var = f"APPLIER_{section}_{key}".upper()
+            if var in env:
+                values[section][key] = _coerce(section, key, env[var], f"environment {var}")
+                origin[f"{section}.{key}"] = f"environment {var}"
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, key = dotted.split(".", 1)
+        values[section][key] = _coerce(section, key, value, f"option --{key.replace('_', '-')}")
+        origin[dotted] = f"option --{key.replace('_', '-')}"
+    for section, keys in SCHEMA.items():
+        for key, (_, default) in keys.items():
+            if key not in values[section]:
+                if default is REQUIRED and (need_target or section != "target"):
+                    var = f"APPLIER_{section}_{key}".upper()
+                    raise ConfigError(f"{fname}: missing required key {section}.{key} (or set {var})")
+                values[section][key] = None if default is REQUIRED else default
+    url = values["target"]["url"]
+    if url is None:
+        return Config(values["source"], values["target"], values["apply"], values["spark"],
+                      Path(path) if path is not None else None, origin)
+    try:
+        backend = make_url(url).get_backend_name()
+    except ArgumentError:
+        raise ConfigError(f"{origin.get('target.url', fname)}: target.url is not a database URL: "
+                          f"expected postgresql+psycopg://… or sqlite:///…") from None
+    if backend not in ("postgresql", "sqlite"):
+        raise ConfigError(f"{origin.get('target.url', fname)}: target.url must be a postgresql or sqlite URL, got {backend}")
+    if not values["source"]["publications"]:
+        raise ConfigError(f"{fname}: source.publications must name at least one publication")
+    return Config(values["source"], values["target"], values["apply"], values["spark"],
+                  Path(path) if path is not None else None, origin)
+
+
+def redact_dsn(dsn: str) -> str:
+    """A DSN or URL with any password replaced by ***, safe to log."""
+    import re
+
+    dsn = re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", dsn, flags=re.I)
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", dsn)

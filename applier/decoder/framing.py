@@ -1,0 +1,71 @@
+"""The streaming replication protocol's CopyData framing.
+
+A walsender in COPY_BOTH mode sends XLogData (``w``) frames, each wrapping one
+pgoutput message, and Primary keepalive (``k``) frames; the client answers with
+Standby status update (``r``) frames. ``read_frame`` parses the former,
+``encode_standby_status`` builds the latter. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from typing import NamedTuple
+
+from applier.decoder.pgoutput import DecodeError
+from applier.lsn import LSN
+
+_W = struct.Struct(">QQq")
+_K = struct.Struct(">QqB")
+_R = struct.Struct(">cQQQqB")
+_PG_EPOCH_UNIX = 946684800  # 2000-01-01 in Unix seconds
+
+
+class XLogData(NamedTuple):
+    """One WAL payload: start LSN (0/0 for some messages), server WAL end, send time, message bytes."""
+
+    start: LSN
+    wal_end: LSN
+    send_time: int
+    payload: bytes
+
+
+class Keepalive(NamedTuple):
+    """Primary keepalive: the server's WAL end, send time, and whether it wants a reply now."""
+
+    wal_end: LSN
+    send_time: int
+    reply_requested: bool
+
+
+Frame = XLogData | Keepalive
+
+
+def read_frame(data: bytes) -> Frame:
+    """Parse one CopyData payload from a walsender."""
+    if not data:
+        raise DecodeError("CopyData", "kind", 0, "no bytes")
+    kind = data[0]
+    if kind == 0x77:  # 'w'
+        if len(data) < 1 + _W.size:
+            raise DecodeError("XLogData", "header", 1, f"needs {_W.size} bytes, {len(data) - 1} left")
+        start, end, ts = _W.unpack_from(data, 1)
+        return XLogData(LSN(start), LSN(end), ts, bytes(data[1 + _W.size :]))
+    if kind == 0x6B:  # 'k'
+        if len(data) != 1 + _K.size:
+            raise DecodeError("Primary keepalive", "length", 0, f"expected {1 + _K.size} bytes, got {len(data)}")
+        end, ts, reply = _K.unpack_from(data, 1)
+        if reply not in (0, 1):
+            raise DecodeError("Primary keepalive", "reply", 17, f"expected 0 or 1, got {reply}")
+        return Keepalive(LSN(end), ts, bool(reply))
+    raise DecodeError("CopyData", "kind", 0, f"unknown frame kind {data[:1]!r}")
+
+
+def now_pg_micros() -> int:
+    """The current time as microseconds since 2000-01-01 UTC."""
+    return int((time.time() - _PG_EPOCH_UNIX) * 1_000_000)
+
+
+def encode_standby_status(write: int, flush: int, apply: int, reply: bool = False, now: int | None = None) -> bytes:
+    """Build a Standby status update (``r``) frame."""
+    return _R.pack(b"r", write, flush, apply, now_pg_micros() if now is None else now, 1 if reply else 0)

@@ -1,0 +1,468 @@
+"""The apply engine: decoded messages in, target transactions out.
+
+Like PostgreSQL's worker.c, one ``handle_<message>`` per message kind. The
+engine owns the relation and type caches, the open source transaction, the
+batch of consecutive same-kind changes to one table, and the *group*: the open
+target transaction into which one or more whole source transactions are
+applied before it commits.
+
+Invariants:
+- the target commits only on a source transaction boundary, and the progress
+  row written in that same target transaction holds the end LSN of the last
+  source transaction in it (``Group``);
+- a source transaction whose commit LSN is below the applied position was
+  applied before (the server resent it) and is skipped whole;
+- nothing is confirmed here: the runner confirms ``target.durable_lsn()``;
+- on any error the open target transaction is rolled back whole and an
+  ``ApplyError`` names the operation, table, key, transaction and LSN.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from applier.decoder.messages import (
+    Begin,
+    BeginPrepare,
+    Commit,
+    CommitPrepared,
+    Delete,
+    Insert,
+    Message,
+    Origin,
+    PgOutputMessage,
+    Prepare,
+    Relation,
+    RollbackPrepared,
+    StreamAbort,
+    StreamCommit,
+    StreamPrepare,
+    StreamStart,
+    StreamStop,
+    Truncate,
+    Type,
+    Update,
+)
+from applier.decoder.pgoutput import decode_message
+from applier.engine.spool import SpoolSet
+from applier.lsn import LSN
+from applier.target.base import ApplyError, Binding, present_columns, source_name
+
+log = logging.getLogger("applier.engine")
+
+BATCH_ROWS = 2000
+
+
+class Stats:
+    """Counters for the summary line."""
+
+    __slots__ = ("transactions", "rows", "skipped", "started", "groups")
+
+    def __init__(self) -> None:
+        self.transactions = 0
+        self.rows = 0
+        self.skipped = 0
+        self.groups = 0
+        self.started = time.monotonic()
+
+
+class SourceTxn:
+    """The source transaction being applied."""
+
+    __slots__ = ("xid", "final_lsn", "skip", "origin", "why")
+
+    def __init__(self, xid: int, final_lsn: LSN, skip: bool, why: str = "") -> None:
+        self.xid = xid
+        self.final_lsn = final_lsn
+        self.skip = skip
+        self.origin: str | None = None
+        self.why = why
+
+
+class ApplyEngine:
+    """Applies a stream of pgoutput messages to a target; see the module header."""
+
+    def __init__(self, target: Any, *, applied: LSN, skip_lsn: LSN | None = None, work_dir: Path,
+                 skip_origins: Sequence[str] = (), group_delay: float = 0.2, group_rows: int = 20000,
+                 careful: bool = False, binary: bool = False) -> None:
+        self.target = target
+        self.applied = applied
+        self.skip_lsn = skip_lsn
+        self.skip_origins = frozenset(skip_origins)
+        self.group_delay = 0.0 if careful else group_delay
+        self.group_rows = group_rows
+        self.careful = careful
+        self.binary = binary
+        self.batch_rows = 1 if careful else BATCH_ROWS
+        self.relations: dict[int, Relation] = {}
+        self.types: dict[int, Type] = {}
+        self.bindings: dict[int, Binding] = {}
+        self.spools = SpoolSet(work_dir)
+        self.stream_xid: int | None = None
+        self.txn: SourceTxn | None = None
+        self.stats = Stats()
+        # the open target transaction (group)
+        self.group_open = False
+        self.group_end = LSN(0)
+        self.group_time: int | None = None
+        self.group_started = 0.0
+        self.group_rows_n = 0
+        self.group_clears_skip = False
+        # the batch of consecutive changes of one kind to one table
+        self.batch_op = ""
+        self.batch_b: Binding | None = None
+        self.batch: list[Any] = []
+        self.last_commit_end = LSN(0)
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            Begin: self.handle_begin, Commit: self.handle_commit, Origin: self.handle_origin,
+            Relation: self.handle_relation, Type: self.handle_type, Insert: self.handle_insert,
+            Update: self.handle_update, Delete: self.handle_delete, Truncate: self.handle_truncate,
+            Message: self.handle_message, StreamStart: self.handle_stream_start, StreamStop: self.handle_stream_stop,
+            StreamCommit: self.handle_stream_commit, StreamAbort: self.handle_stream_abort,
+            BeginPrepare: self.handle_begin_prepare, Prepare: self.handle_prepare,
+            CommitPrepared: self.handle_commit_prepared, RollbackPrepared: self.handle_rollback_prepared,
+            StreamPrepare: self.handle_stream_prepare,
+        }
+
+    # -- entry points -------------------------------------------------------------
+
+    @property
+    def in_transaction(self) -> bool:
+        """True between a Begin and its Commit (or inside a stream block)."""
+        return self.txn is not None or self.stream_xid is not None
+
+    def handle(self, msg: PgOutputMessage, raw: bytes | None = None) -> None:
+        """Apply one message; ``raw`` is its bytes (needed to spool streamed changes)."""
+        if self.stream_xid is not None and type(msg) not in (StreamStop, StreamStart):
+            self.spool_change(msg, raw)
+            return
+        self._handlers[type(msg)](msg)
+
+    def set_careful(self, careful: bool, group_delay: float) -> None:
+        """Careful mode: one row per statement and one source transaction per target transaction."""
+        self.careful = careful
+        self.group_delay = 0.0 if careful else group_delay
+        self.batch_rows = 1 if careful else BATCH_ROWS
+
+    def idle(self) -> None:
+        """Nothing more is waiting at the source: commit the open group if between transactions."""
+        if self.group_open and self.txn is None:
+            self.flush_group()
+
+    def close(self) -> None:
+        """Roll back anything open and drop spools."""
+        self.abort_group()
+        self.spools.clear()
+
+    # -- transactions -------------------------------------------------------------
+
+    def handle_begin(self, m: Begin) -> None:
+        """Start a source transaction; decide whether it is skipped."""
+        skip, why = self.should_skip(m.final_lsn)
+        self.txn = SourceTxn(m.xid, m.final_lsn, skip, why)
+
+    def should_skip(self, final_lsn: LSN) -> tuple[bool, str]:
+        """(skip?, why) for a transaction finishing at ``final_lsn``."""
+        if final_lsn < self.applied:
+            return True, "applied before"
+        if self.skip_lsn is not None and final_lsn == self.skip_lsn:
+            log.warning("skipping the transaction finished at %s, as asked by `applier skip`", final_lsn)
+            return True, "skip"
+        return False, ""
+
+    def handle_origin(self, m: Origin) -> None:
+        """Remember the origin; skip the transaction if its origin is in ``skip_origins``."""
+        if self.txn is not None:
+            self.txn.origin = m.name
+            if m.name in self.skip_origins and not self.txn.skip:
+                self.txn.skip, self.txn.why = True, f"origin {m.name}"
+
+    def handle_commit(self, m: Commit) -> None:
+        """End the source transaction; its end LSN becomes the group's progress."""
+        txn = self.txn
+        if txn is None:
+            raise ApplyError(f"Commit at {m.commit_lsn} without a Begin")
+        self.finish_txn(txn, m.end_lsn, m.commit_time)
+
+    def finish_txn(self, txn: SourceTxn, end_lsn: LSN, commit_time: int) -> None:
+        """Close the source transaction in the group; commit the group when it is full or old."""
+        self.txn = None
+        self.last_commit_end = LSN(max(self.last_commit_end, end_lsn))
+        if txn.why == "applied before":
+            self.stats.skipped += 1
+            return
+        self.flush_batch(txn)
+        self.ensure_group()
+        self.group_end = end_lsn
+        self.group_time = commit_time
+        if txn.why == "skip":
+            self.group_clears_skip = True
+            self.skip_lsn = None
+        if txn.skip:
+            self.stats.skipped += 1
+        else:
+            self.stats.transactions += 1
+        if (self.group_delay <= 0 or self.group_rows_n >= self.group_rows
+                or time.monotonic() - self.group_started >= self.group_delay):
+            self.flush_group()
+
+    def ensure_group(self) -> None:
+        """Open the target transaction if none is open."""
+        if not self.group_open:
+            self.target.begin()
+            self.group_open = True
+            self.group_started = time.monotonic()
+            self.group_rows_n = 0
+
+    def flush_group(self) -> None:
+        """Write the progress and commit the open target transaction."""
+        if not self.group_open:
+            return
+        try:
+            self.target.write_progress(self.group_end, self.group_time, self.group_clears_skip)
+            self.target.commit(self.group_end, self.group_time)
+        except ApplyError:
+            self.abort_group()
+            raise
+        except Exception as exc:
+            self.abort_group()
+            raise ApplyError(f"commit of the transaction ending at {self.group_end} failed on the target: "
+                             f"{_one_line(exc)}") from exc
+        self.group_open = False
+        self.group_clears_skip = False
+        self.applied = self.group_end
+        self.stats.groups += 1
+
+    def abort_group(self) -> None:
+        """Roll back the open target transaction and forget the batch."""
+        self.batch, self.batch_b, self.batch_op = [], None, ""
+        if self.group_open:
+            self.group_open = False
+            try:
+                self.target.rollback()
+            except Exception as exc:  # noqa: BLE001 - the connection may be gone; the rollback happens anyway
+                log.debug("rollback failed: %s", exc)
+
+    # -- metadata -----------------------------------------------------------------
+
+    def handle_relation(self, m: Relation) -> None:
+        """Cache the relation; a new message for a known OID replaces it and re-reads the target."""
+        old = self.bindings.get(m.oid)
+        if old is not None:
+            self.flush_batch(self.txn)
+            del self.bindings[m.oid]
+        self.relations[m.oid] = m
+
+    def handle_type(self, m: Type) -> None:
+        """Cache the type (user-defined types: enums, composites, domains)."""
+        self.types[m.oid] = m
+
+    def binding(self, oid: int) -> Binding:
+        """The binding of a relation OID (reflecting the target table on first use)."""
+        b = self.bindings.get(oid)
+        if b is None:
+            rel = self.relations.get(oid)
+            if rel is None:
+                raise ApplyError(f"change for relation OID {oid} before its Relation message "
+                                 f"(transaction finished at {self.txn_lsn()})")
+            b = self.bindings[oid] = self.target.bind(rel, self.types, self.txn_lsn(), self.binary)
+        return b
+
+    def txn_lsn(self) -> LSN:
+        """The finish LSN of the transaction in hand (what `applier skip --lsn` takes)."""
+        return self.txn.final_lsn if self.txn is not None else LSN(0)
+
+    # -- changes -------------------------------------------------------------------
+
+    def _add(self, op: str, oid: int, row: Any) -> None:
+        txn = self.txn
+        if txn is None:
+            raise ApplyError(f"{op} for relation OID {oid} outside a transaction")
+        if txn.skip:
+            return
+        b = self.binding(oid)
+        if self.batch_b is not b or self.batch_op != op or len(self.batch) >= self.batch_rows:
+            self.flush_batch(txn)
+            self.batch_b, self.batch_op = b, op
+        self.batch.append(row)
+
+    def handle_insert(self, m: Insert) -> None:
+        """Queue an insert."""
+        self._add("INSERT", m.relation_oid, m.new)
+
+    def handle_update(self, m: Update) -> None:
+        """Queue an update."""
+        self._add("UPDATE", m.relation_oid, m)
+
+    def handle_delete(self, m: Delete) -> None:
+        """Queue a delete."""
+        self._add("DELETE", m.relation_oid, m)
+
+    def handle_truncate(self, m: Truncate) -> None:
+        """Truncate the tables (CASCADE and RESTART IDENTITY as the source said)."""
+        txn = self.txn
+        if txn is None or txn.skip:
+            return
+        self.flush_batch(txn)
+        self.ensure_group()
+        bs = [self.binding(oid) for oid in m.relation_oids]
+        try:
+            self.target.truncate(bs, m.cascade, m.restart_identity)
+        except Exception as exc:
+            self.abort_group()
+            raise ApplyError(f"TRUNCATE of {', '.join(b.table for b in bs)} in transaction {txn.xid} "
+                             f"finished at {txn.final_lsn} failed: {_one_line(exc)}") from exc
+
+    def handle_message(self, m: Message) -> None:
+        """Logical decoding messages are logged, not applied."""
+        log.info("logical decoding message at %s: prefix=%r, %d bytes%s", m.lsn, m.prefix, len(m.content),
+                 "" if m.transactional else " (non-transactional)")
+
+    def flush_batch(self, txn: SourceTxn | None) -> None:
+        """Apply the queued changes to the target."""
+        rows = self.batch
+        if not rows:
+            return
+        b, op = self.batch_b, self.batch_op
+        assert b is not None
+        self.batch, self.batch_b, self.batch_op = [], None, ""
+        self.ensure_group()
+        try:
+            if op == "INSERT":
+                self.target.insert(b, rows)
+            else:
+                self._locate_and_run(b, op, rows)
+        except ApplyError:
+            self.abort_group()
+            raise
+        except Exception as exc:
+            self.abort_group()
+            raise self._error(op, b, rows, txn, exc) from exc
+        self.stats.rows += len(rows)
+        self.group_rows_n += len(rows)
+
+    def _locate_and_run(self, b: Binding, op: str, rows: list[Any]) -> None:
+        """Run updates or deletes, one statement per run of rows of the same shape."""
+        lsn = self.txn_lsn()
+        run_sql: str | None = None
+        params: list[list[Any]] = []
+        missing = 0
+        for m in rows:
+            if op == "UPDATE":
+                t, idx, full = b.locator(op, m.old_kind, m.old, m.new, lsn)
+                nulls, where_args = b.row_args(t, idx)
+                setcols = present_columns(m.new)
+                sql = b.update_sql(setcols, idx, nulls, full)
+                args = b.values(m.new, setcols) + where_args
+            else:
+                t, idx, full = b.locator(op, m.old_kind, m.old, None, lsn)
+                nulls, where_args = b.row_args(t, idx)
+                sql = b.delete_sql(idx, nulls, full)
+                args = where_args
+            if sql is not run_sql and params:
+                missing += len(params) - self.target.run_many(run_sql, params)
+                params = []
+            run_sql = sql
+            params.append(args)
+        if params:
+            missing += len(params) - self.target.run_many(run_sql, params)
+        if missing > 0:
+            what = "updated" if op == "UPDATE" else "deleted"
+            if len(rows) == 1:
+                t, idx, _ = b.locator(op, rows[0].old_kind, rows[0].old, getattr(rows[0], "new", None), lsn)
+                log.warning("row to be %s not found in table %s, key %s (transaction finished at %s): skipped",
+                            what, b.table, b.describe_key(t, idx), lsn)
+            else:
+                log.warning("%d rows to be %s not found in table %s (transaction finished at %s): skipped",
+                            missing, what, b.table, lsn)
+
+    def _error(self, op: str, b: Binding, rows: list[Any], txn: SourceTxn | None, exc: BaseException) -> ApplyError:
+        where = f"in transaction {txn.xid} finished at {txn.final_lsn}" if txn else ""
+        if len(rows) == 1:
+            r = rows[0]
+            if op == "INSERT":
+                t, idx = r, b.key_idx or list(range(len(b.names)))
+            else:
+                t, idx, _ = b.locator(op, r.old_kind, r.old, getattr(r, "new", None), self.txn_lsn())
+            key = f"key {b.describe_key(t, idx)}"
+        else:
+            key = f"one of {len(rows)} rows"
+        return ApplyError(f"{op} on table {source_name(b.rel)} ({key}) {where}: {_one_line(exc)}")
+
+    # -- streamed transactions (protocol 2+) ---------------------------------------
+
+    def handle_stream_start(self, m: StreamStart) -> None:
+        """Open (or, for a first segment, replace) the spool of the streamed transaction."""
+        self.spools.open(m.xid, m.first_segment)
+        self.stream_xid = m.xid
+
+    def handle_stream_stop(self, m: StreamStop) -> None:
+        """Close the stream block."""
+        self.stream_xid = None
+
+    def spool_change(self, m: PgOutputMessage, raw: bytes | None) -> None:
+        """Append a change of the open stream block to its spool."""
+        assert self.stream_xid is not None and raw is not None
+        sub = getattr(m, "xid", None)
+        sp = self.spools.open(self.stream_xid, False)
+        sp.append(sub if sub is not None else self.stream_xid, raw)
+
+    def handle_stream_abort(self, m: StreamAbort) -> None:
+        """Discard a subtransaction's spooled changes, or the whole transaction's."""
+        if m.xid == m.subxid:
+            sp = self.spools.pop(m.xid)
+            if sp is not None:
+                sp.remove()
+        else:
+            sp = self.spools.spools.get(m.xid)
+            if sp is not None:
+                sp.abort_sub(m.subxid)
+
+    def handle_stream_commit(self, m: StreamCommit) -> None:
+        """Apply the spooled changes in order as one source transaction, then drop the spool."""
+        sp = self.spools.pop(m.xid)
+        skip, why = self.should_skip(m.commit_lsn)
+        txn = SourceTxn(m.xid, m.commit_lsn, skip, why)
+        self.txn = txn
+        if sp is not None:
+            try:
+                if not skip:
+                    self.replay(sp.messages())
+            finally:
+                sp.remove()
+        self.finish_txn(txn, m.end_lsn, m.commit_time)
+
+    def replay(self, messages: Any) -> None:
+        """Apply spooled messages (decoded as streamed ones) to the transaction in hand."""
+        for raw in messages:
+            self._handlers[type(msg := decode_message(raw, True))](msg)
+
+    # -- two-phase (protocol 3+) ---------------------------------------------------
+
+    def handle_begin_prepare(self, m: BeginPrepare) -> None:
+        """Two-phase transactions are handled by the engine's prepare support."""
+        raise ApplyError("two-phase transactions are not supported yet: start with two_phase = false")
+
+    def handle_prepare(self, m: Prepare) -> None:
+        """See handle_begin_prepare."""
+        raise ApplyError("two-phase transactions are not supported yet")
+
+    def handle_commit_prepared(self, m: CommitPrepared) -> None:
+        """See handle_begin_prepare."""
+        raise ApplyError("two-phase transactions are not supported yet")
+
+    def handle_rollback_prepared(self, m: RollbackPrepared) -> None:
+        """See handle_begin_prepare."""
+        raise ApplyError("two-phase transactions are not supported yet")
+
+    def handle_stream_prepare(self, m: StreamPrepare) -> None:
+        """See handle_begin_prepare."""
+        raise ApplyError("two-phase transactions are not supported yet")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())

@@ -1,0 +1,265 @@
+"""The apply loop: source → decoder → engine → target, with restarts.
+
+A *session* reads the applied position from the target, starts the source
+there, and applies until it is told to stop, the catch-up goal is reached, or
+something fails. Whatever fails, the open target transaction is rolled back
+and the next session starts again from the target's recorded position, so a
+retry can neither lose nor repeat a transaction.
+
+- Connection failures (source or target) are retried with exponential backoff.
+- An apply error is first retried at once in *careful* mode (one row per
+  statement, one source transaction per target transaction), which pinpoints
+  the failing row and lets the transactions before it land; if it fails again,
+  the daemon retries with backoff or stops (``apply.on_error``), and
+  ``catchup`` stops.
+- Only ``target.durable_lsn()`` is ever confirmed to the source.
+
+Catch-up goal: the source's ``pg_current_wal_insert_lsn()`` when the command
+starts. It is reached when a commit ends at or past it, or a keepalive's WAL end
+passes it (transactions with nothing published are never sent). The insert
+position can sit just past a page header no record will ever end in; a WAL end
+at that page's start counts as reached too.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from applier.config import Config
+from applier.decoder import Decoder, XLogData
+from applier.engine.apply import ApplyEngine, Stats
+from applier.inspect import current_wal_insert_lsn, stream_options
+from applier.lsn import LSN
+from applier.source.base import Source, SourceError
+from applier.source.sql import SqlSlotSource
+from applier.source.walsender import WalSender
+from applier.target.base import ApplyError
+
+log = logging.getLogger("applier.runner")
+
+XLOG_BLCKSZ = 8192
+_PAGE_HEADERS = (24, 40)  # short and long WAL page header sizes
+CONFIRM_EVERY = 1.0
+
+
+@dataclass
+class Summary:
+    """What a run did."""
+
+    transactions: int = 0
+    rows: int = 0
+    skipped: int = 0
+    applied: LSN = LSN(0)
+    goal: LSN | None = None
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        """One line for people."""
+        rate = self.rows / self.seconds if self.seconds > 0 else 0.0
+        return (f"applied {self.transactions} transactions, {self.rows} rows ({rate:,.0f} rows/s), "
+                f"skipped {self.skipped}; target at {self.applied}"
+                + (f" (goal {self.goal})" if self.goal is not None else "") + f" in {self.seconds:.1f}s")
+
+
+def open_target(cfg: Config) -> Any:
+    """The target of the config (PostgreSQL or SQLite)."""
+    t = cfg.target
+    if cfg.target_dialect == "sqlite":
+        from applier.target.sqlite import SqliteTarget
+        return SqliteTarget(t["url"], cfg.apply["name"], t["tables"])
+    from applier.target.postgres import PostgresTarget
+    return PostgresTarget(t["url"], cfg.apply["name"], t["synchronous_commit"], t["tables"])
+
+
+def open_source(cfg: Config, start: LSN) -> Source:
+    """The source of the config, started at ``start`` (0/0: the slot's confirmed position)."""
+    s = cfg.source
+    if s["sql_interface"]:
+        return SqlSlotSource(s["dsn"], s["slot"], stream_options(cfg))
+    ws = WalSender(_session_dsn(s["dsn"]), status_interval=s["status_interval"], connect_timeout=s["connect_timeout"])
+    try:
+        ws.start(s["slot"], start, stream_options(cfg))
+    except BaseException:
+        ws.close()
+        raise
+    return ws
+
+
+def _session_dsn(dsn: str) -> str:
+    """The source DSN with the walsender's output settings pinned (ISO dates, UTC)."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    opts = conninfo_to_dict(dsn).get("options") or ""
+    pinned = "-c datestyle=ISO -c intervalstyle=postgres -c timezone=UTC -c extra_float_digits=3"
+    return make_conninfo(dsn, options=f"{opts} {pinned}".strip())
+
+
+def goal_reached(position: LSN, goal: LSN) -> bool:
+    """True when a WAL position has reached the catch-up goal (see the module header)."""
+    if position >= goal:
+        return True
+    offset = goal % XLOG_BLCKSZ
+    return offset in _PAGE_HEADERS and position >= goal - offset
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A lost connection or a busy database, rather than a change the target refuses."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, SourceError):
+            return True
+        if isinstance(seen, (psycopg.OperationalError, psycopg.InterfaceError)):
+            return True
+        if isinstance(seen, sqlite3.OperationalError) and "locked" in str(seen):
+            return True
+        seen = seen.__cause__
+    return "cannot connect to the target" in str(exc)
+
+
+class Runner:
+    """Runs sessions until done; see the module header."""
+
+    def __init__(self, cfg: Config, *, catchup: bool, stop: threading.Event | None = None,
+                 max_connect_retries: int | None = None) -> None:
+        self.cfg = cfg
+        self.catchup = catchup
+        self.stop = stop or threading.Event()
+        self.max_connect_retries = max_connect_retries if max_connect_retries is not None else (5 if catchup else None)
+        self.goal: LSN | None = None
+        self.summary = Summary()
+        self.work_dir = Path(cfg.apply["work_dir"])
+        self.fail_lsn = LSN(0)  # where the last session stopped; careful mode lasts until past it
+
+    def run(self) -> Summary:
+        """Apply until stopped (daemon) or caught up (catchup); returns the summary."""
+        started = time.monotonic()
+        if self.catchup:
+            self.goal = current_wal_insert_lsn(self.cfg.source["dsn"])
+            self.summary.goal = self.goal
+            log.info("catching up to the source's WAL insert position %s", self.goal)
+        careful = False
+        delay = self.cfg.apply["retry_initial"]
+        failures = 0
+        while True:
+            try:
+                done = self.session(careful)
+                careful = False
+                if done:
+                    break
+                delay = self.cfg.apply["retry_initial"]
+                failures = 0
+            except (ApplyError, SourceError, psycopg.Error, sqlite3.Error) as exc:
+                msg = " ".join(str(exc).split())
+                if is_transient(exc):
+                    failures += 1
+                    if self.max_connect_retries is not None and failures > self.max_connect_retries:
+                        raise
+                    log.warning("connection problem, retrying in %.1fs: %s", delay, msg)
+                elif not careful:
+                    log.warning("apply failed, retrying the failing transaction row by row: %s", msg)
+                    careful = True
+                    continue
+                else:
+                    self.summary.errors.append(msg)
+                    if self.catchup or self.cfg.apply["on_error"] == "stop":
+                        raise
+                    log.error("%s; retrying in %.1fs (nothing past it is confirmed)", msg, delay)
+                if self.stop.wait(delay):
+                    break
+                delay = min(delay * 2, self.cfg.apply["retry_max"])
+        self.summary.seconds = time.monotonic() - started
+        return self.summary
+
+    def session(self, careful: bool) -> bool:
+        """One connection's worth of applying; True when the run is complete."""
+        cfg = self.cfg
+        target = open_target(cfg)
+        engine: ApplyEngine | None = None
+        source: Source | None = None
+        try:
+            progress = target.read_progress()
+            engine = ApplyEngine(
+                target, applied=progress.lsn, skip_lsn=progress.skip_lsn, work_dir=self.work_dir / "spool",
+                skip_origins=cfg.apply["skip_origins"], group_delay=cfg.apply["group_commit_delay"],
+                careful=careful, binary=cfg.source["binary"])
+            if self.catchup and self.goal is not None and goal_reached(progress.lsn, self.goal):
+                self.summary.applied = progress.lsn
+                return True
+            source = open_source(cfg, progress.lsn)
+            return self._loop(engine, source, target, careful, self.fail_lsn)
+        finally:
+            if engine is not None:
+                self._account(engine.stats)
+                self.fail_lsn = engine.txn.final_lsn if engine.txn is not None else engine.last_commit_end
+                engine.close()
+            if source is not None:
+                try:
+                    target.wait_durable()
+                    source.confirm(target.durable_lsn())
+                except Exception as exc:  # noqa: BLE001 - best effort on the way out
+                    log.debug("last confirm failed: %s", exc)
+                source.close()
+            target.close()
+
+    def _account(self, stats: Stats) -> None:
+        self.summary.transactions += stats.transactions
+        self.summary.rows += stats.rows
+        self.summary.skipped += stats.skipped
+
+    def _loop(self, engine: ApplyEngine, source: Source, target: Any, careful: bool, fail_point: LSN) -> bool:
+        decoder = Decoder()
+        goal = self.goal
+        reached = LSN(0)
+        last_confirm = time.monotonic()
+        stopping_since: float | None = None
+        group_delay = self.cfg.apply["group_commit_delay"]
+        while True:
+            if self.stop.is_set():
+                if not engine.in_transaction:
+                    engine.flush_group()
+                    break
+                stopping_since = stopping_since or time.monotonic()
+                if time.monotonic() - stopping_since > 5.0:
+                    log.warning("stopping in the middle of a transaction: rolled back, it will be applied next time")
+                    break
+            frame = source.read(0.0 if engine.group_open and not engine.in_transaction else 0.5)
+            if frame is None:
+                if engine.group_open and not engine.in_transaction:
+                    engine.flush_group()
+                    continue
+                if goal is not None and goal_reached(reached, goal) and not engine.in_transaction:
+                    break
+                if getattr(source, "exhausted", False):
+                    break
+                if time.monotonic() - last_confirm >= CONFIRM_EVERY:
+                    source.confirm(target.durable_lsn())
+                    last_confirm = time.monotonic()
+                continue
+            if type(frame) is XLogData:
+                msg = decoder.decode(frame.payload)
+                engine.handle(msg, frame.payload)
+                if not engine.in_transaction and engine.last_commit_end > reached:
+                    reached = engine.last_commit_end
+            elif frame.wal_end > reached:
+                reached = frame.wal_end
+            if careful and engine.applied >= fail_point and not engine.group_open:
+                careful = False
+                engine.set_careful(False, group_delay)
+            if goal is not None and not engine.in_transaction and goal_reached(reached, goal):
+                engine.flush_group()
+                break
+            if time.monotonic() - last_confirm >= CONFIRM_EVERY and not engine.group_open:
+                source.confirm(target.durable_lsn())
+                last_confirm = time.monotonic()
+        engine.flush_group()
+        self.summary.applied = engine.applied
+        return True

@@ -1,0 +1,90 @@
+"""Looking at a stream without applying it: decode to JSON lines, record to a file.
+
+Library functions behind ``applier decode`` and ``applier record``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from applier.config import Config
+from applier.decoder import Decoder, Keepalive, XLogData, render_message
+from applier.lsn import LSN
+from applier.source.base import Source, SourceError, StreamOptions
+from applier.source.sql import SqlSlotSource
+from applier.source.walsender import WalSender
+
+
+def stream_options(cfg: Config) -> StreamOptions:
+    """The pgoutput options the config asks for."""
+    s = cfg.source
+    streaming = s["streaming"]
+    if isinstance(streaming, str):
+        streaming = {"on": True, "off": False}.get(streaming, streaming)
+    return StreamOptions(publications=tuple(s["publications"]), proto_version=s["proto_version"],
+                         binary=s["binary"], streaming=streaming, two_phase=s["two_phase"],
+                         messages=True, origin=s["origin"])
+
+
+def open_peek_source(cfg: Config) -> SqlSlotSource:
+    """A source that peeks the configured slot once through SQL (does not consume)."""
+    return SqlSlotSource(cfg.source["dsn"], cfg.source["slot"], stream_options(cfg), once=True)
+
+
+def decode_stream(src: Source, limit: int | None = None, idle: float = 1.0) -> Iterator[dict[str, Any]]:
+    """Yield one JSON-ready dict per pgoutput message: frame LSNs, then every message field."""
+    decoder = Decoder()
+    n = 0
+    while limit is None or n < limit:
+        frame = src.read(idle)
+        if frame is None:
+            return
+        if type(frame) is XLogData:
+            msg = decoder.decode(frame.payload)
+            yield {"lsn": str(frame.start), "wal_end": str(frame.wal_end), **render_message(msg)}
+            n += 1
+
+
+def current_wal_insert_lsn(dsn: str) -> LSN:
+    """The source's WAL insert position now (covers asynchronously committed transactions)."""
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            return LSN.parse(conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])
+    except psycopg.Error as exc:
+        raise SourceError(f"cannot read the source's WAL position: {' '.join(str(exc).split())}") from None
+
+
+def record_stream(cfg: Config, out: Path, limit: int | None = None, until: LSN | None = None,
+                  idle: float = 10.0) -> tuple[int, LSN]:
+    """Record the slot's stream to ``out`` without confirming anything; returns (frames, LSN reached)."""
+    from applier.source.recorded import RecordWriter
+
+    target = until if until is not None else current_wal_insert_lsn(cfg.source["dsn"])
+    ws = WalSender(cfg.source["dsn"], connect_timeout=cfg.source["connect_timeout"])
+    try:
+        opts = stream_options(cfg)
+        ws.start(cfg.source["slot"], LSN(0), opts)
+        header = {"slot": cfg.source["slot"], "server_version": ws.server_version,
+                  "options": dict(opts.as_pairs(ws.server_version))}
+        reached = LSN(0)
+        messages = 0
+        with RecordWriter(out, header) as writer:
+            while limit is None or messages < limit:
+                frame = ws.read(idle)
+                if frame is None:
+                    break
+                writer.write(frame)
+                if type(frame) is XLogData:
+                    messages += 1
+                    reached = LSN(max(reached, frame.wal_end))
+                elif isinstance(frame, Keepalive):
+                    reached = LSN(max(reached, frame.wal_end))
+                if reached >= target and (type(frame) is Keepalive or frame.payload[:1] in (b"C", b"K", b"r", b"c", b"P", b"p", b"A")):
+                    break
+            return writer.count, reached
+    finally:
+        ws.close()

@@ -1,0 +1,285 @@
+"""The walsender source: a replication connection streaming pgoutput over COPY_BOTH.
+
+Replication commands go over libpq's simple query protocol (``pgconn.exec_``),
+since a walsender accepts nothing else for them. Frames are read with
+``get_copy_data(1)`` (non-blocking) after ``select`` on the socket: psycopg's
+binary build holds the GIL in a blocking read, which would freeze every other
+thread of the process.
+
+Invariants:
+- the flush position sent to the server moves only through ``confirm`` and
+  never backwards; a keepalive is answered with the position the caller set;
+- the write position reported is the highest WAL end received;
+- ``stop`` ends COPY_BOTH cleanly (CopyDone, drain, results) so the connection
+  can run further commands;
+- a connection streams once: PostgreSQL (15 to 18 at least) does not reset its
+  end-of-streaming state for a second START_REPLICATION … LOGICAL, whose
+  stream then ends at once, so ``start`` refuses a second time.
+"""
+
+from __future__ import annotations
+
+import select
+import time
+from collections.abc import Sequence
+
+import psycopg
+from psycopg import pq
+
+from applier.decoder.framing import Frame, Keepalive, XLogData, encode_standby_status, read_frame
+from applier.lsn import LSN
+from applier.source.base import SlotInfo, SourceError, StreamOptions
+
+
+def quote_ident(name: str) -> str:
+    """Quote an identifier for a replication command."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def quote_literal(value: str) -> str:
+    """Quote a string literal for a replication command."""
+    return "'" + value.replace("'", "''") + "'"
+
+
+class WalSender:
+    """One replication connection to a database; see the module header."""
+
+    exhausted = False
+
+    def __init__(self, dsn: str, *, status_interval: float = 10.0, connect_timeout: int = 10) -> None:
+        try:
+            self.conn = psycopg.connect(dsn, replication="database", autocommit=True, connect_timeout=connect_timeout)
+        except psycopg.Error as exc:
+            raise SourceError(f"cannot open a replication connection to the source: {_one_line(exc)}") from None
+        self.pgconn = self.conn.pgconn
+        self.server_version = self.pgconn.server_version
+        self.status_interval = status_interval
+        self.streaming = False
+        self._flush = LSN(0)
+        self._received = LSN(0)
+        self._last_status = 0.0
+        self._dirty = False
+        self._started = False
+
+    # -- replication commands -------------------------------------------------
+
+    def command(self, sql: str) -> list[tuple[str | None, ...]]:
+        """Run one replication command (simple query protocol) and return its rows as text."""
+        if self.streaming:
+            raise SourceError("cannot run a command while streaming; stop() first")
+        res = self._exec(sql)
+        if res.status not in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
+            msg = _one_line((res.error_message or b"").decode(errors="replace"))
+            raise SourceError(f"source refused {sql.split()[0]} {sql.split()[1] if len(sql.split()) > 1 else ''}: {msg}".strip())
+        rows = []
+        for i in range(res.ntuples):
+            rows.append(tuple(None if v is None else bytes(v).decode() for v in (res.get_value(i, j) for j in range(res.nfields))))
+        return rows
+
+    def _exec(self, sql: str) -> pq.abc.PGresult:
+        try:
+            return self.pgconn.exec_(sql.encode())
+        except psycopg.Error as exc:
+            raise SourceError(f"replication connection failed running {sql.split()[0]}: {_one_line(exc)}") from None
+
+    def identify_system(self) -> dict[str, str | None]:
+        """IDENTIFY_SYSTEM: systemid, timeline, xlogpos, dbname."""
+        row = self.command("IDENTIFY_SYSTEM")[0]
+        return dict(zip(("systemid", "timeline", "xlogpos", "dbname"), row))
+
+    def create_slot(self, slot: str, *, two_phase: bool = False, snapshot: str | None = None,
+                    temporary: bool = False) -> SlotInfo:
+        """CREATE_REPLICATION_SLOT … LOGICAL pgoutput; snapshot is 'export', 'use', 'nothing' or None."""
+        opts = []
+        if two_phase:
+            opts.append("TWO_PHASE")
+        if snapshot is not None:
+            opts.append(f"SNAPSHOT {quote_literal(snapshot)}")
+        temp = " TEMPORARY" if temporary else ""
+        sql = f"CREATE_REPLICATION_SLOT {quote_ident(slot)}{temp} LOGICAL pgoutput"
+        if opts:
+            sql += " (" + ", ".join(opts) + ")"
+        row = self.command(sql)[0]
+        return SlotInfo(slot_name=row[0] or slot, consistent_point=LSN.parse(row[1] or "0/0"), snapshot_name=row[2])
+
+    def drop_slot(self, slot: str, wait: bool = True) -> None:
+        """DROP_REPLICATION_SLOT."""
+        self.command(f"DROP_REPLICATION_SLOT {quote_ident(slot)}{' WAIT' if wait else ''}")
+
+    def start(self, slot: str, start_lsn: LSN, options: StreamOptions) -> None:
+        """START_REPLICATION SLOT … LOGICAL start_lsn (options); the flush position starts at start_lsn."""
+        if self._started:
+            raise SourceError("this replication connection has already streamed; open a new one to stream again")
+        pairs = options.as_pairs(self.server_version)
+        opt_sql = ", ".join(f"{quote_ident(k)} {quote_literal(v)}" for k, v in pairs)
+        sql = f"START_REPLICATION SLOT {quote_ident(slot)} LOGICAL {start_lsn} ({opt_sql})"
+        res = self._exec(sql)
+        if res.status != pq.ExecStatus.COPY_BOTH:
+            msg = _one_line((res.error_message or b"").decode(errors="replace"))
+            raise SourceError(f"source refused START_REPLICATION on slot {slot!r}: {msg}")
+        self.streaming = True
+        self._started = True
+        self._flush = LSN(max(self._flush, start_lsn))
+        self._received = LSN(max(self._received, start_lsn))
+        self.pgconn.nonblocking = 1
+
+    # -- streaming ------------------------------------------------------------
+
+    def read(self, timeout: float) -> Frame | None:
+        """Next frame, or None after ``timeout`` seconds; answers keepalives that ask for a reply."""
+        try:
+            return self._read(timeout)
+        except psycopg.Error as exc:
+            self.streaming = False
+            raise SourceError(f"replication connection lost: {_one_line(exc)}") from None
+
+    def _read(self, timeout: float) -> Frame | None:
+        deadline = time.monotonic() + timeout
+        pgconn = self.pgconn
+        while True:
+            nbytes, data = pgconn.get_copy_data(1)
+            if nbytes > 0:
+                frame = read_frame(bytes(data))
+                if type(frame) is XLogData:
+                    if frame.wal_end > self._received:
+                        self._received = frame.wal_end
+                else:
+                    assert isinstance(frame, Keepalive)
+                    if frame.wal_end > self._received:
+                        self._received = frame.wal_end
+                    if frame.reply_requested:
+                        self.send_status()
+                self._maybe_send_status()
+                return frame
+            if nbytes == -1:
+                self._finish_copy()
+                raise SourceError("the source ended replication (server shut down or walsender terminated)")
+            if nbytes < -1:
+                raise SourceError(f"replication connection failed: {_pg_error(pgconn)}")
+            self._maybe_send_status()
+            remaining = max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([pgconn.socket], [], [], min(remaining, self.status_interval))
+            if not ready and remaining <= 0:
+                return None
+            if ready:
+                pgconn.consume_input()
+                if pgconn.status == pq.ConnStatus.BAD:
+                    raise SourceError(f"replication connection lost: {_pg_error(pgconn)}")
+
+    def confirm(self, lsn: LSN) -> None:
+        """Set the flush position (only ever forwards); sent on the next status update."""
+        if lsn > self._flush:
+            self._flush = LSN(lsn)
+            self._dirty = True
+
+    @property
+    def flushed(self) -> LSN:
+        """The flush position as last set by ``confirm``."""
+        return self._flush
+
+    @property
+    def received(self) -> LSN:
+        """The highest WAL end seen from the server."""
+        return self._received
+
+    def send_status(self, reply: bool = False) -> None:
+        """Send a Standby status update now: write = received, flush = apply = confirmed."""
+        if not self.streaming:
+            return
+        write = max(self._received, self._flush)
+        msg = encode_standby_status(write, self._flush, self._flush, reply)
+        try:
+            ok = self.pgconn.put_copy_data(msg) == 1 and self._flush_out()
+        except psycopg.Error as exc:
+            raise SourceError(f"cannot send a status update to the source: {_one_line(exc)}") from None
+        if not ok:
+            raise SourceError(f"cannot send a status update to the source: {_one_line(_pg_error(self.pgconn))}")
+        self._last_status = time.monotonic()
+        self._dirty = False
+
+    def _flush_out(self) -> bool:
+        while True:
+            r = self.pgconn.flush()
+            if r == 0:
+                return True
+            if r < 0:
+                return False
+            select.select([], [self.pgconn.socket], [], 1.0)
+
+    def _maybe_send_status(self) -> None:
+        now = time.monotonic()
+        if now - self._last_status >= self.status_interval or (self._dirty and now - self._last_status >= 1.0):
+            self.send_status()
+
+    def stop(self) -> None:
+        """End COPY_BOTH cleanly (after a last status update); the connection stays usable."""
+        if not self.streaming:
+            return
+        try:
+            self.send_status()
+        except SourceError:
+            pass
+        pgconn = self.pgconn
+        try:
+            pgconn.put_copy_end()
+            self._flush_out()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                nbytes, _ = pgconn.get_copy_data(1)
+                if nbytes == 0:
+                    select.select([pgconn.socket], [], [], 1.0)
+                    pgconn.consume_input()
+                    continue
+                if nbytes < 0:
+                    break
+            self._finish_copy()
+        except psycopg.Error as exc:
+            self.streaming = False
+            raise SourceError(f"replication connection lost while stopping: {_one_line(exc)}") from None
+
+    def _finish_copy(self) -> None:
+        pgconn = self.pgconn
+        pgconn.nonblocking = 0
+        while pgconn.get_result() is not None:
+            pass
+        self.streaming = False
+
+    def close(self) -> None:
+        """Stop streaming if needed and close the connection."""
+        try:
+            if self.streaming and self.pgconn.status == pq.ConnStatus.OK:
+                self.stop()
+        except Exception:  # noqa: BLE001 - closing must not raise
+            pass
+        finally:
+            self.streaming = False
+            self.conn.close()
+
+    def __enter__(self) -> WalSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_stream(dsn: str, slot: str, start_lsn: LSN, options: StreamOptions,
+                 status_interval: float = 10.0) -> WalSender:
+    """Connect and START_REPLICATION in one step."""
+    ws = WalSender(dsn, status_interval=status_interval)
+    try:
+        ws.start(slot, start_lsn, options)
+    except BaseException:
+        ws.close()
+        raise
+    return ws
+
+
+def _pg_error(pgconn: pq.abc.PGconn) -> str:
+    return (pgconn.error_message or b"").decode(errors="replace").strip() or "unknown error"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+__all__: Sequence[str] = ["WalSender", "start_stream", "quote_ident", "quote_literal"]

@@ -1,0 +1,180 @@
+"""What every target shares: relation bindings and the SQL they build.
+
+A ``Binding`` ties one source relation (a Relation message) to one target table:
+the column mapping, one value converter per column, and the statements built
+once per relation and per shape (set of present columns, null pattern of a
+REPLICA IDENTITY FULL old tuple) and then reused. Statements quote every
+identifier; values always travel as parameters.
+
+Row location, as PostgreSQL's own subscriber does it:
+- K tuple (the replica identity index's columns changed or a delete): key columns from K;
+- O tuple (REPLICA IDENTITY FULL): every column, NULL-safe, exactly one row;
+- neither: the key columns of the new tuple.
+An update or delete that finds no row is logged and skipped (the subscriber's
+``update_missing`` / ``delete_missing``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from applier.decoder.messages import NULL, UNCHANGED_TOAST, Relation, TupleData
+from applier.lsn import LSN
+
+log = logging.getLogger("applier.target")
+
+Converter = Callable[[bytes], Any]
+
+
+class ApplyError(RuntimeError):
+    """A change could not be applied; the message names operation, table, key and LSN."""
+
+
+def quote_ident(name: str) -> str:
+    """Quote an identifier (same rule for PostgreSQL and SQLite)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def source_name(rel: Relation) -> str:
+    """schema.table of a source relation."""
+    return f"{rel.namespace or 'pg_catalog'}.{rel.name}"
+
+
+class Binding:
+    """One source relation mapped onto one target table; builds and caches statements."""
+
+    __slots__ = ("rel", "table", "qtable", "names", "qnames", "convert", "key_idx", "dialect", "_sql",
+                 "text_compare")
+
+    def __init__(self, rel: Relation, table: str, qtable: str, convert: Sequence[Converter | None],
+                 dialect: Dialect, text_compare: Sequence[bool] = ()) -> None:
+        self.rel = rel
+        self.table = table
+        self.qtable = qtable
+        self.names = [c.name for c in rel.columns]
+        self.qnames = [quote_ident(n) for n in self.names]
+        self.convert = list(convert)
+        self.key_idx = [i for i, c in enumerate(rel.columns) if c.is_key]
+        self.dialect = dialect
+        self.text_compare = list(text_compare) or [False] * len(self.names)
+        self._sql: dict[Any, str] = {}
+
+    # -- values ---------------------------------------------------------------
+
+    def values(self, t: TupleData, idx: Sequence[int]) -> list[Any]:
+        """Driver parameters for the columns ``idx`` of tuple ``t``."""
+        vals = t.values
+        conv = self.convert
+        out = []
+        for i in idx:
+            v = vals[i]
+            if v is not None:
+                c = conv[i]
+                v = c(v) if c is not None else v
+            out.append(v)
+        return out
+
+    def describe_key(self, t: TupleData | None, idx: Sequence[int]) -> str:
+        """'(a)=(1)'-style text of a tuple's key, for error messages."""
+        if t is None or not idx:
+            return "(no key)"
+        shown = []
+        for i in idx:
+            v = t.values[i] if i < len(t.values) else None
+            shown.append("NULL" if v is None else v.decode(errors="replace")[:60])
+        return f"({', '.join(self.names[i] for i in idx)})=({', '.join(shown)})"
+
+    # -- statements -------------------------------------------------------------
+
+    def insert_sql(self, present: tuple[int, ...]) -> str:
+        """INSERT of the present columns."""
+        key = ("I", present)
+        sql = self._sql.get(key)
+        if sql is None:
+            ph = self.dialect.placeholder
+            cols = ", ".join(self.qnames[i] for i in present)
+            sql = f"INSERT INTO {self.qtable} ({cols}) VALUES ({', '.join([ph] * len(present))})"
+            self._sql[key] = sql
+        return sql
+
+    def where(self, locate: tuple[int, ...], nulls: tuple[bool, ...], full: bool) -> str:
+        """WHERE clause locating one row by the ``locate`` columns (nulls: IS NULL, no parameter)."""
+        ph = self.dialect.placeholder
+        parts = []
+        for i, isnull in zip(locate, nulls, strict=True):
+            if isnull:
+                parts.append(f"{self.qnames[i]} IS NULL")
+            elif self.text_compare[i]:
+                parts.append(f"{self.qnames[i]}::text = {ph}::text")
+            else:
+                parts.append(f"{self.qnames[i]} = {ph}")
+        cond = " AND ".join(parts) if parts else "true"
+        if full:
+            rid = self.dialect.row_id
+            return f"{rid} = (SELECT {rid} FROM {self.qtable} WHERE {cond} LIMIT 1)"
+        return cond
+
+    def update_sql(self, setcols: tuple[int, ...], locate: tuple[int, ...], nulls: tuple[bool, ...], full: bool) -> str:
+        """UPDATE setting ``setcols`` of the row found by ``locate``."""
+        key = ("U", setcols, locate, nulls, full)
+        sql = self._sql.get(key)
+        if sql is None:
+            ph = self.dialect.placeholder
+            sets = ", ".join(f"{self.qnames[i]} = {ph}" for i in setcols)
+            sql = f"UPDATE {self.qtable} SET {sets} WHERE {self.where(locate, nulls, full)}"
+            self._sql[key] = sql
+        return sql
+
+    def delete_sql(self, locate: tuple[int, ...], nulls: tuple[bool, ...], full: bool) -> str:
+        """DELETE of the row found by ``locate``."""
+        key = ("D", locate, nulls, full)
+        sql = self._sql.get(key)
+        if sql is None:
+            sql = f"DELETE FROM {self.qtable} WHERE {self.where(locate, nulls, full)}"
+            self._sql[key] = sql
+        return sql
+
+    def locator(self, op: str, old_kind: str | None, old: TupleData | None, new: TupleData | None,
+                lsn: LSN) -> tuple[TupleData, tuple[int, ...], bool]:
+        """(tuple, columns, full?) that find the row an update or delete refers to."""
+        if old_kind == "O" and old is not None:
+            idx = tuple(i for i, k in enumerate(old.kinds) if k != UNCHANGED_TOAST)
+            return old, idx, True
+        if not self.key_idx:
+            ident = {"n": "NOTHING", "d": "DEFAULT without a primary key", "f": "FULL", "i": "INDEX"}
+            raise ApplyError(
+                f"cannot apply {op} to table {source_name(self.rel)} at LSN {lsn}: the source table has "
+                f"REPLICA IDENTITY {ident.get(self.rel.replica_identity, '?')}, so there is no key to find the row; "
+                f"set REPLICA IDENTITY FULL or add a primary key on the source"
+            )
+        t = old if old_kind == "K" and old is not None else new
+        assert t is not None
+        return t, tuple(self.key_idx), False
+
+    def row_args(self, t: TupleData, idx: tuple[int, ...]) -> tuple[tuple[bool, ...], list[Any]]:
+        """Null pattern of the locating columns and the parameters for the non-null ones."""
+        kinds = t.kinds
+        nulls = tuple(kinds[i] == NULL for i in idx)
+        return nulls, self.values(t, [i for i, n in zip(idx, nulls, strict=True) if not n])
+
+
+class Dialect:
+    """The few places where PostgreSQL and SQLite SQL differ."""
+
+    __slots__ = ("name", "placeholder", "row_id")
+
+    def __init__(self, name: str, placeholder: str, row_id: str) -> None:
+        self.name = name
+        self.placeholder = placeholder
+        self.row_id = row_id
+
+
+POSTGRES = Dialect("postgresql", "%s", "ctid")
+SQLITE = Dialect("sqlite", "?", "rowid")
+
+
+def present_columns(t: TupleData) -> tuple[int, ...]:
+    """Columns of a new tuple that carry a value (unchanged TOAST ones are left out)."""
+    return tuple(i for i, k in enumerate(t.kinds) if k != UNCHANGED_TOAST)

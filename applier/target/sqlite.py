@@ -1,0 +1,148 @@
+"""The SQLite target: one ``sqlite3`` connection in WAL mode, explicit transactions.
+
+SQLite has no schemas: a source table of schema ``public`` keeps its bare name,
+any other is named ``schema.table`` as one quoted identifier (``target.tables``
+maps names otherwise). Values follow the mapping in ``applier.target.values``.
+A commit is durable when it returns (``synchronous = FULL``), so the applied
+position may be confirmed to the source at once.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy.engine import make_url
+
+from applier.decoder.messages import Relation, TupleData, Type
+from applier.lsn import LSN
+from applier.progress.store import SQLITE_SQL, Progress
+from applier.target.base import SQLITE, ApplyError, Binding, present_columns, quote_ident, source_name
+from applier.target.values import sqlite_text_converters
+
+
+def sqlite_path(url: str) -> str:
+    """The database file of a sqlite:/// URL (':memory:' for sqlite://)."""
+    return make_url(url).database or ":memory:"
+
+
+def sqlite_table_name(rel: Relation, table_map: dict[str, str]) -> str:
+    """The SQLite table for a source relation (see the module header)."""
+    mapped = table_map.get(source_name(rel))
+    if mapped:
+        return mapped
+    if rel.namespace in ("public", ""):
+        return rel.name
+    return f"{rel.namespace}.{rel.name}"
+
+
+class SqliteTarget:
+    """Applies changes to a SQLite database file; see the module header."""
+
+    dialect = SQLITE
+
+    def __init__(self, url: str, name: str, table_map: dict[str, str] | None = None, **_: Any) -> None:
+        self.url = url
+        self.name = name
+        self.table_map = table_map or {}
+        path = sqlite_path(url)
+        try:
+            self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=60)
+            self.conn.execute("PRAGMA journal_mode = WAL")
+            self.conn.execute("PRAGMA synchronous = FULL")
+        except sqlite3.Error as exc:
+            raise ApplyError(f"cannot open the SQLite target {path}: {exc}") from None
+        self.cur = self.conn.cursor()
+        self.in_txn = False
+        self._durable = LSN(0)
+
+    def target_table(self, rel: Relation) -> tuple[str | None, str]:
+        """(None, table) on the target for a source relation."""
+        return None, sqlite_table_name(rel, self.table_map)
+
+    def bind(self, rel: Relation, types: dict[int, Type], lsn: LSN, binary: bool = False) -> Binding:
+        """Read the target table's columns and build the binding; errors name table, column and LSN."""
+        _, table = self.target_table(rel)
+        rows = self.conn.execute(f"PRAGMA table_info({quote_ident(table)})").fetchall()
+        if not rows:
+            raise ApplyError(f"target table {table!r} (for source table {source_name(rel)}) does not exist "
+                             f"(at LSN {lsn})")
+        names = {r[1] for r in rows}
+        for c in rel.columns:
+            if c.name not in names:
+                raise ApplyError(f"target table {table!r} has no column {c.name!r} that source table "
+                                 f"{source_name(rel)} sends (at LSN {lsn})")
+        if binary:
+            from applier.target.values import binary_converters
+            convert = binary_converters(rel, types, "sqlite")
+        else:
+            convert = sqlite_text_converters(rel)
+        return Binding(rel, table, quote_ident(table), convert, SQLITE)
+
+    def begin(self) -> None:
+        """Open a write transaction."""
+        self.cur.execute("BEGIN IMMEDIATE")
+        self.in_txn = True
+
+    def commit(self, source_lsn: LSN, commit_time: int | None = None) -> None:
+        """Commit (durable on return)."""
+        self.cur.execute("COMMIT")
+        self.in_txn = False
+        self._durable = LSN(max(self._durable, source_lsn))
+
+    def rollback(self) -> None:
+        """Roll back the open transaction, if any."""
+        if self.conn.in_transaction:
+            self.cur.execute("ROLLBACK")
+        self.in_txn = False
+
+    def durable_lsn(self) -> LSN:
+        """The highest source LSN whose commit is on disk."""
+        return self._durable
+
+    def wait_durable(self) -> None:
+        """Nothing to wait for: commits are durable when they return."""
+
+    def insert(self, b: Binding, rows: Sequence[TupleData]) -> None:
+        """Insert rows, one executemany per run of rows with the same columns."""
+        i = 0
+        while i < len(rows):
+            present = present_columns(rows[i])
+            j = i + 1
+            while j < len(rows) and present_columns(rows[j]) == present:
+                j += 1
+            self.cur.executemany(b.insert_sql(present), [b.values(t, present) for t in rows[i:j]])
+            i = j
+
+    def run_many(self, sql: str, params: list[list[Any]]) -> int:
+        """Execute one statement for many parameter rows; total rows affected."""
+        self.cur.executemany(sql, params)
+        return self.cur.rowcount
+
+    def truncate(self, bindings: Sequence[Binding], cascade: bool, restart_identity: bool) -> None:
+        """DELETE every row of the tables; RESTART IDENTITY resets their AUTOINCREMENT counters."""
+        for b in bindings:
+            self.cur.execute(f"DELETE FROM {b.qtable}")
+        if restart_identity:
+            has_seq = self.cur.execute("SELECT 1 FROM sqlite_master WHERE name = 'sqlite_sequence'").fetchone()
+            if has_seq:
+                self.cur.executemany("DELETE FROM sqlite_sequence WHERE name = ?", [[b.table] for b in bindings])
+
+    def read_progress(self) -> Progress:
+        """The applied position recorded on the target (LSN 0/0 if none)."""
+        return Progress.from_row(self.conn.execute(SQLITE_SQL.select, [self.name]).fetchone())
+
+    def write_progress(self, lsn: LSN, commit_time: int | None, clear_skip: bool = False) -> None:
+        """Record ``lsn`` as applied, in the open transaction."""
+        self.cur.execute(SQLITE_SQL.upsert, [self.name, str(lsn), commit_time])
+        if clear_skip:
+            self.cur.execute(SQLITE_SQL.clear_skip, [self.name])
+
+    def close(self) -> None:
+        """Roll back anything open and close the file."""
+        try:
+            self.rollback()
+        except sqlite3.Error:
+            pass
+        self.conn.close()

@@ -1,0 +1,95 @@
+"""Value conversion from the wire to a target's parameters.
+
+Text mode to SQLite (documented mapping, by source type):
+
+| PostgreSQL type                         | SQLite value                                  |
+|-----------------------------------------|-----------------------------------------------|
+| smallint, integer, bigint, oid          | INTEGER                                       |
+| real, double precision                  | REAL; Infinity/-Infinity as ±inf; NaN as TEXT 'NaN' (SQLite has no NaN) |
+| numeric                                 | TEXT, exactly as PostgreSQL prints it         |
+| boolean                                 | INTEGER 1 / 0                                 |
+| bytea                                   | BLOB                                          |
+| date, time, timestamp, timestamptz, interval | TEXT in ISO form as PostgreSQL prints it (timestamptz in UTC) |
+| json, jsonb, uuid, enums, arrays, everything else | TEXT as PostgreSQL prints it (arrays as `{…}` literals) |
+
+Binary mode: values arrive in PostgreSQL's binary send format and are loaded
+with psycopg's own loaders (by type OID), then adapted as above for SQLite or
+passed as Python objects to PostgreSQL. A type with no binary loader is an
+error naming the type; list it in ``apply.text_types`` to have it sent as text.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from applier.decoder.messages import Relation, Type
+
+BOOL, BYTEA, INT8, INT2, INT4, OID, FLOAT4, FLOAT8, NUMERIC = 16, 17, 20, 21, 23, 26, 700, 701, 1700
+
+
+def _sqlite_float(v: bytes) -> float | str:
+    f = float(v)
+    return "NaN" if math.isnan(f) else f
+
+
+def _sqlite_bool(v: bytes) -> int:
+    return 1 if v == b"t" else 0
+
+
+def _sqlite_bytea(v: bytes) -> bytes:
+    if v[:2] == b"\\x":
+        return bytes.fromhex(v[2:].decode())
+    return _unescape_bytea(v)
+
+
+def _unescape_bytea(v: bytes) -> bytes:
+    """PostgreSQL's old 'escape' bytea output format."""
+    out = bytearray()
+    i = 0
+    while i < len(v):
+        c = v[i]
+        if c == 0x5C and v[i + 1 : i + 2] == b"\\":
+            out.append(0x5C)
+            i += 2
+        elif c == 0x5C:
+            out.append(int(v[i + 1 : i + 4], 8))
+            i += 4
+        else:
+            out.append(c)
+            i += 1
+    return bytes(out)
+
+
+_SQLITE_TEXT: dict[int, Callable[[bytes], Any]] = {
+    INT2: int, INT4: int, INT8: int, OID: int,
+    FLOAT4: _sqlite_float, FLOAT8: _sqlite_float,
+    BOOL: _sqlite_bool, BYTEA: _sqlite_bytea,
+}
+
+
+def sqlite_text_converters(rel: Relation) -> list[Callable[[bytes], Any]]:
+    """One converter per column for text-mode values into SQLite."""
+    return [_SQLITE_TEXT.get(c.type_oid, bytes.decode) for c in rel.columns]
+
+
+def sqlite_adapt(value: Any) -> Any:
+    """A Python value loaded from binary into what SQLite stores (see the table above)."""
+    if value is None or isinstance(value, (int, str, bytes)):
+        return value
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, float):
+        return "NaN" if math.isnan(value) else value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    return str(value)
+
+
+def binary_converters(rel: Relation, types: dict[int, Type], dialect: str,
+                      text_types: frozenset[str] = frozenset()) -> list[Callable[[bytes], Any]]:
+    """One converter per column for binary-mode values, using psycopg's loaders."""
+    from applier.target.binary import binary_loader
+
+    return [binary_loader(c.type_oid, types, dialect, rel, c.name) for c in rel.columns]

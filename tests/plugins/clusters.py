@@ -1,0 +1,105 @@
+"""pytest fixtures for real PostgreSQL servers, one source and one target per major version.
+
+Why: every engine test runs against each available major (``pg15``, ``pg18``), and
+starting a cluster costs about a second, so clusters live for the whole session and
+each test gets fresh databases instead. Invariants: the clusters are cached per
+``(version, role)`` in a session fixture, so pytest's reordering of parametrized
+session fixtures never starts a second server for the same version; every database
+handed to a test is new, uniquely named and dropped (with its replication slots)
+afterwards.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from applier.embedded import Cluster, PgInstall, find_install, find_installs
+
+
+@dataclass(frozen=True, slots=True)
+class ScratchDb:
+    """A database made for one test: its cluster, name and libpq conninfo."""
+
+    cluster: Cluster
+    dbname: str
+    dsn: str
+
+    @property
+    def url(self) -> str:
+        """SQLAlchemy URL of this database."""
+        return self.cluster.url(self.dbname)
+
+
+class ClusterPool:
+    """Session clusters keyed by (major version, role), started on first use."""
+
+    __slots__ = ("_clusters",)
+
+    def __init__(self) -> None:
+        self._clusters: dict[tuple[int, str], Cluster] = {}
+
+    def get(self, install: PgInstall, role: str) -> Cluster:
+        """The running cluster for ``install`` in ``role``, started if needed."""
+        key = (install.version, role)
+        cluster = self._clusters.get(key)
+        if cluster is None:
+            cluster = self._clusters[key] = Cluster(install, name=f"pg{install.version}-{role}")
+        return cluster.start()
+
+    def close(self) -> None:
+        """Stop every cluster."""
+        for cluster in self._clusters.values():
+            cluster.stop()
+        self._clusters.clear()
+
+
+@pytest.fixture(scope="session")
+def pg_clusters() -> Iterator[ClusterPool]:
+    """All session clusters; stopped when the session ends."""
+    pool = ClusterPool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session", params=[i.version for i in find_installs()], ids=lambda v: f"pg{v}")
+def pg_install(request: pytest.FixtureRequest) -> PgInstall:
+    """Each available PostgreSQL install in turn."""
+    return find_install(request.param)
+
+
+@pytest.fixture(scope="session")
+def pg_source(pg_clusters: ClusterPool, pg_install: PgInstall) -> Cluster:
+    """The source-side cluster for this version."""
+    return pg_clusters.get(pg_install, "source")
+
+
+@pytest.fixture(scope="session")
+def pg_target(pg_clusters: ClusterPool, pg_install: PgInstall) -> Cluster:
+    """The target-side cluster for this version."""
+    return pg_clusters.get(pg_install, "target")
+
+
+def _scratch_db(cluster: Cluster, prefix: str) -> Iterator[ScratchDb]:
+    """Create a uniquely named database, yield it, then drop it and its slots."""
+    dbname = f"{prefix}_{uuid.uuid4().hex[:16]}"
+    cluster.create_database(dbname)
+    try:
+        yield ScratchDb(cluster, dbname, cluster.dsn(dbname))
+    finally:
+        cluster.drop_database(dbname)
+
+
+@pytest.fixture
+def source_db(pg_source: Cluster) -> Iterator[ScratchDb]:
+    """A fresh database on the source cluster."""
+    yield from _scratch_db(pg_source, "src")
+
+
+@pytest.fixture
+def target_db(pg_target: Cluster) -> Iterator[ScratchDb]:
+    """A fresh database on the target cluster."""
+    yield from _scratch_db(pg_target, "tgt")

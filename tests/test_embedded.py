@@ -1,0 +1,158 @@
+"""Real throwaway servers from applier.embedded: configuration, privileges, slots, lifecycle.
+
+No mocks: every test starts actual PostgreSQL processes for each available major version.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from applier.embedded import Cluster, PgInstall, find_install, find_installs
+from tests.plugins.clusters import ScratchDb
+
+
+def _uid(pid: int) -> int:
+    """Real uid of a process, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no Uid line for pid {pid}")
+
+
+def _refuses(dsn: str) -> bool:
+    """True if nothing accepts connections at ``dsn``."""
+    try:
+        psycopg.connect(dsn, connect_timeout=3).close()
+    except psycopg.OperationalError:
+        return True
+    return False
+
+
+def test_find_installs_sorted_and_complete() -> None:
+    installs = find_installs()
+    assert installs, "no PostgreSQL install found"
+    assert [i.version for i in installs] == sorted({i.version for i in installs})
+    for install in installs:
+        for name in ("postgres", "initdb", "pg_ctl", "pg_recvlogical"):
+            assert install.bin(name).is_file()
+        assert (install.bindir.parent / "lib" / "pgoutput.so").is_file()
+    assert find_install() == installs[-1]
+    with pytest.raises(LookupError, match="PostgreSQL 7 not available"):
+        find_install(7)
+
+
+def test_cluster_lifecycle(pg_install: PgInstall) -> None:
+    cluster = Cluster(pg_install, name="lifecycle")
+    with cluster:
+        assert cluster.execute("SHOW wal_level") == [("logical",)]
+        assert cluster.execute("SHOW listen_addresses") == [("127.0.0.1",)]
+        version_num = int(cluster.execute("SHOW server_version_num")[0][0])
+        assert version_num // 10000 == pg_install.version
+
+        with psycopg.connect(cluster.dsn()) as conn:
+            backend = conn.execute("SELECT pg_backend_pid()").fetchone()
+            assert backend is not None
+            assert _uid(backend[0]) != 0
+        assert cluster.pid is not None and _uid(cluster.pid) != 0
+
+        cluster.execute("SELECT pg_create_logical_replication_slot('t_slot', 'pgoutput')")
+        assert cluster.execute("SELECT plugin FROM pg_replication_slots WHERE slot_name = 't_slot'") == [("pgoutput",)]
+        cluster.execute("SELECT pg_drop_replication_slot('t_slot')")
+        assert cluster.execute("SELECT count(*) FROM pg_replication_slots") == [(0,)]
+        dsn, base_dir = cluster.dsn(), cluster.base_dir
+    assert not cluster.running
+    assert _refuses(dsn)
+    assert not base_dir.exists(), "stop() must remove the temp dir it created"
+    cluster.stop()  # idempotent
+
+
+def test_restart_kill_and_recover(pg_install: PgInstall) -> None:
+    with Cluster(pg_install, name="crash") as cluster:
+        cluster.execute("CREATE TABLE t (x int)")
+        cluster.execute("INSERT INTO t VALUES (1)")
+        cluster.restart()
+        assert cluster.execute("SELECT x FROM t") == [(1,)]
+        old_pid = cluster.pid
+        cluster.kill()
+        assert not cluster.running and _refuses(cluster.dsn())
+        cluster.start()  # crash recovery
+        assert cluster.pid != old_pid
+        assert cluster.execute("SELECT x FROM t") == [(1,)]
+
+
+def test_start_failure_reports_log(pg_install: PgInstall) -> None:
+    cluster = Cluster(pg_install, name="broken", settings={"shared_buffers": "not-a-size"})
+    try:
+        with pytest.raises(RuntimeError, match="shared_buffers"):
+            cluster.start()
+    finally:
+        cluster.stop()
+
+
+def test_dsn_quoting(pg_install: PgInstall) -> None:
+    cluster = Cluster(pg_install)
+    try:
+        assert cluster.dsn("a b", application_name="x'y") == (
+            f"host=127.0.0.1 port={cluster.port} user=postgres dbname='a b' application_name='x\\'y'"
+        )
+        assert cluster.url("d/b").endswith(f"127.0.0.1:{cluster.port}/d%2Fb")
+    finally:
+        cluster.stop()
+
+
+def test_scratch_databases(source_db: ScratchDb, target_db: ScratchDb, pg_install: PgInstall) -> None:
+    assert source_db.cluster is not target_db.cluster
+    assert source_db.cluster.port != target_db.cluster.port
+    for db in (source_db, target_db):
+        with psycopg.connect(db.dsn) as conn:
+            row = conn.execute("SELECT current_database(), current_setting('server_version_num')::int").fetchone()
+        assert row == (db.dbname, row[1]) and row[1] // 10000 == pg_install.version
+    assert source_db.cluster.execute("SHOW wal_level") == [("logical",)]
+
+
+def test_drop_database_with_active_slot(pg_source: Cluster) -> None:
+    """The teardown path: an active pg_recvlogical holds a slot; drop_database still works."""
+    dbname = "drop_me_active"
+    pg_source.create_database(dbname)
+    pg_source.execute("CREATE PUBLICATION p FOR ALL TABLES", dbname=dbname)
+    pg_source.execute("SELECT pg_create_logical_replication_slot('held', 'pgoutput')", dbname=dbname)
+    pg_source.execute("SELECT pg_create_logical_replication_slot('idle', 'pgoutput')", dbname=dbname)
+    recv = subprocess.Popen(
+        [
+            str(pg_source.install.bin("pg_recvlogical")),
+            "-d",
+            pg_source.dsn(dbname),
+            "-S",
+            "held",
+            "--start",
+            "--no-loop",
+            "-f",
+            "-",
+            "-o",
+            "proto_version=1",
+            "-o",
+            "publication_names=p",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not pg_source.execute("SELECT active FROM pg_replication_slots WHERE slot_name = 'held'")[0][0]:
+            assert recv.poll() is None, recv.stderr.read() if recv.stderr else ""
+            assert time.monotonic() < deadline, "pg_recvlogical never activated the slot"
+            time.sleep(0.05)
+        pg_source.drop_database(dbname)
+        assert pg_source.execute("SELECT count(*) FROM pg_database WHERE datname = %s", params=[dbname]) == [(0,)]
+        slots = pg_source.execute("SELECT count(*) FROM pg_replication_slots WHERE database = %s", params=[dbname])
+        assert slots == [(0,)]
+        recv.wait(timeout=10)
+    finally:
+        if recv.poll() is None:
+            recv.kill()
+            recv.wait()
