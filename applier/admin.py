@@ -87,6 +87,8 @@ def init(cfg: Config) -> list[str]:
     done = []
     facts = check_source(cfg, need_slot=False)
     check_target(cfg, need_init=False)
+    if cfg.source["two_phase"] and cfg.target_dialect == "postgresql" and cfg.target["two_phase_mode"] == "prepare":
+        _check_prepared_allowed(cfg)
     before, after = migrate(cfg.target["url"])
     done.append(f"control tables: {'created at' if before is None else 'upgraded from ' + before + ' to'} {after}"
                 if before != after else f"control tables: already at {after}")
@@ -102,6 +104,20 @@ def init(cfg: Config) -> list[str]:
     else:
         done.append(f"slot {cfg.source['slot']!r}: exists (confirmed up to {facts['slot'][3]})")
     return done
+
+
+def _check_prepared_allowed(cfg: Config) -> None:
+    from applier.target.postgres import libpq_dsn
+
+    try:
+        with psycopg.connect(libpq_dsn(cfg.target["url"]), autocommit=True) as conn:
+            n = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
+    except psycopg.Error as exc:
+        raise ConfigError(f"{cfg.where('target', 'url')}: cannot connect to the target: "
+                          f"{' '.join(str(exc).split())}") from None
+    if n == 0:
+        raise ConfigError(f"{cfg.where('source', 'two_phase')}: the target has max_prepared_transactions = 0; "
+                          f"set it above 0 on the target, or target.two_phase_mode = \"table\"")
 
 
 def _progress_sql(cfg: Config) -> Any:
@@ -155,4 +171,20 @@ def status(cfg: Config) -> dict[str, Any]:
         out["last_commit_age_seconds"] = round(time.time() - (progress.commit_time / 1e6 + 946684800), 3)
     if progress.skip_lsn is not None:
         out["skip_lsn"] = str(progress.skip_lsn)
+    out["prepared_waiting"] = list_prepared(cfg)
     return out
+
+
+def list_prepared(cfg: Config) -> list[dict[str, str]]:
+    """Prepared transactions applied up to PREPARE that wait for their COMMIT/ROLLBACK PREPARED."""
+    from applier.engine.runner import open_target
+
+    target = open_target(cfg)
+    try:
+        out = [{"gid": r[0], "xid": str(r[1]), "prepare_lsn": r[2], "end_lsn": r[3], "kept_in": "applier_prepared"}
+               for r in target.list_prepared()]
+        if target.native_prepare:
+            out += [{"gid": g, "kept_in": "pg_prepared_xacts"} for g in sorted(target.prepared_gids())]
+        return out
+    finally:
+        target.close()

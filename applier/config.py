@@ -38,7 +38,7 @@ SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
         "url": (str, REQUIRED),
         "tables": (dict, {}),
         "synchronous_commit": (str, "off"),
-        "prepared_on_sqlite_way": (bool, False),
+        "two_phase_mode": (str, "prepare"),
     },
     "apply": {
         "name": (str, "applier"),
@@ -59,6 +59,7 @@ SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
 _CHOICES = {
     ("apply", "on_error"): ("retry", "stop"),
     ("source", "origin"): ("any", "none"),
+    ("target", "two_phase_mode"): ("prepare", "table"),
     ("target", "synchronous_commit"): ("on", "off", "local", "remote_write", "remote_apply"),
 }
 

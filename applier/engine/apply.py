@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ from applier.decoder.messages import (
     Update,
 )
 from applier.decoder.pgoutput import decode_message
-from applier.engine.spool import SpoolSet
+from applier.engine.spool import _HEAD, Spool, SpoolSet, records
 from applier.lsn import LSN
 from applier.target.base import ApplyError, Binding, present_columns, source_name
 
@@ -73,7 +73,7 @@ class Stats:
 class SourceTxn:
     """The source transaction being applied."""
 
-    __slots__ = ("xid", "final_lsn", "skip", "origin", "why")
+    __slots__ = ("xid", "final_lsn", "skip", "origin", "why", "spool")
 
     def __init__(self, xid: int, final_lsn: LSN, skip: bool, why: str = "") -> None:
         self.xid = xid
@@ -81,12 +81,13 @@ class SourceTxn:
         self.skip = skip
         self.origin: str | None = None
         self.why = why
+        self.spool: Spool | None = None  # a prepared transaction kept in the target's table: its changes
 
 
 class ApplyEngine:
     """Applies a stream of pgoutput messages to a target; see the module header."""
 
-    def __init__(self, target: Any, *, applied: LSN, skip_lsn: LSN | None = None, work_dir: Path,
+    def __init__(self, target: Any, *, applied: LSN, skip_lsn: LSN | None = None, work_dir: Path, name: str = "applier",
                  skip_origins: Sequence[str] = (), group_delay: float = 0.2, group_rows: int = 20000,
                  careful: bool = False, binary: bool = False) -> None:
         self.target = target
@@ -101,6 +102,11 @@ class ApplyEngine:
         self.relations: dict[int, Relation] = {}
         self.types: dict[int, Type] = {}
         self.bindings: dict[int, Binding] = {}
+        # raw Relation/Type messages by ('R'|'Y', oid): a prepared transaction kept in a table carries them
+        self.meta_raw: dict[tuple[str, int], tuple[bool, bytes]] = {}
+        self._raw: tuple[bool, bytes] = (False, b"")
+        self.name = name
+        self.table_prepare = not getattr(target, "native_prepare", False)
         self.spools = SpoolSet(work_dir)
         self.stream_xid: int | None = None
         self.txn: SourceTxn | None = None
@@ -135,12 +141,19 @@ class ApplyEngine:
         """True between a Begin and its Commit (or inside a stream block)."""
         return self.txn is not None or self.stream_xid is not None
 
-    def handle(self, msg: PgOutputMessage, raw: bytes | None = None) -> None:
-        """Apply one message; ``raw`` is its bytes (needed to spool streamed changes)."""
-        if self.stream_xid is not None and type(msg) not in (StreamStop, StreamStart):
+    def handle(self, msg: PgOutputMessage, raw: bytes = b"") -> None:
+        """Apply one message; ``raw`` is its bytes (streamed and table-kept prepared changes are spooled)."""
+        kind = type(msg)
+        if self.stream_xid is not None and kind is not StreamStop and kind is not StreamStart:
             self.spool_change(msg, raw)
             return
-        self._handlers[type(msg)](msg)
+        txn = self.txn
+        if txn is not None and txn.spool is not None and not txn.skip and kind in _SPOOLED_IN_PREPARE:
+            txn.spool.append(txn.xid, raw, False)
+            if kind is not Relation and kind is not Type:
+                return
+        self._raw = (False, raw)
+        self._handlers[kind](msg)
 
     def set_careful(self, careful: bool, group_delay: float) -> None:
         """Careful mode: one row per statement and one source transaction per target transaction."""
@@ -256,10 +269,12 @@ class ApplyEngine:
             self.flush_batch(self.txn)
             del self.bindings[m.oid]
         self.relations[m.oid] = m
+        self.meta_raw[("R", m.oid)] = self._raw
 
     def handle_type(self, m: Type) -> None:
         """Cache the type (user-defined types: enums, composites, domains)."""
         self.types[m.oid] = m
+        self.meta_raw[("Y", m.oid)] = self._raw
 
     def binding(self, oid: int) -> Binding:
         """The binding of a relation OID (reflecting the target table on first use)."""
@@ -409,7 +424,7 @@ class ApplyEngine:
         assert self.stream_xid is not None and raw is not None
         sub = getattr(m, "xid", None)
         sp = self.spools.open(self.stream_xid, False)
-        sp.append(sub if sub is not None else self.stream_xid, raw)
+        sp.append(sub if sub is not None else self.stream_xid, raw, True)
 
     def handle_stream_abort(self, m: StreamAbort) -> None:
         """Discard a subtransaction's spooled changes, or the whole transaction's."""
@@ -436,32 +451,169 @@ class ApplyEngine:
                 sp.remove()
         self.finish_txn(txn, m.end_lsn, m.commit_time)
 
-    def replay(self, messages: Any) -> None:
-        """Apply spooled messages (decoded as streamed ones) to the transaction in hand."""
-        for raw in messages:
-            self._handlers[type(msg := decode_message(raw, True))](msg)
+    def replay(self, recs: Iterable[tuple[bool, bytes]]) -> None:
+        """Apply spooled (in_stream, message) records to the transaction in hand."""
+        handlers = self._handlers
+        for in_stream, raw in recs:
+            msg = decode_message(raw, in_stream)
+            self._raw = (in_stream, raw)
+            handlers[type(msg)](msg)
+
+    def replay_isolated(self, blob: bytes) -> None:
+        """Replay a kept prepared transaction with its own relation cache (it carries its definitions)."""
+        saved = self.relations, self.types, self.bindings, self.meta_raw
+        self.relations, self.types, self.bindings, self.meta_raw = {}, {}, {}, {}
+        try:
+            self.replay(records(blob))
+            self.flush_batch(self.txn)
+        finally:
+            self.relations, self.types, self.bindings, self.meta_raw = saved
+
+    def meta_blob(self) -> bytes:
+        """Spool records of every cached Relation and Type message (types first)."""
+        out = bytearray()
+        for _key, (in_stream, raw) in sorted(self.meta_raw.items(), key=lambda kv: kv[0][0] != "Y"):
+            out += _HEAD.pack(in_stream, len(raw)) + raw
+        return bytes(out)
 
     # -- two-phase (protocol 3+) ---------------------------------------------------
+    #
+    # A PostgreSQL target with max_prepared_transactions > 0 runs the changes and PREPARE
+    # TRANSACTION under target_gid(xid); the progress goes in a transaction of its own right
+    # after (a progress row updated inside the prepared transaction would stay locked until
+    # COMMIT PREPARED and block every transaction in between). Anything else (SQLite) keeps the
+    # prepared transaction's changes in applier_prepared, with the progress, in one transaction;
+    # COMMIT PREPARED replays them with the progress in one transaction. Either way a restart
+    # finds what was prepared (pg_prepared_xacts or the table) and neither prepares twice nor
+    # loses it.
+
+    def target_gid(self, xid: int) -> str:
+        """The target's PREPARE TRANSACTION id: this applier's name and the source xid."""
+        return f"applier_{self.name}_{xid}"
+
+    def _prepared_before(self, gid: str, xid: int) -> bool:
+        if self.table_prepare:
+            return self.target.load_prepared(gid) is not None
+        return self.target_gid(xid) in self.target.prepared_gids()
+
+    def _start_prepared(self, xid: int, prepare_lsn: LSN, gid: str) -> SourceTxn:
+        self.flush_group()
+        skip, why = self.should_skip(prepare_lsn)
+        if not skip and self._prepared_before(gid, xid):
+            skip, why = True, "prepared before"
+        return SourceTxn(xid, prepare_lsn, skip, why)
+
+    def _progress_only(self, end_lsn: LSN, commit_time: int | None) -> None:
+        self.ensure_group()
+        self.group_end, self.group_time = end_lsn, commit_time
+        self.flush_group()
 
     def handle_begin_prepare(self, m: BeginPrepare) -> None:
-        """Two-phase transactions are handled by the engine's prepare support."""
-        raise ApplyError("two-phase transactions are not supported yet: start with two_phase = false")
+        """Start a transaction that will be prepared."""
+        txn = self._start_prepared(m.xid, m.prepare_lsn, m.gid)
+        if not txn.skip and self.table_prepare:
+            txn.spool = self.spools.open(m.xid, True)
+        self.txn = txn
 
     def handle_prepare(self, m: Prepare) -> None:
-        """See handle_begin_prepare."""
-        raise ApplyError("two-phase transactions are not supported yet")
-
-    def handle_commit_prepared(self, m: CommitPrepared) -> None:
-        """See handle_begin_prepare."""
-        raise ApplyError("two-phase transactions are not supported yet")
-
-    def handle_rollback_prepared(self, m: RollbackPrepared) -> None:
-        """See handle_begin_prepare."""
-        raise ApplyError("two-phase transactions are not supported yet")
+        """Prepare the transaction in hand (or keep it in the table)."""
+        txn = self.txn
+        if txn is None:
+            raise ApplyError(f"Prepare {m.gid!r} at {m.prepare_lsn} without a Begin Prepare")
+        self._finish_prepare(txn, m.gid, m.prepare_lsn, m.end_lsn, m.prepare_time)
 
     def handle_stream_prepare(self, m: StreamPrepare) -> None:
-        """See handle_begin_prepare."""
-        raise ApplyError("two-phase transactions are not supported yet")
+        """Prepare a streamed transaction from its spool."""
+        sp = self.spools.pop(m.xid)
+        txn = self._start_prepared(m.xid, m.prepare_lsn, m.gid)
+        self.txn = txn
+        try:
+            if txn.skip or sp is None:
+                pass
+            elif self.table_prepare:
+                txn.spool = sp
+                sp = None
+            else:
+                self.ensure_group()
+                self.replay(sp.messages())
+        finally:
+            if sp is not None:
+                sp.remove()
+        self._finish_prepare(txn, m.gid, m.prepare_lsn, m.end_lsn, m.prepare_time)
+
+    def _finish_prepare(self, txn: SourceTxn, gid: str, prepare_lsn: LSN, end_lsn: LSN, when: int) -> None:
+        self.txn = None
+        self.last_commit_end = LSN(max(self.last_commit_end, end_lsn))
+        if txn.why == "applied before":
+            self.stats.skipped += 1
+            return
+        if txn.skip:
+            self.stats.skipped += 1
+            if txn.spool is not None:
+                txn.spool.remove()
+            if txn.why == "skip":
+                self.group_clears_skip = True
+                self.skip_lsn = None
+            self._progress_only(end_lsn, when)
+            return
+        if txn.spool is not None:
+            blob = self.meta_blob() + txn.spool.read_all()
+            txn.spool.remove()
+            self.ensure_group()
+            self.target.store_prepared(gid, txn.xid, prepare_lsn, end_lsn, when, blob)
+        else:
+            self.flush_batch(txn)
+            self.ensure_group()
+            try:
+                self.target.prepare(self.target_gid(txn.xid))
+            except Exception as exc:
+                self.abort_group()
+                raise ApplyError(f"PREPARE TRANSACTION of source transaction {txn.xid} ({gid!r}) prepared at "
+                                 f"{prepare_lsn} failed on the target: {_one_line(exc)}") from exc
+            self.group_open = False
+        self.stats.transactions += 1
+        self._progress_only(end_lsn, when)
+
+    def handle_commit_prepared(self, m: CommitPrepared) -> None:
+        """Commit a prepared transaction (or replay the kept one) and record the progress."""
+        self._finish_prepared(m.xid, m.gid, m.commit_lsn, m.end_lsn, m.commit_time, True)
+
+    def handle_rollback_prepared(self, m: RollbackPrepared) -> None:
+        """Roll back a prepared transaction (or forget the kept one) and record the progress."""
+        self._finish_prepared(m.xid, m.gid, m.prepare_end_lsn, m.rollback_end_lsn, m.rollback_time, False)
+
+    def _finish_prepared(self, xid: int, gid: str, lsn: LSN, end_lsn: LSN, when: int, commit: bool) -> None:
+        self.flush_group()
+        self.last_commit_end = LSN(max(self.last_commit_end, end_lsn))
+        if end_lsn <= self.applied:
+            self.stats.skipped += 1
+            return
+        what = "COMMIT PREPARED" if commit else "ROLLBACK PREPARED"
+        try:
+            if self.table_prepare:
+                self.ensure_group()
+                blob = self.target.load_prepared(gid)
+                if blob is not None and commit:
+                    self.txn = SourceTxn(xid, lsn, False)
+                    try:
+                        self.replay_isolated(blob)
+                    finally:
+                        self.txn = None
+                if blob is not None:
+                    self.target.delete_prepared(gid)
+            elif self.target_gid(xid) in self.target.prepared_gids():
+                self.target.finish_prepared(self.target_gid(xid), commit)
+        except ApplyError:
+            self.abort_group()
+            raise
+        except Exception as exc:
+            self.abort_group()
+            raise ApplyError(f"{what} of source transaction {xid} ({gid!r}) ending at {end_lsn} failed on the "
+                             f"target: {_one_line(exc)}") from exc
+        self._progress_only(end_lsn, when)
+
+
+_SPOOLED_IN_PREPARE = frozenset({Insert, Update, Delete, Truncate, Relation, Type, Message})
 
 
 def _one_line(exc: BaseException) -> str:

@@ -77,7 +77,8 @@ def open_target(cfg: Config) -> Any:
         from applier.target.sqlite import SqliteTarget
         return SqliteTarget(t["url"], cfg.apply["name"], t["tables"])
     from applier.target.postgres import PostgresTarget
-    return PostgresTarget(t["url"], cfg.apply["name"], t["synchronous_commit"], t["tables"])
+    return PostgresTarget(t["url"], cfg.apply["name"], t["synchronous_commit"], t["tables"],
+                          two_phase_mode=t["two_phase_mode"])
 
 
 def open_source(cfg: Config, start: LSN) -> Source:
@@ -189,6 +190,7 @@ class Runner:
             progress = target.read_progress()
             engine = ApplyEngine(
                 target, applied=progress.lsn, skip_lsn=progress.skip_lsn, work_dir=self.work_dir / "spool",
+                name=cfg.apply["name"],
                 skip_origins=cfg.apply["skip_origins"], group_delay=cfg.apply["group_commit_delay"],
                 careful=careful, binary=cfg.source["binary"])
             if self.catchup and self.goal is not None and goal_reached(progress.lsn, self.goal):

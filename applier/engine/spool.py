@@ -4,8 +4,10 @@ Between Stream Start and Stream Stop the server sends changes of a transaction
 that has not committed yet. They are appended, as raw pgoutput bytes, to one
 file per top-level xid in the work directory, never held whole in memory.
 
-Record format: uint32 length, then the message bytes (decoded again at replay
-with ``in_stream=True``).
+Record format: uint8 flag (1: the message was sent inside a stream block and
+carries the streamed xid; 0: it was not), uint32 length, then the message bytes,
+decoded again at replay. The same records, read back whole, are what a SQLite
+target keeps for a prepared transaction (``records``).
 
 Subtransaction aborts: the offset of each subxid's first change is kept; a
 Stream Abort of a subxid truncates the file there, which drops that
@@ -23,7 +25,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-_LEN = struct.Struct(">I")
+_HEAD = struct.Struct(">BI")
+
+
+def records(data: bytes) -> Iterator[tuple[bool, bytes]]:
+    """(in_stream, message) pairs of spool records held in memory."""
+    pos, end = 0, len(data)
+    while pos < end:
+        flag, n = _HEAD.unpack_from(data, pos)
+        pos += _HEAD.size
+        yield bool(flag), data[pos : pos + n]
+        pos += n
 
 
 class Spool:
@@ -38,11 +50,11 @@ class Spool:
         self.first_offset: dict[int, int] = {}
         self.count = 0
 
-    def append(self, subxid: int, data: bytes) -> None:
+    def append(self, subxid: int, data: bytes, in_stream: bool = True) -> None:
         """Append one message of (sub)transaction ``subxid``."""
         if subxid not in self.first_offset:
             self.first_offset[subxid] = self._f.tell()
-        self._f.write(_LEN.pack(len(data)))
+        self._f.write(_HEAD.pack(in_stream, len(data)))
         self._f.write(data)
         self.count += 1
 
@@ -56,16 +68,21 @@ class Spool:
         self._f.seek(off)
         self.first_offset = {x: o for x, o in self.first_offset.items() if o < off}
 
-    def messages(self) -> Iterator[bytes]:
-        """The spooled messages in order."""
+    def messages(self) -> Iterator[tuple[bool, bytes]]:
+        """The spooled (in_stream, message) pairs in order, read from disk as they are used."""
         self._f.flush()
         with open(self.path, "rb") as f:
             while True:
-                head = f.read(4)
+                head = f.read(_HEAD.size)
                 if not head:
                     return
-                (n,) = _LEN.unpack(head)
-                yield f.read(n)
+                flag, n = _HEAD.unpack(head)
+                yield bool(flag), f.read(n)
+
+    def read_all(self) -> bytes:
+        """The whole spool as bytes (records as ``records`` reads them)."""
+        self._f.flush()
+        return self.path.read_bytes()
 
     def remove(self) -> None:
         """Close and delete the file."""

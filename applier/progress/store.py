@@ -29,6 +29,10 @@ class ProgressSQL(NamedTuple):
     upsert: str
     set_skip: str
     clear_skip: str
+    store_prepared: str
+    load_prepared: str
+    delete_prepared: str
+    list_prepared: str
 
 
 def _sql(ph: str) -> ProgressSQL:
@@ -41,6 +45,13 @@ def _sql(ph: str) -> ProgressSQL:
         set_skip=(f"INSERT INTO applier_progress (name, lsn, skip_lsn) VALUES ({ph}, '0/0', {ph}) "
                   f"ON CONFLICT (name) DO UPDATE SET skip_lsn = excluded.skip_lsn"),
         clear_skip=f"UPDATE applier_progress SET skip_lsn = NULL WHERE name = {ph}",
+        store_prepared=(f"INSERT INTO applier_prepared (name, gid, xid, prepare_lsn, end_lsn, prepare_time, changes) "
+                        f"VALUES ({ph}, {ph}, {ph}, {ph}, {ph}, {ph}, {ph}) ON CONFLICT (name, gid) DO UPDATE SET "
+                        f"xid = excluded.xid, prepare_lsn = excluded.prepare_lsn, end_lsn = excluded.end_lsn, "
+                        f"prepare_time = excluded.prepare_time, changes = excluded.changes"),
+        load_prepared=f"SELECT changes FROM applier_prepared WHERE name = {ph} AND gid = {ph}",
+        delete_prepared=f"DELETE FROM applier_prepared WHERE name = {ph} AND gid = {ph}",
+        list_prepared=f"SELECT gid, xid, prepare_lsn, end_lsn FROM applier_prepared WHERE name = {ph} ORDER BY end_lsn",
     )
 
 

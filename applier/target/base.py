@@ -22,6 +22,7 @@ from typing import Any
 
 from applier.decoder.messages import NULL, UNCHANGED_TOAST, Relation, TupleData
 from applier.lsn import LSN
+from applier.progress.store import Progress, ProgressSQL
 
 log = logging.getLogger("applier.target")
 
@@ -178,3 +179,56 @@ SQLITE = Dialect("sqlite", "?", "rowid")
 def present_columns(t: TupleData) -> tuple[int, ...]:
     """Columns of a new tuple that carry a value (unchanged TOAST ones are left out)."""
     return tuple(i for i, k in enumerate(t.kinds) if k != UNCHANGED_TOAST)
+
+
+class TargetBase:
+    """What both targets do the same way: the control tables, through ``sql`` on ``cur``.
+
+    Contract of a target (PostgreSQL and SQLite alike):
+    - ``begin``/``commit(source_lsn, commit_time)``/``rollback``: one explicit transaction at a time;
+    - ``insert``/``run_many``/``truncate`` change rows inside it; ``write_progress`` records the
+      applied source LSN inside it (the same transaction as the rows);
+    - ``durable_lsn()`` is the highest source LSN whose commit is on disk; ``wait_durable()`` makes
+      every commit so far durable; only these may be confirmed to the source;
+    - prepared transactions: ``native_prepare`` targets ``prepare``/``finish_prepared``/``prepared_gids``;
+      every target can keep one in ``applier_prepared`` (``store_prepared``/``load_prepared``/``delete_prepared``).
+    """
+
+    sql: ProgressSQL
+    name: str
+    cur: Any
+    conn: Any
+    native_prepare = False
+
+    def read_progress(self) -> Progress:
+        """The applied position recorded on the target (LSN 0/0 if none)."""
+        cur = self.conn.cursor()
+        cur.execute(self.sql.select, [self.name])
+        return Progress.from_row(cur.fetchone())
+
+    def write_progress(self, lsn: LSN, commit_time: int | None, clear_skip: bool = False) -> None:
+        """Record ``lsn`` as applied, in the open transaction."""
+        self.cur.execute(self.sql.upsert, [self.name, str(lsn), commit_time])
+        if clear_skip:
+            self.cur.execute(self.sql.clear_skip, [self.name])
+
+    def store_prepared(self, gid: str, xid: int, prepare_lsn: LSN, end_lsn: LSN, when: int, changes: bytes) -> None:
+        """Keep a prepared transaction's changes, in the open transaction."""
+        self.cur.execute(self.sql.store_prepared, [self.name, gid, xid, str(prepare_lsn), str(end_lsn), when, changes])
+
+    def load_prepared(self, gid: str) -> bytes | None:
+        """A kept prepared transaction's changes, or None."""
+        cur = self.conn.cursor()
+        cur.execute(self.sql.load_prepared, [self.name, gid])
+        row = cur.fetchone()
+        return None if row is None else bytes(row[0] or b"")
+
+    def delete_prepared(self, gid: str) -> None:
+        """Forget a kept prepared transaction, in the open transaction."""
+        self.cur.execute(self.sql.delete_prepared, [self.name, gid])
+
+    def list_prepared(self) -> list[tuple[Any, ...]]:
+        """Kept prepared transactions waiting for their commit: (gid, xid, prepare_lsn, end_lsn)."""
+        cur = self.conn.cursor()
+        cur.execute(self.sql.list_prepared, [self.name])
+        return list(cur.fetchall())

@@ -27,8 +27,8 @@ from sqlalchemy.engine import make_url
 
 from applier.decoder.messages import Relation, TupleData, Type
 from applier.lsn import LSN
-from applier.progress.store import PG_SQL, Progress
-from applier.target.base import POSTGRES, ApplyError, Binding, present_columns, quote_ident, source_name
+from applier.progress.store import PG_SQL
+from applier.target.base import POSTGRES, ApplyError, Binding, TargetBase, present_columns, quote_ident, source_name
 
 log = logging.getLogger("applier.target")
 
@@ -54,13 +54,14 @@ def _copy_escape(v: bytes) -> bytes:
     return v
 
 
-class PostgresTarget:
+class PostgresTarget(TargetBase):
     """Applies changes to a PostgreSQL database; see the module header."""
 
     dialect = POSTGRES
+    sql = PG_SQL
 
     def __init__(self, url: str, name: str, synchronous_commit: str = "off", table_map: dict[str, str] | None = None,
-                 use_origin: bool = True) -> None:
+                 use_origin: bool = True, two_phase_mode: str = "prepare") -> None:
         self.url = url
         self.name = name
         self.table_map = table_map or {}
@@ -79,6 +80,8 @@ class PostgresTarget:
         self._pending: deque[tuple[LSN, LSN]] = deque()  # (target WAL end of commit, source LSN)
         self._durable = LSN(0)
         self._engine = create_engine(url)
+        max_prepared = int(self.conn.execute("SHOW max_prepared_transactions").fetchone()[0])
+        self.native_prepare = two_phase_mode == "prepare" and max_prepared > 0
         self.origin = f"applier_{name}"
         self.has_origin = use_origin and self._setup_origin()
 
@@ -213,17 +216,23 @@ class PostgresTarget:
             sql += " CASCADE"
         self.cur.execute(sql)
 
-    # -- progress ---------------------------------------------------------------
+    # -- prepared transactions ------------------------------------------------------
 
-    def read_progress(self) -> Progress:
-        """The applied position recorded on the target (LSN 0/0 if none)."""
-        return Progress.from_row(self.conn.execute(PG_SQL.select, [self.name]).fetchone())
+    def prepare(self, gid: str) -> None:
+        """PREPARE TRANSACTION the open transaction as ``gid``."""
+        self.cur.execute(psql.SQL("PREPARE TRANSACTION {}").format(psql.Literal(gid)))
+        self.in_txn = False
 
-    def write_progress(self, lsn: LSN, commit_time: int | None, clear_skip: bool = False) -> None:
-        """Record ``lsn`` as applied, in the open transaction."""
-        self.cur.execute(PG_SQL.upsert, [self.name, str(lsn), commit_time])
-        if clear_skip:
-            self.cur.execute(PG_SQL.clear_skip, [self.name])
+    def finish_prepared(self, gid: str, commit: bool) -> None:
+        """COMMIT PREPARED or ROLLBACK PREPARED ``gid``."""
+        verb = "COMMIT PREPARED {}" if commit else "ROLLBACK PREPARED {}"
+        self.cur.execute(psql.SQL(verb).format(psql.Literal(gid)))
+
+    def prepared_gids(self) -> set[str]:
+        """GIDs of transactions this applier has prepared on the target and not finished."""
+        rows = self.conn.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database() "
+                                 "AND starts_with(gid, %s)", [f"applier_{self.name}_"]).fetchall()
+        return {r[0] for r in rows}
 
     def close(self) -> None:
         """Roll back anything open and close the connection."""

@@ -17,8 +17,8 @@ from sqlalchemy.engine import make_url
 
 from applier.decoder.messages import Relation, TupleData, Type
 from applier.lsn import LSN
-from applier.progress.store import SQLITE_SQL, Progress
-from applier.target.base import SQLITE, ApplyError, Binding, present_columns, quote_ident, source_name
+from applier.progress.store import SQLITE_SQL
+from applier.target.base import SQLITE, ApplyError, Binding, TargetBase, present_columns, quote_ident, source_name
 from applier.target.values import sqlite_text_converters
 
 
@@ -37,10 +37,11 @@ def sqlite_table_name(rel: Relation, table_map: dict[str, str]) -> str:
     return f"{rel.namespace}.{rel.name}"
 
 
-class SqliteTarget:
+class SqliteTarget(TargetBase):
     """Applies changes to a SQLite database file; see the module header."""
 
     dialect = SQLITE
+    sql = SQLITE_SQL
 
     def __init__(self, url: str, name: str, table_map: dict[str, str] | None = None, **_: Any) -> None:
         self.url = url
@@ -128,16 +129,6 @@ class SqliteTarget:
             has_seq = self.cur.execute("SELECT 1 FROM sqlite_master WHERE name = 'sqlite_sequence'").fetchone()
             if has_seq:
                 self.cur.executemany("DELETE FROM sqlite_sequence WHERE name = ?", [[b.table] for b in bindings])
-
-    def read_progress(self) -> Progress:
-        """The applied position recorded on the target (LSN 0/0 if none)."""
-        return Progress.from_row(self.conn.execute(SQLITE_SQL.select, [self.name]).fetchone())
-
-    def write_progress(self, lsn: LSN, commit_time: int | None, clear_skip: bool = False) -> None:
-        """Record ``lsn`` as applied, in the open transaction."""
-        self.cur.execute(SQLITE_SQL.upsert, [self.name, str(lsn), commit_time])
-        if clear_skip:
-            self.cur.execute(SQLITE_SQL.clear_skip, [self.name])
 
     def close(self) -> None:
         """Roll back anything open and close the file."""
