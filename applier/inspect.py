@@ -45,7 +45,7 @@ def decode_stream(src: Source, limit: int | None = None, idle: float = 1.0) -> I
             return
         if type(frame) is XLogData:
             msg = decoder.decode(frame.payload)
-            yield {"lsn": str(frame.start), "wal_end": str(frame.wal_end), **render_message(msg)}
+            yield {"lsn": str(LSN(frame.start)), "wal_end": str(LSN(frame.wal_end)), **render_message(msg)}
             n += 1
 
 

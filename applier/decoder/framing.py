@@ -22,10 +22,13 @@ _PG_EPOCH_UNIX = 946684800  # 2000-01-01 in Unix seconds
 
 
 class XLogData(NamedTuple):
-    """One WAL payload: start LSN (0/0 for some messages), server WAL end, send time, message bytes."""
+    """One WAL payload: start LSN (0/0 for some messages), WAL end, send time, message bytes.
 
-    start: LSN
-    wal_end: LSN
+    The LSNs are plain ints here (one of these is built per change: ``LSN(frame.start)`` to print).
+    """
+
+    start: int
+    wal_end: int
     send_time: int
     payload: bytes
 
@@ -50,7 +53,7 @@ def read_frame(data: bytes) -> Frame:
         if len(data) < 1 + _W.size:
             raise DecodeError("XLogData", "header", 1, f"needs {_W.size} bytes, {len(data) - 1} left")
         start, end, ts = _W.unpack_from(data, 1)
-        return XLogData(LSN(start), LSN(end), ts, bytes(data[1 + _W.size :]))
+        return XLogData(start, end, ts, data[25:])
     if kind == 0x6B:  # 'k'
         if len(data) != 1 + _K.size:
             raise DecodeError("Primary keepalive", "length", 0, f"expected {1 + _K.size} bytes, got {len(data)}")

@@ -138,42 +138,75 @@ class _Reader:
         return chr(b)
 
     def tuple_data(self, field: str) -> TupleData:
-        """Read TupleData: Int16 column count, then n/u/(t|b Int32 len, bytes) per column."""
-        buf = self.buf
-        end = self.end
-        pos = self.pos
-        if pos + 2 > end:
-            raise self.fail(f"{field} column count", f"needs 2 bytes, {end - pos} left")
-        ncols = _I16.unpack_from(buf, pos)[0]
-        if ncols < 0:
-            raise self.fail(f"{field} column count", f"negative ({ncols})")
-        pos += 2
-        kinds = bytearray(ncols)
-        values: list[bytes | None] = [None] * ncols
-        unpack = _I32.unpack_from
-        for i in range(ncols):
-            if pos >= end:
-                raise self.fail(f"{field} column {i + 1} kind", "needs 1 byte, 0 left", pos)
-            kind = buf[pos]
-            kinds[i] = kind
-            pos += 1
-            if kind == TEXT or kind == BINARY:
-                if pos + 4 > end:
-                    raise self.fail(f"{field} column {i + 1} length", f"needs 4 bytes, {end - pos} left", pos)
-                n = unpack(buf, pos)[0]
-                pos += 4
-                if n < 0 or pos + n > end:
-                    raise self.fail(f"{field} column {i + 1} value", f"length {n} but {end - pos} bytes left", pos - 4)
-                values[i] = buf[pos : pos + n]
-                pos += n
-            elif kind != NULL and kind != UNCHANGED_TOAST:
-                raise self.fail(f"{field} column {i + 1} kind", f"expected n, u, t or b, got {bytes([kind])!r}", pos - 1)
-        self.pos = pos
-        return TupleData(bytes(kinds), tuple(values))
+        """Read TupleData at the cursor."""
+        t, self.pos = read_tuple(self.buf, self.pos, self.end, self.name, field)
+        return t
 
     def done(self) -> None:
         if self.pos != self.end:
             raise self.fail("end", f"{self.end - self.pos} unexpected trailing bytes")
+
+
+def read_tuple(buf: bytes, pos: int, end: int, name: str, field: str) -> tuple[TupleData, int]:
+    """Read TupleData at ``pos``: Int16 column count, then n/u/(t|b Int32 len, bytes) per column."""
+    if pos + 2 > end:
+        raise DecodeError(name, f"{field} column count", pos, f"needs 2 bytes, {end - pos} left")
+    ncols = _I16.unpack_from(buf, pos)[0]
+    if ncols < 0:
+        raise DecodeError(name, f"{field} column count", pos, f"negative ({ncols})")
+    pos += 2
+    kinds = bytearray(ncols)
+    values: list[bytes | None] = [None] * ncols
+    unpack = _I32.unpack_from
+    for i in range(ncols):
+        if pos >= end:
+            raise DecodeError(name, f"{field} column {i + 1} kind", pos, "needs 1 byte, 0 left")
+        kind = buf[pos]
+        kinds[i] = kind
+        pos += 1
+        if kind == TEXT or kind == BINARY:
+            if pos + 4 > end:
+                raise DecodeError(name, f"{field} column {i + 1} length", pos, f"needs 4 bytes, {end - pos} left")
+            n = unpack(buf, pos)[0]
+            pos += 4
+            if n < 0 or pos + n > end:
+                raise DecodeError(name, f"{field} column {i + 1} value", pos - 4, f"length {n} but {end - pos} bytes left")
+            values[i] = buf[pos : pos + n]
+            pos += n
+        elif kind != NULL and kind != UNCHANGED_TOAST:
+            raise DecodeError(name, f"{field} column {i + 1} kind", pos - 1,
+                              f"expected n, u, t or b, got {bytes([kind])!r}")
+    return TupleData(bytes(kinds), tuple(values)), pos
+
+
+def _fast_insert(data: bytes) -> Insert | None:
+    """Insert outside a stream without a cursor object (the hot path); None: use the reader."""
+    end = len(data)
+    if end < 8 or data[5] != 0x4E:  # 'N'
+        return None
+    t, pos = read_tuple(data, 6, end, "Insert", "new tuple")
+    if pos != end:
+        return None
+    return Insert(None, _U32.unpack_from(data, 1)[0], t)
+
+
+def _fast_update(data: bytes) -> Update | None:
+    """Update outside a stream without a cursor object; None: use the reader."""
+    end = len(data)
+    if end < 8:
+        return None
+    part = data[5]
+    oid = _U32.unpack_from(data, 1)[0]
+    if part == 0x4E:
+        t, pos = read_tuple(data, 6, end, "Update", "new tuple")
+        return Update(None, oid, None, None, t) if pos == end else None
+    if part != 0x4B and part != 0x4F:  # 'K', 'O'
+        return None
+    old, pos = read_tuple(data, 6, end, "Update", "key tuple" if part == 0x4B else "old tuple")
+    if pos >= end or data[pos] != 0x4E:
+        return None
+    t, pos = read_tuple(data, pos + 1, end, "Update", "new tuple")
+    return Update(None, oid, chr(part), old, t) if pos == end else None
 
 
 def read_begin(r: _Reader, in_stream: bool) -> Begin:
@@ -337,10 +370,20 @@ _READERS: dict[int, tuple[str, Callable[[_Reader, bool], PgOutputMessage]]] = {
 }
 
 
+_FAST: dict[int, Callable[[bytes], PgOutputMessage | None]] = {ord("I"): _fast_insert, ord("U"): _fast_update}
+
+
 def decode_message(data: bytes, in_stream: bool = False) -> PgOutputMessage:
     """Decode exactly one pgoutput message; ``in_stream`` when inside Stream Start … Stop."""
     if not data:
         raise DecodeError("(empty)", "kind", 0, "no bytes")
+    if not in_stream:
+        kind = data[0]
+        fast = _FAST.get(kind)
+        if fast is not None:
+            msg = fast(bytes(data))
+            if msg is not None:
+                return msg
     entry = _READERS.get(data[0])
     if entry is None:
         raise DecodeError("(unknown)", "kind", 0, f"unknown message kind {data[:1]!r}")

@@ -152,7 +152,8 @@ class ApplyEngine:
             txn.spool.append(txn.xid, raw, False)
             if kind is not Relation and kind is not Type:
                 return
-        self._raw = (False, raw)
+        if kind is Relation or kind is Type:
+            self._raw = (False, raw)
         self._handlers[kind](msg)
 
     def set_careful(self, careful: bool, group_delay: float) -> None:

@@ -48,6 +48,8 @@ log = logging.getLogger("applier.runner")
 XLOG_BLCKSZ = 8192
 _PAGE_HEADERS = (24, 40)  # short and long WAL page header sizes
 CONFIRM_EVERY = 1.0
+# Message kinds that end a transaction (or a stream block, or stand alone): the loop's checkpoints.
+_ENDS = frozenset(b"CKrcPpAEM")
 
 
 @dataclass
@@ -218,7 +220,8 @@ class Runner:
         self.summary.skipped += stats.skipped
 
     def _loop(self, engine: ApplyEngine, source: Source, target: Any, careful: bool, fail_point: LSN) -> bool:
-        decoder = Decoder()
+        decode = Decoder().decode
+        handle = engine.handle
         goal = self.goal
         reached = LSN(0)
         last_confirm = time.monotonic()
@@ -247,8 +250,10 @@ class Runner:
                     last_confirm = time.monotonic()
                 continue
             if type(frame) is XLogData:
-                msg = decoder.decode(frame.payload)
-                engine.handle(msg, frame.payload)
+                payload = frame.payload
+                handle(decode(payload), payload)
+                if payload[0] not in _ENDS:  # a change inside a transaction: nothing else to look at
+                    continue
                 if not engine.in_transaction and engine.last_commit_end > reached:
                     reached = engine.last_commit_end
             elif frame.wal_end > reached:
@@ -259,7 +264,7 @@ class Runner:
             if goal is not None and not engine.in_transaction and goal_reached(reached, goal):
                 engine.flush_group()
                 break
-            if time.monotonic() - last_confirm >= CONFIRM_EVERY and not engine.group_open:
+            if not engine.group_open and time.monotonic() - last_confirm >= CONFIRM_EVERY:
                 source.confirm(target.durable_lsn())
                 last_confirm = time.monotonic()
         engine.flush_group()

@@ -59,6 +59,7 @@ class WalSender:
         self._received = LSN(0)
         self._last_status = 0.0
         self._dirty = False
+        self._frames = 0
         self._started = False
 
     # -- replication commands -------------------------------------------------
@@ -143,6 +144,9 @@ class WalSender:
                 if type(frame) is XLogData:
                     if frame.wal_end > self._received:
                         self._received = frame.wal_end
+                    self._frames += 1
+                    if self._frames & 1023:  # look at the clock for status updates every 1024 changes
+                        return frame
                 else:
                     assert isinstance(frame, Keepalive)
                     if frame.wal_end > self._received:
@@ -180,7 +184,7 @@ class WalSender:
     @property
     def received(self) -> LSN:
         """The highest WAL end seen from the server."""
-        return self._received
+        return LSN(self._received)
 
     def send_status(self, reply: bool = False) -> None:
         """Send a Standby status update now: write = received, flush = apply = confirmed."""

@@ -28,7 +28,7 @@ from sqlalchemy.engine import make_url
 from applier.decoder.messages import Relation, TupleData, Type
 from applier.lsn import LSN
 from applier.progress.store import PG_SQL
-from applier.target.base import POSTGRES, ApplyError, Binding, TargetBase, present_columns, quote_ident, source_name
+from applier.target.base import POSTGRES, ApplyError, Binding, TargetBase, quote_ident, source_name
 
 log = logging.getLogger("applier.target")
 
@@ -176,28 +176,31 @@ class PostgresTarget(TargetBase):
     # -- changes --------------------------------------------------------------
 
     def insert(self, b: Binding, rows: Sequence[TupleData]) -> None:
-        """Insert rows with COPY (one COPY per run of rows with the same columns)."""
-        i = 0
-        while i < len(rows):
-            present = present_columns(rows[i])
-            j = i + 1
-            while j < len(rows) and present_columns(rows[j]) == present:
-                j += 1
-            cols = psql.SQL(", ").join(psql.Identifier(b.names[k]) for k in present)
-            stmt = psql.SQL("COPY {} ({}) FROM STDIN").format(psql.SQL(b.qtable), cols)
-            if b.convert and b.convert[0] is not bytes.decode:
-                self._insert_params(b, rows[i:j], present)
+        """Insert rows with one COPY (text mode) or a pipelined executemany (binary mode)."""
+        if b.convert and b.convert[0] is not bytes.decode:
+            present = tuple(range(len(b.names)))
+            self.cur.executemany(b.insert_sql(present), [b.values(t, present) for t in rows])
+            return
+        seps = len(b.names) - 1
+        lines = []
+        for t in rows:
+            vals = t.values
+            if None in vals:
+                line = b"\t".join(b"\\N" if v is None else _copy_escape(v) for v in vals)
             else:
-                with self.cur.copy(stmt) as copy:
-                    buf = []
-                    for t in rows[i:j]:
-                        vals = t.values
-                        buf.append(b"\t".join(b"\\N" if vals[k] is None else _copy_escape(vals[k]) for k in present))
-                    copy.write(b"\n".join(buf) + b"\n")
-            i = j
+                line = b"\t".join(vals)  # type: ignore[arg-type]
+                if line.count(b"\t") != seps or b"\\" in line or b"\n" in line or b"\r" in line:
+                    line = b"\t".join(_copy_escape(v) for v in vals)  # type: ignore[arg-type]
+            lines.append(line)
+        lines.append(b"")
+        with self.cur.copy(self._copy_sql(b)) as copy:
+            copy.write(b"\n".join(lines))
 
-    def _insert_params(self, b: Binding, rows: Sequence[TupleData], present: tuple[int, ...]) -> None:
-        self.cur.executemany(b.insert_sql(present), [b.values(t, present) for t in rows])
+    def _copy_sql(self, b: Binding) -> str:
+        sql = b._sql.get("COPY")
+        if sql is None:
+            sql = b._sql["COPY"] = f"COPY {b.qtable} ({', '.join(b.qnames)}) FROM STDIN"
+        return sql
 
     def run_many(self, sql: str, params: list[list[Any]]) -> int:
         """Execute one statement for many parameter rows (pipelined); total rows affected."""
