@@ -53,7 +53,8 @@ def read_frame(data: bytes) -> Frame:
         if len(data) < 1 + _W.size:
             raise DecodeError("XLogData", "header", 1, f"needs {_W.size} bytes, {len(data) - 1} left")
         start, end, ts = _W.unpack_from(data, 1)
-        return XLogData(start, end, ts, data[25:])
+        payload = data[25:]
+        return XLogData(start, end, ts, payload if type(payload) is bytes else bytes(payload))
     if kind == 0x6B:  # 'k'
         if len(data) != 1 + _K.size:
             raise DecodeError("Primary keepalive", "length", 0, f"expected {1 + _K.size} bytes, got {len(data)}")

@@ -300,7 +300,14 @@ class ApplyEngine:
             raise ApplyError(f"{op} for relation OID {oid} outside a transaction")
         if txn.skip:
             return
-        b = self.binding(oid)
+        try:
+            b = self.binding(oid)
+        except ApplyError as exc:  # no target table or column: name the change as _error does
+            rel = self.relations.get(oid)
+            if rel is None:
+                raise
+            raise ApplyError(f"{op} on table {source_name(rel)} (key {_key_text(rel, op, row)}) in transaction "
+                             f"{txn.xid} finished at {txn.final_lsn}: {exc}") from exc
         if self.batch_b is not b or self.batch_op != op or len(self.batch) >= self.batch_rows:
             self.flush_batch(txn)
             self.batch_b, self.batch_op = b, op
@@ -619,3 +626,11 @@ _SPOOLED_IN_PREPARE = frozenset({Insert, Update, Delete, Truncate, Relation, Typ
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
+
+
+def _key_text(rel: Relation, op: str, row: Any) -> str:
+    """'(a)=(1)'-style key of a queued change before its table is bound (as ``Binding.describe_key``)."""
+    t = row if op == "INSERT" else (row.old if row.old is not None else row.new)
+    idx = [i for i, c in enumerate(rel.columns) if c.is_key] or range(len(rel.columns))
+    shown = ["NULL" if t.values[i] is None else t.values[i].decode(errors="replace")[:60] for i in idx]
+    return f"({', '.join(rel.columns[i].name for i in idx)})=({', '.join(shown)})"
