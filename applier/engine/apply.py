@@ -50,7 +50,7 @@ from applier.decoder.messages import (
 from applier.decoder.pgoutput import decode_message
 from applier.engine.spool import _HEAD, Spool, SpoolSet, records
 from applier.lsn import LSN
-from applier.target.base import ApplyError, Binding, present_columns, source_name
+from applier.target.base import ApplyError, Binding, overlay, source_name
 
 log = logging.getLogger("applier.engine")
 
@@ -122,6 +122,8 @@ class ApplyEngine:
         self.batch_op = ""
         self.batch_b: Binding | None = None
         self.batch: list[Any] = []
+        self.batch_keys: dict[tuple[bytes | None, ...], int] = {}  # key -> index in batch (keyed tables)
+        self.batch_txn: SourceTxn | None = None  # the source transaction that started the batch
         self.last_commit_end = LSN(0)
         self._handlers: dict[type, Callable[[Any], None]] = {
             Begin: self.handle_begin, Commit: self.handle_commit, Origin: self.handle_origin,
@@ -209,7 +211,8 @@ class ApplyEngine:
         if txn.why == "applied before":
             self.stats.skipped += 1
             return
-        self.flush_batch(txn)
+        if self.careful:
+            self.flush_batch(txn)
         self.ensure_group()
         self.group_end = end_lsn
         self.group_time = commit_time
@@ -236,6 +239,7 @@ class ApplyEngine:
         """Write the progress and commit the open target transaction."""
         if not self.group_open:
             return
+        self.flush_batch(None)
         try:
             self.target.write_progress(self.group_end, self.group_time, self.group_clears_skip)
             self.target.commit(self.group_end, self.group_time)
@@ -254,6 +258,7 @@ class ApplyEngine:
     def abort_group(self) -> None:
         """Roll back the open target transaction and forget the batch."""
         self.batch, self.batch_b, self.batch_op = [], None, ""
+        self.batch_keys = {}
         if self.group_open:
             self.group_open = False
             try:
@@ -308,10 +313,66 @@ class ApplyEngine:
                 raise
             raise ApplyError(f"{op} on table {source_name(rel)} (key {_key_text(rel, op, row)}) in transaction "
                              f"{txn.xid} finished at {txn.final_lsn}: {exc}") from exc
-        if self.batch_b is not b or self.batch_op != op or len(self.batch) >= self.batch_rows:
-            self.flush_batch(txn)
-            self.batch_b, self.batch_op = b, op
-        self.batch.append(row)
+        self.stats.rows += 1
+        self.group_rows_n += 1
+        batch = self.batch
+        if self.batch_b is b and len(batch) < self.batch_rows and self._merge(op, b, row, batch):
+            return
+        self.flush_batch(txn)
+        self.batch_b, self.batch_op, self.batch_txn = b, op, txn
+        self.batch = [row]
+        if b.foldable:
+            if op == "UPDATE":
+                key, moved = b.update_key(row)
+                if moved:  # a key change runs alone
+                    self.flush_batch(txn)
+                    return
+                self.batch_keys = {key: 0}
+            elif op == "INSERT":
+                self.batch_keys = {b.key_of(row): 0}
+
+    def _merge(self, op: str, b: Binding, row: Any, batch: list[Any]) -> bool:
+        """Add a change to the batch of the same table; False when the batch must be applied first.
+
+        Changes to a row that the batch already holds are folded into it (an insert then an update
+        becomes the updated insert, an insert then a delete nothing, two updates one), which is
+        what applying them in order would leave, so batches may span source transactions.
+        """
+        bop = self.batch_op
+        if bop == op:
+            if not b.foldable or op == "DELETE":
+                batch.append(row)
+                return True
+            if op == "INSERT":
+                self.batch_keys[b.key_of(row)] = len(batch)
+                batch.append(row)
+                return True
+            key, moved = b.update_key(row)
+            if moved:
+                return False
+            i = self.batch_keys.get(key)
+            if i is None:
+                self.batch_keys[key] = len(batch)
+                batch.append(row)
+            else:
+                prev = batch[i]
+                batch[i] = Update(prev.xid, prev.relation_oid, prev.old_kind, prev.old, overlay(row.new, prev.new))
+            return True
+        if bop == "INSERT" and b.foldable:
+            if op == "UPDATE":
+                key, moved = b.update_key(row)
+            else:
+                key, moved = b.key_of(row.old), False
+            i = self.batch_keys.get(key)
+            if i is None or moved:
+                return False
+            if op == "UPDATE":
+                batch[i] = overlay(row.new, batch[i])
+            else:
+                batch[i] = None
+                del self.batch_keys[key]
+            return True
+        return False
 
     def handle_insert(self, m: Insert) -> None:
         """Queue an insert."""
@@ -352,47 +413,28 @@ class ApplyEngine:
             return
         b, op = self.batch_b, self.batch_op
         assert b is not None
-        self.batch, self.batch_b, self.batch_op = [], None, ""
+        txn = self.batch_txn or txn
+        self.batch, self.batch_b, self.batch_op, self.batch_keys, self.batch_txn = [], None, "", {}, None
+        if op == "INSERT" and None in rows:
+            rows = [r for r in rows if r is not None]
+            if not rows:
+                return
         self.ensure_group()
+        lsn = txn.final_lsn if txn is not None else self.txn_lsn()
         try:
             if op == "INSERT":
                 self.target.insert(b, rows)
+                missing = 0
+            elif op == "UPDATE":
+                missing = self.target.update_rows(b, rows, lsn)
             else:
-                self._locate_and_run(b, op, rows)
+                missing = self.target.delete_rows(b, rows, lsn)
         except ApplyError:
             self.abort_group()
             raise
         except Exception as exc:
             self.abort_group()
             raise self._error(op, b, rows, txn, exc) from exc
-        self.stats.rows += len(rows)
-        self.group_rows_n += len(rows)
-
-    def _locate_and_run(self, b: Binding, op: str, rows: list[Any]) -> None:
-        """Run updates or deletes, one statement per run of rows of the same shape."""
-        lsn = self.txn_lsn()
-        run_sql: str | None = None
-        params: list[list[Any]] = []
-        missing = 0
-        for m in rows:
-            if op == "UPDATE":
-                t, idx, full = b.locator(op, m.old_kind, m.old, m.new, lsn)
-                nulls, where_args = b.row_args(t, idx)
-                setcols = present_columns(m.new)
-                sql = b.update_sql(setcols, idx, nulls, full)
-                args = b.values(m.new, setcols) + where_args
-            else:
-                t, idx, full = b.locator(op, m.old_kind, m.old, None, lsn)
-                nulls, where_args = b.row_args(t, idx)
-                sql = b.delete_sql(idx, nulls, full)
-                args = where_args
-            if sql is not run_sql and params:
-                missing += len(params) - self.target.run_many(run_sql, params)
-                params = []
-            run_sql = sql
-            params.append(args)
-        if params:
-            missing += len(params) - self.target.run_many(run_sql, params)
         if missing > 0:
             what = "updated" if op == "UPDATE" else "deleted"
             if len(rows) == 1:
@@ -400,8 +442,8 @@ class ApplyEngine:
                 log.warning("row to be %s not found in table %s, key %s (transaction finished at %s): skipped",
                             what, b.table, b.describe_key(t, idx), lsn)
             else:
-                log.warning("%d rows to be %s not found in table %s (transaction finished at %s): skipped",
-                            missing, what, b.table, lsn)
+                log.warning("%d rows to be %s not found in table %s (transactions from the one finished at %s): "
+                            "skipped", missing, what, b.table, lsn)
 
     def _error(self, op: str, b: Binding, rows: list[Any], txn: SourceTxn | None, exc: BaseException) -> ApplyError:
         where = f"in transaction {txn.xid} finished at {txn.final_lsn}" if txn else ""
@@ -410,7 +452,8 @@ class ApplyEngine:
             if op == "INSERT":
                 t, idx = r, b.key_idx or list(range(len(b.names)))
             else:
-                t, idx, _ = b.locator(op, r.old_kind, r.old, getattr(r, "new", None), self.txn_lsn())
+                t, idx, _ = b.locator(op, r.old_kind, r.old, getattr(r, "new", None),
+                                      txn.final_lsn if txn else self.txn_lsn())
             key = f"key {b.describe_key(t, idx)}"
         else:
             key = f"one of {len(rows)} rows"
@@ -506,6 +549,7 @@ class ApplyEngine:
 
     def _start_prepared(self, xid: int, prepare_lsn: LSN, gid: str) -> SourceTxn:
         self.flush_group()
+        self.target.preparing = not self.table_prepare
         skip, why = self.should_skip(prepare_lsn)
         if not skip and self._prepared_before(gid, xid):
             skip, why = True, "prepared before"
@@ -551,6 +595,12 @@ class ApplyEngine:
 
     def _finish_prepare(self, txn: SourceTxn, gid: str, prepare_lsn: LSN, end_lsn: LSN, when: int) -> None:
         self.txn = None
+        try:
+            self._prepare(txn, gid, prepare_lsn, end_lsn, when)
+        finally:
+            self.target.preparing = False
+
+    def _prepare(self, txn: SourceTxn, gid: str, prepare_lsn: LSN, end_lsn: LSN, when: int) -> None:
         self.last_commit_end = LSN(max(self.last_commit_end, end_lsn))
         if txn.why == "applied before":
             self.stats.skipped += 1

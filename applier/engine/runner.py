@@ -132,8 +132,9 @@ class Runner:
     """Runs sessions until done; see the module header."""
 
     def __init__(self, cfg: Config, *, catchup: bool, stop: threading.Event | None = None,
-                 max_connect_retries: int | None = None) -> None:
+                 max_connect_retries: int | None = None, wrap_source: Any = None) -> None:
         self.cfg = cfg
+        self.wrap_source = wrap_source  # Source -> Source, applied to each session's source (applier verify)
         self.catchup = catchup
         self.stop = stop or threading.Event()
         self.max_connect_retries = max_connect_retries if max_connect_retries is not None else (5 if catchup else None)
@@ -141,6 +142,7 @@ class Runner:
         self.summary = Summary()
         self.work_dir = Path(cfg.apply["work_dir"])
         self.fail_lsn = LSN(0)  # where the last session stopped; careful mode lasts until past it
+        self.ended_careful = False  # whether the last session was still in careful mode when it ended
 
     def run(self) -> Summary:
         """Apply until stopped (daemon) or caught up (catchup); returns the summary."""
@@ -167,7 +169,7 @@ class Runner:
                     if self.max_connect_retries is not None and failures > self.max_connect_retries:
                         raise
                     log.warning("connection problem, retrying in %.1fs: %s", delay, msg)
-                elif not careful:
+                elif not (careful and self.ended_careful):  # careful mode ends past the fail point
                     log.warning("apply failed, retrying the failing transaction row by row: %s", msg)
                     careful = True
                     continue
@@ -185,6 +187,7 @@ class Runner:
     def session(self, careful: bool) -> bool:
         """One connection's worth of applying; True when the run is complete."""
         cfg = self.cfg
+        self.ended_careful = careful
         target = open_target(cfg)
         engine: ApplyEngine | None = None
         source: Source | None = None
@@ -199,11 +202,14 @@ class Runner:
                 self.summary.applied = progress.lsn
                 return True
             source = open_source(cfg, progress.lsn)
+            if self.wrap_source is not None:
+                source = self.wrap_source(source)
             return self._loop(engine, source, target, careful, self.fail_lsn)
         finally:
             if engine is not None:
                 self._account(engine.stats)
                 self.fail_lsn = engine.txn.final_lsn if engine.txn is not None else engine.last_commit_end
+                self.ended_careful = engine.careful
                 engine.close()
             if source is not None:
                 try:

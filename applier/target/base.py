@@ -47,7 +47,7 @@ class Binding:
     """One source relation mapped onto one target table; builds and caches statements."""
 
     __slots__ = ("rel", "table", "qtable", "names", "qnames", "convert", "key_idx", "dialect", "_sql",
-                 "text_compare")
+                 "text_compare", "keyed", "foldable", "set_based", "pg_types")
 
     def __init__(self, rel: Relation, table: str, qtable: str, convert: Sequence[Converter | None],
                  dialect: Dialect, text_compare: Sequence[bool] = ()) -> None:
@@ -61,6 +61,31 @@ class Binding:
         self.dialect = dialect
         self.text_compare = list(text_compare) or [False] * len(self.names)
         self._sql: dict[Any, str] = {}
+        # rows are found by key columns (not REPLICA IDENTITY FULL): changes to one row can be folded
+        self.keyed = bool(self.key_idx) and rel.replica_identity in ("d", "i")
+        # changes to one row may be folded together, out of order with other rows' changes: only when
+        # no other unique index on the target could see the difference (see ``set_unique_indexes``)
+        self.foldable = False
+        self.set_based = False  # the target may apply a batch of keyed changes in one statement
+        self.pg_types: list[str] = []  # PostgreSQL target: each column's type on the target
+
+    def set_unique_indexes(self, indexes: Sequence[frozenset[str] | None]) -> None:
+        """Tell the target table's unique indexes (column names; None: an expression index)."""
+        key = frozenset(self.names[i] for i in self.key_idx)
+        self.foldable = self.keyed and all(ix == key for ix in indexes)
+
+    def key_of(self, t: TupleData) -> tuple[bytes | None, ...]:
+        """The key columns' raw values of a tuple."""
+        vals = t.values
+        return tuple([vals[i] for i in self.key_idx])
+
+    def update_key(self, m: Any) -> tuple[tuple[bytes | None, ...], bool]:
+        """(key of the row an update finds, whether the update changes the key)."""
+        new_key = self.key_of(m.new)
+        if m.old_kind == "K" and m.old is not None:
+            old_key = self.key_of(m.old)
+            return old_key, old_key != new_key
+        return new_key, False
 
     # -- values ---------------------------------------------------------------
 
@@ -176,6 +201,19 @@ POSTGRES = Dialect("postgresql", "%s", "ctid")
 SQLITE = Dialect("sqlite", "?", "rowid")
 
 
+def overlay(new: TupleData, base: TupleData) -> TupleData:
+    """``new`` with its unchanged-TOAST columns taken from ``base`` (an earlier image of the row)."""
+    if UNCHANGED_TOAST not in new.kinds:
+        return new
+    kinds = bytearray(new.kinds)
+    values = list(new.values)
+    for i, k in enumerate(new.kinds):
+        if k == UNCHANGED_TOAST:
+            kinds[i] = base.kinds[i]
+            values[i] = base.values[i]
+    return TupleData(bytes(kinds), tuple(values))
+
+
 def present_columns(t: TupleData) -> tuple[int, ...]:
     """Columns of a new tuple that carry a value (unchanged TOAST ones are left out)."""
     return tuple(i for i, k in enumerate(t.kinds) if k != UNCHANGED_TOAST)
@@ -199,6 +237,48 @@ class TargetBase:
     cur: Any
     conn: Any
     native_prepare = False
+    preparing = False  # the open transaction will be prepared (PostgreSQL: no temporary tables then)
+
+    def run_many(self, sql: str, params: list[list[Any]]) -> int:
+        """Execute one statement for many parameter rows; total rows affected."""
+        if len(params) == 1:
+            self.cur.execute(sql, params[0])
+        else:
+            self.cur.executemany(sql, params)
+        return self.cur.rowcount
+
+    def update_rows(self, b: Binding, rows: Sequence[Any], lsn: LSN) -> int:
+        """Apply Update messages in order, one statement per run of the same shape; rows not found."""
+        return self._locate_and_run(b, "UPDATE", rows, lsn)
+
+    def delete_rows(self, b: Binding, rows: Sequence[Any], lsn: LSN) -> int:
+        """Apply Delete messages in order; rows not found."""
+        return self._locate_and_run(b, "DELETE", rows, lsn)
+
+    def _locate_and_run(self, b: Binding, op: str, rows: Sequence[Any], lsn: LSN) -> int:
+        run_sql = ""
+        params: list[list[Any]] = []
+        missing = 0
+        for m in rows:
+            if op == "UPDATE":
+                t, idx, full = b.locator(op, m.old_kind, m.old, m.new, lsn)
+                nulls, where_args = b.row_args(t, idx)
+                setcols = present_columns(m.new)
+                sql = b.update_sql(setcols, idx, nulls, full)
+                args = b.values(m.new, setcols) + where_args
+            else:
+                t, idx, full = b.locator(op, m.old_kind, m.old, None, lsn)
+                nulls, where_args = b.row_args(t, idx)
+                sql = b.delete_sql(idx, nulls, full)
+                args = where_args
+            if sql is not run_sql and params:
+                missing += len(params) - self.run_many(run_sql, params)
+                params = []
+            run_sql = sql
+            params.append(args)
+        if params:
+            missing += len(params) - self.run_many(run_sql, params)
+        return missing
 
     def read_progress(self) -> Progress:
         """The applied position recorded on the target (LSN 0/0 if none)."""

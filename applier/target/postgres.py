@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import psycopg
@@ -28,7 +28,7 @@ from sqlalchemy.engine import make_url
 from applier.decoder.messages import Relation, TupleData, Type
 from applier.lsn import LSN
 from applier.progress.store import PG_SQL
-from applier.target.base import POSTGRES, ApplyError, Binding, TargetBase, quote_ident, source_name
+from applier.target.base import POSTGRES, ApplyError, Binding, TargetBase, present_columns, quote_ident, source_name
 
 log = logging.getLogger("applier.target")
 
@@ -40,6 +40,24 @@ def libpq_dsn(url: str) -> str:
     """A SQLAlchemy postgresql URL as a libpq URI."""
     u = make_url(url).set(drivername="postgresql")
     return u.render_as_string(hide_password=False)
+
+
+def copy_data(rows: Iterable[Sequence[bytes | None]]) -> bytes:
+    """COPY text-format data for rows of wire text values (None: NULL)."""
+    lines = []
+    seps = -1
+    for vals in rows:
+        if seps < 0:
+            seps = len(vals) - 1
+        if None in vals:
+            line = b"\t".join(b"\\N" if v is None else _copy_escape(v) for v in vals)
+        else:
+            line = b"\t".join(vals)  # type: ignore[arg-type]
+            if line.count(b"\t") != seps or b"\\" in line or b"\n" in line or b"\r" in line:
+                line = b"\t".join(_copy_escape(v) for v in vals)  # type: ignore[arg-type]
+        lines.append(line)
+    lines.append(b"")
+    return b"\n".join(lines)
 
 
 def _copy_escape(v: bytes) -> bytes:
@@ -74,9 +92,15 @@ class PostgresTarget(TargetBase):
             self.conn.execute("SET session_replication_role = replica")
         except psycopg.Error:
             log.info("target: role may not set session_replication_role; triggers will fire")
+        # Batches are joined to the target by key: always look each row up through the key's index (a merge
+        # join would walk the index from its start for every batch).
+        self.conn.execute("SET enable_mergejoin = off")
+        self.conn.execute("SET enable_hashjoin = off")
         self.sync = synchronous_commit
         self.cur = self.conn.cursor()
         self.in_txn = False
+        self.preparing = False  # the open transaction will be prepared: no temporary tables
+        self._stages = 0
         self._pending: deque[tuple[LSN, LSN]] = deque()  # (target WAL end of commit, source LSN)
         self._durable = LSN(0)
         self._engine = create_engine(url)
@@ -121,12 +145,27 @@ class PostgresTarget(TargetBase):
                                  f"{source_name(rel)} sends (at LSN {lsn})")
         text_compare = [str(tcols[c.name]["type"]).lower() in _NO_EQUALITY for c in rel.columns]
         qtable = (quote_ident(schema) + "." if schema else "") + quote_ident(table)
+        target_types = dict(self.conn.execute(
+            "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
+            "WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped", [qtable]).fetchall())
+        uniques = self.conn.execute(
+            "SELECT (SELECT array_agg(a.attname) FROM pg_attribute a WHERE a.attrelid = i.indrelid "
+            "AND a.attnum = ANY(i.indkey)), 0 = ANY(i.indkey::int2[]) OR i.indexprs IS NOT NULL "
+            "FROM pg_index i WHERE i.indrelid = %s::regclass AND i.indisunique", [qtable]).fetchall()
         if binary:
+            from applier.target.binary import register_pg_binary
             from applier.target.values import binary_converters
+            register_pg_binary(self.cur)
             convert: list[Any] = binary_converters(rel, types, "postgresql")
         else:
             convert = [bytes.decode] * len(rel.columns)
-        return Binding(rel, shown, qtable, convert, POSTGRES, text_compare)
+        b = Binding(rel, shown, qtable, convert, POSTGRES, text_compare)
+        b.pg_types = [target_types[c.name] for c in rel.columns]
+        # one statement may apply a batch (rows found by key, no other unique index whose checks a
+        # statement-at-once update could trip over, values as text)
+        b.set_unique_indexes([None if expr else frozenset(cols) for cols, expr in uniques])
+        b.set_based = b.foldable and not binary and not any(text_compare[i] for i in b.key_idx)
+        return b
 
     # -- transactions ---------------------------------------------------------
 
@@ -181,20 +220,13 @@ class PostgresTarget(TargetBase):
             present = tuple(range(len(b.names)))
             self.cur.executemany(b.insert_sql(present), [b.values(t, present) for t in rows])
             return
-        seps = len(b.names) - 1
-        lines = []
-        for t in rows:
-            vals = t.values
-            if None in vals:
-                line = b"\t".join(b"\\N" if v is None else _copy_escape(v) for v in vals)
-            else:
-                line = b"\t".join(vals)  # type: ignore[arg-type]
-                if line.count(b"\t") != seps or b"\\" in line or b"\n" in line or b"\r" in line:
-                    line = b"\t".join(_copy_escape(v) for v in vals)  # type: ignore[arg-type]
-            lines.append(line)
-        lines.append(b"")
+        if len(rows) <= 2:  # COPY costs more round trips than a couple of INSERTs
+            present = tuple(range(len(b.names)))
+            self.cur.executemany(b.insert_sql(present), [[None if v is None else v.decode() for v in t.values]
+                                                         for t in rows])
+            return
         with self.cur.copy(self._copy_sql(b)) as copy:
-            copy.write(b"\n".join(lines))
+            copy.write(copy_data(t.values for t in rows))
 
     def _copy_sql(self, b: Binding) -> str:
         sql = b._sql.get("COPY")
@@ -202,13 +234,55 @@ class PostgresTarget(TargetBase):
             sql = b._sql["COPY"] = f"COPY {b.qtable} ({', '.join(b.qnames)}) FROM STDIN"
         return sql
 
-    def run_many(self, sql: str, params: list[list[Any]]) -> int:
-        """Execute one statement for many parameter rows (pipelined); total rows affected."""
-        if len(params) == 1:
-            self.cur.execute(sql, params[0])
-        else:
-            self.cur.executemany(sql, params)
-        return self.cur.rowcount
+    def _stage(self, b: Binding, cols: tuple[int, ...], rows: Iterable[Sequence[bytes | None]]) -> str:
+        """COPY rows of the columns ``cols`` into a temporary table shaped like them; its name."""
+        name = b._sql.get(("STAGE", cols))
+        if name is None:
+            self._stages += 1
+            name = b._sql[("STAGE", cols)] = f"applier_stage_{self._stages}"
+        # IF NOT EXISTS: a rolled-back transaction takes the table it created with it
+        self.cur.execute(f"CREATE TEMP TABLE IF NOT EXISTS {name} ON COMMIT DELETE ROWS AS SELECT "
+                         f"{', '.join(b.qnames[i] for i in cols)} FROM {b.qtable} WITH NO DATA")
+        self.cur.execute(f"TRUNCATE {name}")
+        with self.cur.copy(f"COPY {name} FROM STDIN") as copy:
+            copy.write(copy_data(rows))
+        return name
+
+    def _set_based(self, b: Binding, rows: Sequence[Any]) -> bool:
+        # temporary tables cannot be used in a transaction that will be prepared
+        return b.set_based and len(rows) >= 8 and not self.preparing
+
+    def update_rows(self, b: Binding, rows: Sequence[Any], lsn: LSN) -> int:
+        """Apply updates; a batch of keyed ones is staged by COPY and applied by one UPDATE per shape."""
+        if not self._set_based(b, rows):
+            return super().update_rows(b, rows, lsn)
+        shapes: dict[tuple[int, ...], list[Any]] = {}
+        for m in rows:  # the batch holds each key once (no key changes), so the order between keys is free
+            shapes.setdefault(present_columns(m.new), []).append(m)
+        missing = 0
+        key = b.key_idx
+        for cols, ms in shapes.items():
+            stage = self._stage(b, cols, [[m.new.values[i] for i in cols] for m in ms])
+            sql = b._sql.get(("UPDATE-FROM", cols))
+            if sql is None:
+                sets = ", ".join(f"{b.qnames[i]} = s.{b.qnames[i]}" for i in cols if i not in key)
+                where = " AND ".join(f"t.{b.qnames[k]} = s.{b.qnames[k]}" for k in key)
+                sql = b._sql[("UPDATE-FROM", cols)] = f"UPDATE {b.qtable} AS t SET {sets} FROM {stage} AS s WHERE {where}"
+            if all(i in key for i in cols):  # nothing but the key: the rows only need to exist
+                sql = f"SELECT 1 FROM {b.qtable} AS t JOIN {stage} AS s USING ({', '.join(b.qnames[k] for k in key)})"
+            self.cur.execute(sql)
+            missing += len(ms) - self.cur.rowcount
+        return missing
+
+    def delete_rows(self, b: Binding, rows: Sequence[Any], lsn: LSN) -> int:
+        """Apply deletes; a batch of keyed ones is staged by COPY and applied by one DELETE."""
+        if not self._set_based(b, rows) or any(m.old_kind != "K" for m in rows):
+            return super().delete_rows(b, rows, lsn)
+        key = b.key_idx
+        stage = self._stage(b, tuple(key), [[m.old.values[k] for k in key] for m in rows])
+        where = " AND ".join(f"t.{b.qnames[k]} = s.{b.qnames[k]}" for k in key)
+        self.cur.execute(f"DELETE FROM {b.qtable} AS t USING {stage} AS s WHERE {where}")
+        return len(rows) - self.cur.rowcount
 
     def truncate(self, bindings: Sequence[Binding], cascade: bool, restart_identity: bool) -> None:
         """TRUNCATE the tables, honouring CASCADE and RESTART IDENTITY."""

@@ -79,7 +79,14 @@ class SqliteTarget(TargetBase):
             convert = binary_converters(rel, types, "sqlite")
         else:
             convert = sqlite_text_converters(rel)
-        return Binding(rel, table, quote_ident(table), convert, SQLITE)
+        b = Binding(rel, table, quote_ident(table), convert, SQLITE)
+        uniques = []
+        for ix in self.conn.execute(f"PRAGMA index_list({quote_ident(table)})").fetchall():
+            if ix[2]:  # unique
+                cols = [r[2] for r in self.conn.execute(f"PRAGMA index_info({quote_ident(ix[1])})").fetchall()]
+                uniques.append(None if None in cols else frozenset(cols))
+        b.set_unique_indexes(uniques)
+        return b
 
     def begin(self) -> None:
         """Open a write transaction."""
@@ -115,11 +122,6 @@ class SqliteTarget(TargetBase):
                 j += 1
             self.cur.executemany(b.insert_sql(present), [b.values(t, present) for t in rows[i:j]])
             i = j
-
-    def run_many(self, sql: str, params: list[list[Any]]) -> int:
-        """Execute one statement for many parameter rows; total rows affected."""
-        self.cur.executemany(sql, params)
-        return self.cur.rowcount
 
     def truncate(self, bindings: Sequence[Binding], cascade: bool, restart_identity: bool) -> None:
         """DELETE every row of the tables; RESTART IDENTITY resets their AUTOINCREMENT counters."""

@@ -12,10 +12,12 @@ Text mode to SQLite (documented mapping, by source type):
 | date, time, timestamp, timestamptz, interval | TEXT in ISO form as PostgreSQL prints it (timestamptz in UTC) |
 | json, jsonb, uuid, enums, arrays, everything else | TEXT as PostgreSQL prints it (arrays as `{…}` literals) |
 
-Binary mode: values arrive in PostgreSQL's binary send format and are loaded
-with psycopg's own loaders (by type OID), then adapted as above for SQLite or
-passed as Python objects to PostgreSQL. A type with no binary loader is an
-error naming the type; list it in ``apply.text_types`` to have it sent as text.
+Binary mode (``applier.target.binary``): values arrive in PostgreSQL's binary
+send format. SQLite gets exactly the values above; PostgreSQL gets each value
+back undecoded, in binary with its type OID. A type binary mode cannot read is
+an error naming it; the fallback is ``source.binary = false``: the server picks
+binary or text per type (text only for types without a send function), so
+``apply.text_types`` cannot ask for text.
 """
 
 from __future__ import annotations
