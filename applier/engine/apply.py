@@ -118,6 +118,7 @@ class ApplyEngine:
         self.group_started = 0.0
         self.group_rows_n = 0
         self.group_clears_skip = False
+        self.last_flush = time.monotonic()
         # the batch of consecutive changes of one kind to one table
         self.batch_op = ""
         self.batch_b: Binding | None = None
@@ -163,6 +164,19 @@ class ApplyEngine:
         self.careful = careful
         self.group_delay = 0.0 if careful else group_delay
         self.batch_rows = 1 if careful else BATCH_ROWS
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing received is waiting to be applied: no transaction, group, batch or stream in hand."""
+        return self.txn is None and self.stream_xid is None and not self.group_open and not self.spools.spools
+
+    def advance(self, lsn: LSN) -> None:
+        """Record ``lsn`` (a keepalive's WAL end, all of it applied) as the applied position."""
+        if not self.quiet or lsn <= self.applied:
+            return
+        self.ensure_group()
+        self.group_end = lsn
+        self.flush_group()
 
     def idle(self) -> None:
         """Nothing more is waiting at the source: commit the open group if between transactions."""
@@ -253,6 +267,7 @@ class ApplyEngine:
         self.group_open = False
         self.group_clears_skip = False
         self.applied = self.group_end
+        self.last_flush = time.monotonic()
         self.stats.groups += 1
 
     def abort_group(self) -> None:

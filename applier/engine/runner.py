@@ -230,6 +230,7 @@ class Runner:
         handle = engine.handle
         goal = self.goal
         reached = LSN(0)
+        keepalive_end = LSN(0)
         last_confirm = time.monotonic()
         stopping_since: float | None = None
         group_delay = self.cfg.apply["group_commit_delay"]
@@ -251,6 +252,11 @@ class Runner:
                     break
                 if getattr(source, "exhausted", False):
                     break
+                if (keepalive_end > engine.applied and engine.quiet
+                        and time.monotonic() - engine.last_flush >= self.cfg.source["status_interval"]):
+                    # Nothing published for a while, everything received is applied: record the server's
+                    # WAL end as applied, so the slot stops holding back WAL for a quiet publication.
+                    engine.advance(keepalive_end)
                 if time.monotonic() - last_confirm >= CONFIRM_EVERY:
                     source.confirm(target.durable_lsn())
                     last_confirm = time.monotonic()
@@ -262,8 +268,10 @@ class Runner:
                     continue
                 if not engine.in_transaction and engine.last_commit_end > reached:
                     reached = engine.last_commit_end
-            elif frame.wal_end > reached:
-                reached = frame.wal_end
+            else:
+                keepalive_end = frame.wal_end
+                if keepalive_end > reached:
+                    reached = keepalive_end
             if careful and engine.applied >= fail_point and not engine.group_open:
                 careful = False
                 engine.set_careful(False, group_delay)
