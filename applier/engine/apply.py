@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -254,16 +255,10 @@ class ApplyEngine:
         if not self.group_open:
             return
         self.flush_batch(None)
-        try:
+        with rolled_back_on_error(self, lambda exc: ApplyError(
+                f"commit of the transaction ending at {self.group_end} failed on the target: {_one_line(exc)}")):
             self.target.write_progress(self.group_end, self.group_time, self.group_clears_skip)
             self.target.commit(self.group_end, self.group_time)
-        except ApplyError:
-            self.abort_group()
-            raise
-        except Exception as exc:
-            self.abort_group()
-            raise ApplyError(f"commit of the transaction ending at {self.group_end} failed on the target: "
-                             f"{_one_line(exc)}") from exc
         self.group_open = False
         self.group_clears_skip = False
         self.applied = self.group_end
@@ -409,12 +404,10 @@ class ApplyEngine:
         self.flush_batch(txn)
         self.ensure_group()
         bs = [self.binding(oid) for oid in m.relation_oids]
-        try:
+        with rolled_back_on_error(self, lambda exc: ApplyError(
+                f"TRUNCATE of {', '.join(b.table for b in bs)} in transaction {txn.xid} finished at "
+                f"{txn.final_lsn} failed: {_one_line(exc)}")):
             self.target.truncate(bs, m.cascade, m.restart_identity)
-        except Exception as exc:
-            self.abort_group()
-            raise ApplyError(f"TRUNCATE of {', '.join(b.table for b in bs)} in transaction {txn.xid} "
-                             f"finished at {txn.final_lsn} failed: {_one_line(exc)}") from exc
 
     def handle_message(self, m: Message) -> None:
         """Logical decoding messages are logged, not applied."""
@@ -436,20 +429,14 @@ class ApplyEngine:
                 return
         self.ensure_group()
         lsn = txn.final_lsn if txn is not None else self.txn_lsn()
-        try:
+        missing = 0
+        with rolled_back_on_error(self, lambda exc: self._error(op, b, rows, txn, exc)):
             if op == "INSERT":
                 self.target.insert(b, rows)
-                missing = 0
             elif op == "UPDATE":
                 missing = self.target.update_rows(b, rows, lsn)
             else:
                 missing = self.target.delete_rows(b, rows, lsn)
-        except ApplyError:
-            self.abort_group()
-            raise
-        except Exception as exc:
-            self.abort_group()
-            raise self._error(op, b, rows, txn, exc) from exc
         if missing > 0:
             what = "updated" if op == "UPDATE" else "deleted"
             if len(rows) == 1:
@@ -637,12 +624,10 @@ class ApplyEngine:
         else:
             self.flush_batch(txn)
             self.ensure_group()
-            try:
+            with rolled_back_on_error(self, lambda exc: ApplyError(
+                    f"PREPARE TRANSACTION of source transaction {txn.xid} ({gid!r}) prepared at {prepare_lsn} "
+                    f"failed on the target: {_one_line(exc)}")):
                 self.target.prepare(self.target_gid(txn.xid))
-            except Exception as exc:
-                self.abort_group()
-                raise ApplyError(f"PREPARE TRANSACTION of source transaction {txn.xid} ({gid!r}) prepared at "
-                                 f"{prepare_lsn} failed on the target: {_one_line(exc)}") from exc
             self.group_open = False
         self.stats.transactions += 1
         self._progress_only(end_lsn, when)
@@ -662,7 +647,9 @@ class ApplyEngine:
             self.stats.skipped += 1
             return
         what = "COMMIT PREPARED" if commit else "ROLLBACK PREPARED"
-        try:
+        with rolled_back_on_error(self, lambda exc: ApplyError(
+                f"{what} of source transaction {xid} ({gid!r}) ending at {end_lsn} failed on the target: "
+                f"{_one_line(exc)}")):
             if self.table_prepare:
                 self.ensure_group()
                 blob = self.target.load_prepared(gid)
@@ -676,17 +663,23 @@ class ApplyEngine:
                     self.target.delete_prepared(gid)
             elif self.target_gid(xid) in self.target.prepared_gids():
                 self.target.finish_prepared(self.target_gid(xid), commit)
-        except ApplyError:
-            self.abort_group()
-            raise
-        except Exception as exc:
-            self.abort_group()
-            raise ApplyError(f"{what} of source transaction {xid} ({gid!r}) ending at {end_lsn} failed on the "
-                             f"target: {_one_line(exc)}") from exc
         self._progress_only(end_lsn, when)
 
 
 _SPOOLED_IN_PREPARE = frozenset({Insert, Update, Delete, Truncate, Relation, Type, Message})
+
+
+@contextmanager
+def rolled_back_on_error(engine: ApplyEngine, describe: Callable[[BaseException], ApplyError]) -> Iterator[None]:
+    """Run target work; on any failure roll the open target transaction back and raise an ApplyError."""
+    try:
+        yield
+    except ApplyError:
+        engine.abort_group()
+        raise
+    except Exception as exc:
+        engine.abort_group()
+        raise describe(exc) from exc
 
 
 def _one_line(exc: BaseException) -> str:
