@@ -9,10 +9,12 @@ initialized) is one ``ConfigError`` naming the key or object.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import psycopg
 from sqlalchemy import create_engine
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
 from applier.config import Config, ConfigError, redact_dsn
@@ -67,6 +69,11 @@ def check_source(cfg: Config, need_slot: bool = True) -> dict[str, Any]:
 
 def check_target(cfg: Config, need_init: bool = True) -> str | None:
     """Target reachable and (if needed) its control tables at the newest revision; returns the revision."""
+    if need_init and cfg.target_dialect == "sqlite":  # opening a missing file would create it
+        path = make_url(cfg.target["url"]).database
+        if path and path != ":memory:" and not path.startswith("file:") and not Path(path).exists():
+            raise ConfigError(f"{cfg.where('target', 'url')}: the target's control tables are missing "
+                              f"({path} does not exist); run `applier init`")
     try:
         engine = create_engine(cfg.target["url"])
         try:
@@ -179,7 +186,7 @@ def list_prepared(cfg: Config) -> list[dict[str, str]]:
     """Prepared transactions applied up to PREPARE that wait for their COMMIT/ROLLBACK PREPARED."""
     from applier.engine.runner import open_target
 
-    target = open_target(cfg)
+    target = open_target(cfg, applying=False)
     try:
         out = [{"gid": r[0], "xid": str(r[1]), "prepare_lsn": r[2], "end_lsn": r[3], "kept_in": "applier_prepared"}
                for r in target.list_prepared()]

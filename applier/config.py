@@ -89,10 +89,13 @@ class Config:
         return self.origin_of.get(f"{section}.{key}", f"{section}.{key}")
 
 
-def _coerce(section: str, key: str, value: Any, where: str) -> Any:
+def _coerce(section: str, key: str, value: Any, where: str, from_text: bool = True) -> Any:
+    """Validate one value; text (environment, flags) is parsed first, a file's TOML value is taken as typed."""
     typ, _ = SCHEMA[section][key]
-    if isinstance(value, str) and typ is not str and not (isinstance(typ, tuple) and str in typ):
+    if from_text and isinstance(value, str) and typ is not str and not (isinstance(typ, tuple) and str in typ):
         value = _from_env_text(value, typ)
+    elif from_text and isinstance(value, str) and isinstance(typ, tuple) and bool in typ:  # streaming = "true"
+        value = _from_env_text(value, bool)
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     types = typ if isinstance(typ, tuple) else (typ,)
@@ -149,7 +152,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         for key, value in body.items():
             if key not in SCHEMA[section]:
                 raise ConfigError(f"{fname}: unknown key {section}.{key} (known: {', '.join(SCHEMA[section])})")
-            values[section][key] = _coerce(section, key, value, fname)
+            values[section][key] = _coerce(section, key, value, fname, from_text=False)
             origin[f"{section}.{key}"] = f"{fname}: {section}.{key}"
     for section, keys in SCHEMA.items():
         for key in keys:

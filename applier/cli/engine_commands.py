@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from applier.cli.main import ConfigOpt, DsnOpt, PubOpt, SlotOpt, TargetOpt, app, make_config, run_guarded
+from applier.cli.main import ConfigOpt, DsnOpt, PubOpt, SlotOpt, TargetOpt, UserError, app, make_config, run_guarded
 from applier.lsn import LSN
 
 log = logging.getLogger("applier")
@@ -120,7 +120,7 @@ def skip(lsn: Annotated[str, typer.Option("--lsn", help="Finish LSN of the faili
         try:
             at = LSN.parse(lsn)
         except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--lsn") from None
+            raise UserError(f"--lsn: {exc}") from None
         line = do_skip(make_config(config, target=target), at)
         log.warning(line)
         typer.echo(line)

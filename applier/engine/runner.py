@@ -72,15 +72,15 @@ class Summary:
                 + (f" (goal {self.goal})" if self.goal is not None else "") + f" in {self.seconds:.1f}s")
 
 
-def open_target(cfg: Config) -> Any:
-    """The target of the config (PostgreSQL or SQLite)."""
+def open_target(cfg: Config, applying: bool = True) -> Any:
+    """The target of the config (PostgreSQL or SQLite); ``applying=False`` to only look at it."""
     t = cfg.target
     if cfg.target_dialect == "sqlite":
         from applier.target.sqlite import SqliteTarget
         return SqliteTarget(t["url"], cfg.apply["name"], t["tables"])
     from applier.target.postgres import PostgresTarget
     return PostgresTarget(t["url"], cfg.apply["name"], t["synchronous_commit"], t["tables"],
-                          two_phase_mode=t["two_phase_mode"])
+                          use_origin=applying, two_phase_mode=t["two_phase_mode"])
 
 
 def open_source(cfg: Config, start: LSN) -> Source:

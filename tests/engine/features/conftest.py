@@ -1,0 +1,224 @@
+"""Fixtures for the apply engine's feature tests: one real source database, one real target.
+
+``rig`` is parametrized over the target kind (a PostgreSQL database on the target
+cluster, or a SQLite file) and, through ``source_db``, over every installed
+PostgreSQL major. It knows how to run SQL on either side, build a config,
+``init`` and ``catchup`` in-process (``Runner(cfg, catchup=True).run()``) or
+through the installed ``applier`` script, and read the recorded progress.
+Nothing is mocked: the servers, the slot and the SQLite file are real.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from applier.admin import init, read_progress
+from applier.config import Config, load_config
+from applier.embedded import Cluster, find_install
+from applier.engine.runner import Runner, Summary
+from applier.inspect import decode_stream, open_peek_source
+from applier.lsn import LSN
+from tests.plugins.clusters import ClusterPool, ScratchDb
+
+
+def applier_argv() -> list[str]:
+    """The installed ``applier`` script of this interpreter."""
+    beside = Path(sys.executable).parent / "applier"
+    script = str(beside) if beside.exists() else shutil.which("applier")
+    assert script, "the applier script is not installed"
+    return [script]
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run the real ``applier`` script; APPLIER_* variables of the test run are not passed on."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_")}
+    return subprocess.run([*applier_argv(), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**base, **(env or {})}, stdin=subprocess.DEVNULL)
+
+
+def toml_value(v: Any) -> str:
+    """A Python value as TOML (strings, bools, numbers, lists, one-level dicts)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{toml_value(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(v)
+
+
+def write_toml(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
+    """Write a config file from {section: {key: value}}."""
+    lines = []
+    for section, body in sections.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in body.items()]
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+class Rig:
+    """A source database with a publication and slot, a target, and the config between them."""
+
+    def __init__(self, source: ScratchDb, kind: str, target: ScratchDb | None, tmp: Path) -> None:
+        self.source = source
+        self.kind = kind
+        self.target = target
+        self.tmp = tmp
+        self.sqlite_path = tmp / "replica.db"
+        self.slot = source.dbname  # unique per cluster
+        self.publication = "pub"
+
+    # -- the two sides -----------------------------------------------------------
+
+    @property
+    def pg_version(self) -> int:
+        return self.source.cluster.install.version
+
+    @property
+    def target_url(self) -> str:
+        return self.target.url if self.target is not None else f"sqlite:///{self.sqlite_path}"
+
+    def src(self, query: str, params: Sequence[Any] | None = None) -> list[tuple[Any, ...]]:
+        """Run SQL on the source (one implicit transaction when several statements and no params)."""
+        return self.source.cluster.execute(query, self.source.dbname, params)
+
+    def src_conn(self) -> psycopg.Connection[Any]:
+        """A new autocommit connection to the source database."""
+        return psycopg.connect(self.source.dsn, autocommit=True)
+
+    def wal_lsn(self) -> LSN:
+        """The source's current WAL write position."""
+        return LSN.parse(self.src("SELECT pg_current_wal_lsn()::text")[0][0])
+
+    def tgt(self, query: str, params: Sequence[Any] | None = None) -> list[tuple[Any, ...]]:
+        """Run SQL on the target; its rows."""
+        if self.target is not None:
+            return self.target.cluster.execute(query, self.target.dbname, params)
+        conn = sqlite3.connect(self.sqlite_path, isolation_level=None)
+        try:
+            cur = conn.execute(query, params or ())
+            return cur.fetchall() if cur.description is not None else []
+        finally:
+            conn.close()
+
+    def tgt_script(self, script: str) -> None:
+        """Several ;-separated statements on the target (DDL)."""
+        if self.target is not None:
+            self.target.cluster.execute(script, self.target.dbname)
+            return
+        conn = sqlite3.connect(self.sqlite_path, isolation_level=None)
+        try:
+            conn.executescript(script)
+        finally:
+            conn.close()
+
+    def both(self, ddl: str, sqlite_ddl: str | None = None) -> None:
+        """The same table DDL on the source and the target (SQLite may get its own spelling)."""
+        self.src(ddl)
+        self.tgt_script(ddl if self.target is not None or sqlite_ddl is None else sqlite_ddl)
+
+    # -- replication -------------------------------------------------------------
+
+    def publish(self, *tables: str, options: str = "") -> None:
+        """CREATE PUBLICATION pub FOR TABLE tables [WITH (options)]."""
+        self.src(f"CREATE PUBLICATION {self.publication} FOR TABLE {', '.join(tables)}"
+                 + (f" WITH ({options})" if options else ""))
+
+    def settings(self, **extra: Any) -> dict[str, dict[str, Any]]:
+        """The config as sections; ``extra`` keys are 'section_key' (e.g. apply_skip_origins)."""
+        sections: dict[str, dict[str, Any]] = {
+            "source": {"dsn": self.source.dsn, "slot": self.slot, "publications": [self.publication]},
+            "target": {"url": self.target_url},
+            "apply": {"work_dir": str(self.tmp / "work"), "on_error": "stop"},
+        }
+        for name, value in extra.items():
+            section, key = name.split("_", 1)
+            sections.setdefault(section, {})[key] = value
+        return sections
+
+    def cfg(self, **extra: Any) -> Config:
+        """The validated config (the test process's environment is ignored)."""
+        overrides = {f"{s}.{k}": v for s, body in self.settings(**extra).items() for k, v in body.items()}
+        return load_config(None, overrides, env={})
+
+    def config_file(self, name: str = "applier.toml", **extra: Any) -> Path:
+        """The config written as a TOML file, for the CLI."""
+        return write_toml(self.tmp / name, self.settings(**extra))
+
+    def init(self, **extra: Any) -> list[str]:
+        """applier init (control tables on the target, slot on the source)."""
+        return init(self.cfg(**extra))
+
+    def catchup(self, **extra: Any) -> Summary:
+        """Apply everything up to the source's WAL position now, in-process."""
+        return Runner(self.cfg(**extra), catchup=True).run()
+
+    def peek(self) -> list[dict[str, Any]]:
+        """The slot's pending messages as ``applier decode --peek`` renders them (does not consume)."""
+        src = open_peek_source(self.cfg())
+        try:
+            return list(decode_stream(src))
+        finally:
+            src.close()
+
+    def progress_lsn(self) -> LSN:
+        """The applied position recorded on the target."""
+        return read_progress(self.cfg()).lsn
+
+    def slot_confirmed(self) -> LSN:
+        """The slot's confirmed_flush_lsn."""
+        return LSN.parse(self.src("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+                                  [self.slot])[0][0])
+
+
+def scratch_db(cluster: Cluster, prefix: str) -> Iterator[ScratchDb]:
+    """A uniquely named database on ``cluster``, dropped (with its slots) afterwards."""
+    dbname = f"{prefix}_{uuid.uuid4().hex[:16]}"
+    cluster.create_database(dbname)
+    try:
+        yield ScratchDb(cluster, dbname, cluster.dsn(dbname))
+    finally:
+        cluster.drop_database(dbname)
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def target_kind(request: pytest.FixtureRequest) -> str:
+    """The kind of target: a PostgreSQL database or a SQLite file."""
+    return request.param
+
+
+@pytest.fixture
+def rig(source_db: ScratchDb, target_kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Rig]:
+    """A fresh source database and a fresh target of ``target_kind``."""
+    target = request.getfixturevalue("target_db") if target_kind == "postgresql" else None
+    yield Rig(source_db, target_kind, target, tmp_path)
+
+
+@pytest.fixture
+def cli_rig(pg_clusters: ClusterPool, target_kind: str, tmp_path: Path) -> Iterator[Rig]:
+    """Like ``rig``, on the newest PostgreSQL only: for tests that run the ``applier`` script
+    several times (each start costs about a second)."""
+    install = find_install()
+    for source in scratch_db(pg_clusters.get(install, "source"), "src"):
+        if target_kind == "sqlite":
+            yield Rig(source, target_kind, None, tmp_path)
+        else:
+            for target in scratch_db(pg_clusters.get(install, "target"), "tgt"):
+                yield Rig(source, target_kind, target, tmp_path)

@@ -1,0 +1,433 @@
+"""What the apply engine does with each kind of change, checked on the target as a user would.
+
+Every test runs on a PostgreSQL target and on a SQLite target, against each
+installed PostgreSQL major as the source (``rig``, see conftest.py). The source
+makes ordinary SQL changes; ``catchup`` applies them through the real slot; the
+test reads the target's tables.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from applier.engine.runner import Runner
+from applier.lsn import LSN
+from applier.target.base import ApplyError
+
+from .conftest import Rig, run_cli
+
+LSN_IN_TEXT = re.compile(r"\b([0-9A-F]{1,8}/[0-9A-F]{1,8})\b")
+
+
+def rows_sorted(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Rows in an order that does not depend on how a database sorts NULLs."""
+    return sorted(rows, key=repr)
+
+
+def assert_same(rig: Rig, src_query: str, tgt_query: str | None = None) -> list[tuple[Any, ...]]:
+    """The query gives the same rows (as a multiset) on the source and the target; returns them."""
+    src = rows_sorted(rig.src(src_query))
+    assert rows_sorted(rig.tgt(tgt_query or src_query)) == src
+    return src
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = 20.0, errors: list[BaseException] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if errors:
+            raise AssertionError(f"the applier failed while waiting for {what}") from errors[0]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+# -- locating rows ---------------------------------------------------------------
+
+
+def test_default_identity_insert_update_delete_and_key_change(rig: Rig) -> None:
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, v text, n int)")
+    rig.publish("t")
+    rig.init()
+    rig.src("INSERT INTO t VALUES (1, 'one', 10), (2, 'two', 20), (3, 'three', NULL), (4, 'four', 4)")
+    rig.src("UPDATE t SET v = 'TWO', n = NULL WHERE id = 2")  # key unchanged: found by the new tuple's key
+    rig.src("UPDATE t SET id = 30, v = 'moved' WHERE id = 3")  # key changed: found by the K tuple
+    rig.src("DELETE FROM t WHERE id = 1")
+    rig.catchup()
+    assert rig.tgt("SELECT id, v, n FROM t ORDER BY id") == [(2, "TWO", None), (4, "four", 4), (30, "moved", None)]
+
+
+def test_replica_identity_full_finds_exactly_one_row_null_safe(rig: Rig) -> None:
+    """No key at all: every column is compared (NULL = NULL), and only one of identical rows is touched."""
+    rig.both("CREATE TABLE t (a int, b text, c int)")
+    rig.src("ALTER TABLE t REPLICA IDENTITY FULL")
+    rig.publish("t")
+    rig.init()
+    rig.src("INSERT INTO t VALUES (1, 'x', NULL), (1, 'x', NULL), (1, 'x', NULL), (2, 'y', 5), (2, 'y', 5), "
+            "(3, NULL, NULL), (4, 'w', 4)")
+    rig.catchup()
+    # one of three identical rows, one of two identical rows; ctid picks exactly one on the source
+    rig.src("DELETE FROM t WHERE ctid = (SELECT ctid FROM t WHERE a = 1 LIMIT 1)")
+    rig.src("UPDATE t SET c = 6 WHERE ctid = (SELECT ctid FROM t WHERE a = 2 LIMIT 1)")
+    rig.src("UPDATE t SET b = 'now set' WHERE a = 3")  # found although b and c are NULL
+    rig.src("DELETE FROM t WHERE a = 4")
+    rig.catchup()
+    rows = assert_same(rig, "SELECT a, b, c FROM t")
+    assert rows == rows_sorted([(1, "x", None), (1, "x", None), (2, "y", 5), (2, "y", 6), (3, "now set", None)])
+
+
+def test_replica_identity_using_index(rig: Rig) -> None:
+    """The key is the columns of the unique index named by REPLICA IDENTITY USING INDEX, not id."""
+    rig.both("CREATE TABLE t (id int NOT NULL, code text NOT NULL, v text)")
+    rig.src("CREATE UNIQUE INDEX t_code ON t (code); ALTER TABLE t REPLICA IDENTITY USING INDEX t_code")
+    rig.publish("t")
+    rig.init()
+    rig.src("INSERT INTO t VALUES (1, 'a', 'x'), (1, 'b', 'y'), (1, 'c', 'z')")  # same id everywhere
+    rig.src("UPDATE t SET v = 'x2' WHERE code = 'a'")
+    rig.src("UPDATE t SET code = 'bb', v = 'y2' WHERE code = 'b'")
+    rig.src("DELETE FROM t WHERE code = 'c'")
+    rig.catchup()
+    assert rig.tgt("SELECT id, code, v FROM t ORDER BY code") == [(1, "a", "x2"), (1, "bb", "y2")]
+
+
+def test_unchanged_toast_value_is_kept(rig: Rig) -> None:
+    """An update of another column sends the big value as 'unchanged' (u); the target keeps its copy."""
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, big text, n int)")
+    rig.src("ALTER TABLE t ALTER COLUMN big SET STORAGE EXTERNAL")  # out of line and never compressed
+    rig.publish("t")
+    rig.init()
+    rig.src("INSERT INTO t SELECT 1, string_agg(md5(random()::text), ''), 0 FROM generate_series(1, 400)")
+    rig.catchup()
+    rig.src("UPDATE t SET n = 1 WHERE id = 1")
+    update = [m for m in rig.peek() if m["type"] == "Update"]
+    assert [c["kind"] for c in update[0]["new"]] == ["t", "u", "t"]  # the case under test really happens
+    rig.catchup()
+    (big, n), = rig.src("SELECT big, n FROM t")
+    assert len(big) > 8192
+    assert rig.tgt("SELECT big, n FROM t") == [(big, 1)]
+
+
+def test_large_transactions_locate_rows_the_same_way(rig: Rig) -> None:
+    """Many changes per transaction (batched, possibly folded per row or applied set-wise by the engine):
+    key changes, unchanged TOAST values, and one-of-identical-rows deletes come out as on the source."""
+    rig.both("CREATE TABLE k (id int PRIMARY KEY, big text, n int)")
+    rig.both("CREATE TABLE f (a int, b text)")
+    rig.src("ALTER TABLE k ALTER COLUMN big SET STORAGE EXTERNAL; ALTER TABLE f REPLICA IDENTITY FULL")
+    rig.publish("k", "f")
+    rig.init()
+    rig.src("INSERT INTO k SELECT g, CASE WHEN g % 3 = 0 THEN (SELECT string_agg(md5(random()::text || i || g), '') "
+            "FROM generate_series(1, 300) i) ELSE 'small ' || g END, 0 FROM generate_series(1, 60) g; "
+            "INSERT INTO f SELECT 1, 'same' FROM generate_series(1, 20); INSERT INTO f VALUES (2, NULL), (2, NULL)")
+    rig.catchup()
+    rig.src("UPDATE k SET n = n + 1; UPDATE k SET n = n + 10 WHERE id % 2 = 0; DELETE FROM k WHERE id % 5 = 0; "
+            "INSERT INTO k SELECT g, (SELECT string_agg(md5(random()::text || i || g), '') "
+            "FROM generate_series(1, 300) i), 7 FROM generate_series(100, 110) g; "
+            "UPDATE k SET n = -1 WHERE id >= 100")  # inserted and updated in one transaction
+    rig.src("UPDATE k SET id = id + 1000 WHERE id <= 20")  # key changes
+    rig.src("DELETE FROM f WHERE ctid IN (SELECT ctid FROM f WHERE a = 1 LIMIT 7); "
+            "UPDATE f SET b = 'one' WHERE ctid = (SELECT ctid FROM f WHERE a = 2 LIMIT 1)")
+    rig.catchup()
+    rows = assert_same(rig, "SELECT id, big, n FROM k")
+    assert len(rows) == 59 and sum(r[0] > 1000 for r in rows) == 16
+    assert rows_sorted(rig.tgt("SELECT a, b FROM f")) == rows_sorted([(1, "same")] * 13 + [(2, None), (2, "one")])
+
+
+def test_replica_identity_nothing_with_insert_only_publication(rig: Rig) -> None:
+    """Identity NOTHING replicates inserts. Its updates and deletes cannot reach the applier at all:
+    with publish='insert' they are not sent, and once the publication publishes updates the source
+    itself refuses the UPDATE (the engine's own error is tested in test_skip_and_errors.py)."""
+    rig.both("CREATE TABLE t (id int, v text)")
+    rig.src("ALTER TABLE t REPLICA IDENTITY NOTHING")
+    rig.publish("t", options="publish = 'insert'")
+    rig.init()
+    rig.src("INSERT INTO t VALUES (1, 'a'), (2, 'b')")
+    rig.src("UPDATE t SET v = 'changed' WHERE id = 1")
+    rig.src("DELETE FROM t WHERE id = 2")
+    rig.src("INSERT INTO t VALUES (3, 'c')")
+    rig.catchup()
+    assert rig.tgt("SELECT id, v FROM t ORDER BY id") == [(1, "a"), (2, "b"), (3, "c")]
+    rig.src("ALTER PUBLICATION pub SET (publish = 'insert, update, delete')")
+    with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState, match="replica identity"):
+        rig.src("UPDATE t SET v = 'again' WHERE id = 1")
+
+
+# -- columns and relations -----------------------------------------------------------
+
+
+def test_columns_match_by_name_and_extra_target_columns_keep_defaults(rig: Rig) -> None:
+    rig.src("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    rig.tgt_script("CREATE TABLE t (extra text DEFAULT 'dflt', v text, n int DEFAULT 7, id int PRIMARY KEY)")
+    rig.publish("t")
+    rig.init()
+    rig.src("INSERT INTO t VALUES (1, 'a'), (2, 'b')")
+    rig.src("UPDATE t SET v = 'B' WHERE id = 2")
+    rig.catchup()
+    assert rig.tgt("SELECT id, v, extra, n FROM t ORDER BY id") == [(1, "a", "dflt", 7), (2, "B", "dflt", 7)]
+
+
+def test_source_column_missing_on_target_is_an_error_naming_table_column_and_lsn(rig: Rig) -> None:
+    rig.src("CREATE TABLE t (id int PRIMARY KEY, v text, added text)")
+    rig.tgt_script("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    rig.publish("t")
+    rig.init()
+    before = rig.wal_lsn()
+    rig.src("INSERT INTO t VALUES (1, 'a', 'x')")
+    after = rig.wal_lsn()
+    with pytest.raises(ApplyError) as err:
+        rig.catchup()
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "'added'" in msg and "public.t" in msg
+    lsns = [LSN.parse(x) for x in LSN_IN_TEXT.findall(msg)]
+    assert lsns and all(before <= x <= after for x in lsns), msg
+    assert rig.tgt("SELECT count(*) FROM t") == [(0,)]
+    rig.tgt_script("ALTER TABLE t ADD COLUMN added text")  # the fix: the next run reads the columns again
+    rig.catchup()
+    assert rig.tgt("SELECT id, v, added FROM t") == [(1, "a", "x")]
+
+
+def test_new_relation_message_replaces_the_cached_one(rig: Rig) -> None:
+    """Columns added and dropped on the source between transactions applied in one run."""
+    rig.src("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    rig.tgt_script("CREATE TABLE t (id int PRIMARY KEY, v text DEFAULT 'v gone', w text)")
+    rig.publish("t")
+    rig.init()
+    rig.src("INSERT INTO t VALUES (1, 'a')")
+    rig.src("ALTER TABLE t ADD COLUMN w text")
+    rig.src("INSERT INTO t VALUES (2, 'b', 'w2')")
+    rig.src("UPDATE t SET w = 'w1' WHERE id = 1")
+    rig.src("ALTER TABLE t DROP COLUMN v")
+    rig.src("INSERT INTO t VALUES (3, 'w3')")
+    rig.catchup()
+    assert rig.tgt("SELECT id, v, w FROM t ORDER BY id") == [(1, "a", "w1"), (2, "b", "w2"), (3, "v gone", "w3")]
+
+
+def test_target_altered_while_running_is_read_again_on_the_next_relation_message(rig: Rig) -> None:
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    rig.publish("t")
+    rig.init()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    runner = Runner(rig.cfg(apply_group_commit_delay=0.0), catchup=False, stop=stop)
+
+    def daemon() -> None:
+        try:
+            runner.run()
+        except BaseException as exc:  # noqa: BLE001 - reported by wait_for
+            errors.append(exc)
+
+    thread = threading.Thread(target=daemon, daemon=True)
+    thread.start()
+    try:
+        rig.src("INSERT INTO t VALUES (1, 'a')")
+        wait_for(lambda: rig.tgt("SELECT v FROM t WHERE id = 1") == [("a",)], "the first row", errors=errors)
+        rig.tgt_script("ALTER TABLE t ADD COLUMN w text")  # the target first, while the applier runs
+        rig.src("ALTER TABLE t ADD COLUMN w text")
+        rig.src("INSERT INTO t VALUES (2, 'b', 'new column')")
+        wait_for(lambda: rig.tgt("SELECT v, w FROM t WHERE id = 2") == [("b", "new column")], "the second row",
+                 errors=errors)
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not thread.is_alive() and not errors
+
+
+def test_user_defined_type_values(rig: Rig) -> None:
+    """An enum column: the source sends a Type message; the value arrives as the enum's label."""
+    rig.src("CREATE TYPE mood AS ENUM ('sad', 'ok', 'happy')")
+    if rig.kind == "postgresql":
+        rig.tgt_script("CREATE TYPE mood AS ENUM ('sad', 'ok', 'happy')")
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, m mood)", "CREATE TABLE t (id int PRIMARY KEY, m text)")
+    rig.publish("t")
+    rig.init()
+    rig.src("INSERT INTO t VALUES (1, 'ok'), (2, 'sad')")
+    rig.src("UPDATE t SET m = 'happy' WHERE id = 2")
+    assert any(m["type"] == "Type" and m["name"] == "mood" for m in rig.peek())
+    rig.catchup()
+    assert rig.tgt("SELECT id, m::text FROM t ORDER BY id" if rig.kind == "postgresql"
+                   else "SELECT id, m FROM t ORDER BY id") == [(1, "ok"), (2, "happy")]
+
+
+# -- names ----------------------------------------------------------------------------
+
+
+def test_quoted_names_replicate(rig: Rig) -> None:
+    """Capitals, spaces, double quotes and reserved words in schema, table and column names."""
+    cols = '("Id" int PRIMARY KEY, "Select" text, "a b" text, "we""ird" text, "order" int)'
+    rig.both(f'CREATE TABLE "Order Items" {cols}')
+    rig.src('CREATE SCHEMA "My Schema"')
+    if rig.kind == "postgresql":
+        rig.tgt_script('CREATE SCHEMA "My Schema"')
+    rig.both('CREATE TABLE "My Schema"."Tbl" ("Key" int PRIMARY KEY, "Value" text)',
+             'CREATE TABLE "My Schema.Tbl" ("Key" int PRIMARY KEY, "Value" text)')
+    rig.publish('"Order Items"', '"My Schema"."Tbl"')
+    rig.init()
+    rig.src("""INSERT INTO "Order Items" VALUES (1, 's1', 'ab1', 'w''1', 1), (2, 's2', 'ab2', 'w"2', 2),
+                                                 (3, 's3', NULL, NULL, 3)""")
+    rig.src("""UPDATE "Order Items" SET "Select" = 'S2', "we""ird" = 'changed' WHERE "Id" = 2""")
+    rig.src("""UPDATE "Order Items" SET "Id" = 30 WHERE "Id" = 3""")
+    rig.src("""DELETE FROM "Order Items" WHERE "Id" = 1""")
+    rig.src("""INSERT INTO "My Schema"."Tbl" VALUES (1, 'one'), (2, 'two'); UPDATE "My Schema"."Tbl" SET "Value" = 'ONE'
+               WHERE "Key" = 1; DELETE FROM "My Schema"."Tbl" WHERE "Key" = 2""")
+    rig.catchup()
+    assert rig.tgt('SELECT "Id", "Select", "a b", "we""ird", "order" FROM "Order Items" ORDER BY "Id"') == [
+        (2, "S2", "ab2", "changed", 2), (30, "s3", None, None, 3)]
+    other = '"My Schema"."Tbl"' if rig.kind == "postgresql" else '"My Schema.Tbl"'
+    assert rig.tgt(f'SELECT "Key", "Value" FROM {other}') == [(1, "ONE")]
+
+
+def test_schemas_and_target_tables_mapping(rig: Rig) -> None:
+    """Schema sales keeps its name (SQLite: one table named "sales.orders"); target.tables renames."""
+    rig.src("CREATE SCHEMA sales")
+    if rig.kind == "postgresql":
+        rig.tgt_script("CREATE SCHEMA sales; CREATE SCHEMA archive; "
+                       "CREATE TABLE archive.renamed (id int PRIMARY KEY, v text)")
+        mapping = {"public.src": "archive.renamed"}
+        renamed = "archive.renamed"
+    else:
+        rig.tgt_script("CREATE TABLE renamed (id int PRIMARY KEY, v text)")
+        mapping = {"public.src": "renamed"}
+        renamed = "renamed"
+    rig.both("CREATE TABLE sales.orders (id int PRIMARY KEY, v text)",
+             'CREATE TABLE "sales.orders" (id int PRIMARY KEY, v text)')
+    rig.both("CREATE TABLE src (id int PRIMARY KEY, v text)")  # the unmapped name exists too, and stays empty
+    rig.publish("sales.orders", "src")
+    rig.init()
+    rig.src("INSERT INTO sales.orders VALUES (1, 'o1'), (2, 'o2'); INSERT INTO src VALUES (1, 's1'), (2, 's2')")
+    rig.src("UPDATE sales.orders SET v = 'O2' WHERE id = 2; DELETE FROM src WHERE id = 1")
+    rig.catchup(target_tables=mapping)
+    orders = "sales.orders" if rig.kind == "postgresql" else '"sales.orders"'
+    assert rig.tgt(f"SELECT id, v FROM {orders} ORDER BY id") == [(1, "o1"), (2, "O2")]
+    assert rig.tgt(f"SELECT id, v FROM {renamed} ORDER BY id") == [(2, "s2")]
+    assert rig.tgt("SELECT count(*) FROM src") == [(0,)]
+
+
+# -- truncate -------------------------------------------------------------------------
+
+
+def test_truncate_honours_cascade_and_restart_identity(rig: Rig) -> None:
+    """PostgreSQL: CASCADE empties a target-only table referencing the truncated one, RESTART IDENTITY
+    resets the target's sequence, a plain TRUNCATE keeps it. SQLite has neither foreign-key cascades
+    nor sequences: RESTART IDENTITY resets the AUTOINCREMENT counter, a plain TRUNCATE keeps it."""
+    ddl = "CREATE TABLE {} (id int GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY, v text)"
+    for name in ("parent", "plain"):
+        rig.both(ddl.format(name), f"CREATE TABLE {name} (id INTEGER PRIMARY KEY AUTOINCREMENT, v text)")
+    if rig.kind == "postgresql":
+        rig.tgt_script("CREATE TABLE child (id int PRIMARY KEY, parent_id int REFERENCES parent)")  # target only
+    rig.publish("parent", "plain")
+    rig.init()
+    rig.src("INSERT INTO parent (v) VALUES ('a'), ('b'), ('c'); INSERT INTO plain (v) VALUES ('a'), ('b')")
+    rig.catchup()
+    if rig.kind == "postgresql":
+        rig.tgt_script("INSERT INTO child VALUES (1, 1), (2, 2); "
+                       "SELECT setval(pg_get_serial_sequence('parent', 'id'), 100); "
+                       "SELECT setval(pg_get_serial_sequence('plain', 'id'), 100)")
+    else:
+        assert rig.tgt("SELECT name, seq FROM sqlite_sequence ORDER BY name") == [("parent", 3), ("plain", 2)]
+    rig.src("TRUNCATE parent RESTART IDENTITY CASCADE")
+    rig.src("TRUNCATE plain")
+    rig.src("INSERT INTO parent (v) VALUES ('after')")
+    rig.catchup()
+    assert rig.tgt("SELECT id, v FROM parent") == [(1, "after")]
+    assert rig.tgt("SELECT count(*) FROM plain") == [(0,)]
+    if rig.kind == "postgresql":
+        assert rig.tgt("SELECT count(*) FROM child") == [(0,)]  # emptied by CASCADE
+        assert rig.tgt("SELECT last_value, is_called FROM parent_id_seq") == [(1, False)]  # RESTART IDENTITY
+        assert rig.tgt("SELECT last_value, is_called FROM plain_id_seq") == [(100, True)]  # plain TRUNCATE: kept
+    else:
+        assert rig.tgt("SELECT name, seq FROM sqlite_sequence ORDER BY name") == [("parent", 1), ("plain", 2)]
+
+
+# -- origins and messages ---------------------------------------------------------------
+
+
+def test_skip_origins(rig: Rig) -> None:
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    rig.publish("t")
+    rig.init()
+    rig.src("SELECT pg_replication_origin_create(o) FROM unnest(ARRAY['node_a', 'node_b']) o "
+            "WHERE pg_replication_origin_oid(o) IS NULL")  # origins are cluster-wide
+    rig.src("INSERT INTO t VALUES (1, 'local')")
+    for node, rows in (("node_a", "(2, 'from a'), (3, 'from a')"), ("node_b", "(4, 'from b')")):
+        with rig.src_conn() as conn:
+            conn.execute("SELECT pg_replication_origin_session_setup(%s)", [node])
+            conn.execute(f"INSERT INTO t VALUES {rows}")
+            conn.execute("SELECT pg_replication_origin_session_reset()")
+    rig.src("INSERT INTO t VALUES (5, 'local again')")
+    summary = rig.catchup(apply_skip_origins=["node_a"])
+    assert rig.tgt("SELECT id, v FROM t ORDER BY id") == [(1, "local"), (4, "from b"), (5, "local again")]
+    assert summary.skipped == 1 and summary.transactions == 3
+
+
+def test_logical_decoding_messages_are_logged_not_applied(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    rig.publish("t")
+    rig.init()
+    rig.src("INSERT INTO t VALUES (1, 'a'); SELECT pg_logical_emit_message(true, 'audit', 'INSERT INTO t VALUES (9)')")
+    rig.src("SELECT pg_logical_emit_message(false, 'heartbeat', 'ping')")
+    rig.src("INSERT INTO t VALUES (2, 'b')")
+    with caplog.at_level(logging.INFO, logger="applier"):
+        summary = rig.catchup()
+    logged = [r.getMessage() for r in caplog.records if "logical decoding message" in r.getMessage()]
+    assert len(logged) == 2
+    assert "prefix='audit'" in logged[0] and "24 bytes" in logged[0] and "non-transactional" not in logged[0]
+    assert "prefix='heartbeat'" in logged[1] and "non-transactional" in logged[1]
+    assert rig.tgt("SELECT id, v FROM t ORDER BY id") == [(1, "a"), (2, "b")]
+    assert summary.transactions == 2
+
+
+# -- progress, status, init --------------------------------------------------------------------
+
+
+def test_status_shows_applied_lsn_and_slot_confirms_no_further(cli_rig: Rig) -> None:
+    rig = cli_rig
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    rig.publish("t")
+    rig.init()
+    created = rig.slot_confirmed()
+    rig.src("INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 100) g")
+    rig.src("UPDATE t SET v = 'changed' WHERE id <= 10")
+    last = rig.wal_lsn()
+    summary = rig.catchup()
+    applied = rig.progress_lsn()
+    assert applied == summary.applied and applied >= last  # the end LSN of the UPDATE's transaction
+    confirmed = rig.slot_confirmed()
+    assert created < confirmed <= applied
+    out = run_cli("status", "-c", str(rig.config_file()))
+    assert out.returncode == 0, out.stderr
+    info = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    assert info["applied_lsn"] == str(applied)
+    assert LSN.parse(info["slot_confirmed_lsn"]) <= applied
+    assert info["slot_exists"] == "True" and "skip_lsn" not in info
+
+
+def test_init_is_idempotent_and_says_what_it_did(cli_rig: Rig) -> None:
+    rig = cli_rig
+    rig.both("CREATE TABLE t (id int PRIMARY KEY)")
+    rig.publish("t")
+    cfg = str(rig.config_file())
+    first = run_cli("init", "-c", cfg)
+    assert first.returncode == 0, first.stderr
+    lines = first.stdout.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("control tables: created at ")
+    assert re.fullmatch(rf"slot '{rig.slot}': created at [0-9A-F]+/[0-9A-F]+", lines[1])
+    revision = lines[0].rsplit(" ", 1)[1]
+    assert rig.src("SELECT plugin FROM pg_replication_slots WHERE slot_name = %s", [rig.slot]) == [("pgoutput",)]
+    rig.src("INSERT INTO t VALUES (1)")
+    assert rig.catchup().transactions == 1
+    again = run_cli("init", "-c", cfg)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines() == [
+        f"control tables: already at {revision}",
+        f"slot '{rig.slot}': exists (confirmed up to {rig.slot_confirmed()})",
+    ]
+    assert rig.progress_lsn() > LSN(0)  # the progress survived the second init
+    assert rig.src("SELECT count(*) FROM pg_replication_slots WHERE slot_name = %s", [rig.slot]) == [(1,)]
