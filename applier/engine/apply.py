@@ -49,9 +49,10 @@ from applier.decoder.messages import (
     Update,
 )
 from applier.decoder.pgoutput import decode_message
+from applier.engine.batch import Batch
 from applier.engine.spool import _HEAD, Spool, SpoolSet, records
 from applier.lsn import LSN
-from applier.target.base import ApplyError, Binding, overlay, source_name
+from applier.target.base import ApplyError, Binding, source_name
 
 log = logging.getLogger("applier.engine")
 
@@ -121,11 +122,9 @@ class ApplyEngine:
         self.group_clears_skip = False
         self.last_flush = time.monotonic()
         # the batch of consecutive changes of one kind to one table
-        self.batch_op = ""
-        self.batch_b: Binding | None = None
-        self.batch: list[Any] = []
-        self.batch_keys: dict[tuple[bytes | None, ...], int] = {}  # key -> index in batch (keyed tables)
-        self.batch_txn: SourceTxn | None = None  # the source transaction that started the batch
+        # queued changes, a batch per target table; when the target may take tables out of order
+        # (no triggers or foreign keys fire), several tables' batches fill side by side
+        self.batches: dict[Binding, Batch] = {}
         self.last_commit_end = LSN(0)
         self._handlers: dict[type, Callable[[Any], None]] = {
             Begin: self.handle_begin, Commit: self.handle_commit, Origin: self.handle_origin,
@@ -267,8 +266,7 @@ class ApplyEngine:
 
     def abort_group(self) -> None:
         """Roll back the open target transaction and forget the batch."""
-        self.batch, self.batch_b, self.batch_op = [], None, ""
-        self.batch_keys = {}
+        self.batches = {}
         if self.group_open:
             self.group_open = False
             try:
@@ -325,64 +323,17 @@ class ApplyEngine:
                              f"{txn.xid} finished at {txn.final_lsn}: {exc}") from exc
         self.stats.rows += 1
         self.group_rows_n += 1
-        batch = self.batch
-        if self.batch_b is b and len(batch) < self.batch_rows and self._merge(op, b, row, batch):
-            return
-        self.flush_batch(txn)
-        self.batch_b, self.batch_op, self.batch_txn = b, op, txn
-        self.batch = [row]
-        if b.foldable:
-            if op == "UPDATE":
-                key, moved = b.update_key(row)
-                if moved:  # a key change runs alone
-                    self.flush_batch(txn)
-                    return
-                self.batch_keys = {key: 0}
-            elif op == "INSERT":
-                self.batch_keys = {b.key_of(row): 0}
-
-    def _merge(self, op: str, b: Binding, row: Any, batch: list[Any]) -> bool:
-        """Add a change to the batch of the same table; False when the batch must be applied first.
-
-        Changes to a row that the batch already holds are folded into it (an insert then an update
-        becomes the updated insert, an insert then a delete nothing, two updates one), which is
-        what applying them in order would leave, so batches may span source transactions.
-        """
-        bop = self.batch_op
-        if bop == op:
-            if not b.foldable or op == "DELETE":
-                batch.append(row)
-                return True
-            if op == "INSERT":
-                self.batch_keys[b.key_of(row)] = len(batch)
-                batch.append(row)
-                return True
-            key, moved = b.update_key(row)
-            if moved:
-                return False
-            i = self.batch_keys.get(key)
-            if i is None:
-                self.batch_keys[key] = len(batch)
-                batch.append(row)
-            else:
-                prev = batch[i]
-                batch[i] = Update(prev.xid, prev.relation_oid, prev.old_kind, prev.old, overlay(row.new, prev.new))
-            return True
-        if bop == "INSERT" and b.foldable:
-            if op == "UPDATE":
-                key, moved = b.update_key(row)
-            else:
-                key, moved = b.key_of(row.old), False
-            i = self.batch_keys.get(key)
-            if i is None or moved:
-                return False
-            if op == "UPDATE":
-                batch[i] = overlay(row.new, batch[i])
-            else:
-                batch[i] = None
-                del self.batch_keys[key]
-            return True
-        return False
+        batches = self.batches
+        bt = batches.get(b)
+        if bt is not None:
+            if len(bt.rows) < self.batch_rows and bt.add(op, row):
+                return
+            self._apply_batch(bt)
+        if batches and not self.target.reorder_tables:
+            self.flush_batch(txn)  # changes to different tables must reach the target in source order
+        bt = batches[b] = Batch(b, op, txn, row)
+        if bt.alone or self.batch_rows <= 1:
+            self._apply_batch(bt)
 
     def handle_insert(self, m: Insert) -> None:
         """Queue an insert."""
@@ -414,19 +365,18 @@ class ApplyEngine:
         log.info("logical decoding message at %s: prefix=%r, %d bytes%s", m.lsn, m.prefix, len(m.content),
                  "" if m.transactional else " (non-transactional)")
 
-    def flush_batch(self, txn: SourceTxn | None) -> None:
-        """Apply the queued changes to the target."""
-        rows = self.batch
+    def flush_batch(self, txn: SourceTxn | None = None) -> None:
+        """Apply every queued batch to the target."""
+        while self.batches:
+            self._apply_batch(next(iter(self.batches.values())))
+
+    def _apply_batch(self, bt: Batch) -> None:
+        """Apply one batch and take it off the queue."""
+        del self.batches[bt.b]
+        rows = bt.final_rows()
         if not rows:
             return
-        b, op = self.batch_b, self.batch_op
-        assert b is not None
-        txn = self.batch_txn or txn
-        self.batch, self.batch_b, self.batch_op, self.batch_keys, self.batch_txn = [], None, "", {}, None
-        if op == "INSERT" and None in rows:
-            rows = [r for r in rows if r is not None]
-            if not rows:
-                return
+        b, op, txn = bt.b, bt.op, bt.txn
         self.ensure_group()
         lsn = txn.final_lsn if txn is not None else self.txn_lsn()
         missing = 0

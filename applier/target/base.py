@@ -238,6 +238,9 @@ class TargetBase:
     conn: Any
     native_prepare = False
     preparing = False  # the open transaction will be prepared (PostgreSQL: no temporary tables then)
+    # changes to different tables may be applied out of source order (neither triggers nor foreign
+    # key checks run on the target session, so no table can observe another mid-transaction)
+    reorder_tables = False
 
     def run_many(self, sql: str, params: list[list[Any]]) -> int:
         """Execute one statement for many parameter rows; total rows affected."""

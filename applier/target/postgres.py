@@ -90,6 +90,7 @@ class PostgresTarget(TargetBase):
         self.conn.execute(psql.SQL("SET synchronous_commit = {}").format(psql.Literal(synchronous_commit)))
         try:  # as the native subscriber: user triggers and FK checks do not fire for replicated rows
             self.conn.execute("SET session_replication_role = replica")
+            self.reorder_tables = True
         except psycopg.Error:
             log.info("target: role may not set session_replication_role; triggers will fire")
         # Batches are joined to the target by key: always look each row up through the key's index (a merge

@@ -56,6 +56,9 @@ class SqliteTarget(TargetBase):
             raise ApplyError(f"cannot open the SQLite target {path}: {exc}") from None
         self.cur = self.conn.cursor()
         self.in_txn = False
+        fk = self.conn.execute("PRAGMA foreign_keys").fetchone()[0]
+        triggers = self.conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'trigger'").fetchone()[0]
+        self.reorder_tables = not fk and not triggers
         self._durable = LSN(0)
 
     def target_table(self, rel: Relation) -> tuple[str | None, str]:

@@ -1,0 +1,81 @@
+"""A batch: consecutive changes of one kind to one target table, applied by one call to the target.
+
+Folding: a change to a row that the batch already holds is folded into it (an
+insert then an update becomes the updated insert, an insert then a delete
+nothing, two updates one), which is what applying them in order would leave.
+Folding moves a row's later change earlier relative to other rows' changes, so
+it happens only on ``Binding.foldable`` tables (rows found by key, no other
+unique index on the target that could see the difference). A key-changing
+update is never folded; it runs alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from applier.decoder.messages import Update
+from applier.target.base import Binding, overlay
+
+
+class Batch:
+    """Queued changes of kind ``op`` to the table of ``b``; ``txn`` is the source transaction that began it."""
+
+    __slots__ = ("b", "op", "txn", "rows", "keys", "alone")
+
+    def __init__(self, b: Binding, op: str, txn: Any, row: Any) -> None:
+        self.b = b
+        self.op = op
+        self.txn = txn
+        self.rows: list[Any] = [row]
+        self.keys: dict[tuple[bytes | None, ...], int] = {}  # row key -> index in rows (foldable tables)
+        self.alone = False  # a key-changing update: apply it before anything joins
+        if b.foldable:
+            if op == "UPDATE":
+                key, self.alone = b.update_key(row)
+                self.keys[key] = 0
+            elif op == "INSERT":
+                self.keys[b.key_of(row)] = 0
+
+    def add(self, op: str, row: Any) -> bool:
+        """Take a change to the same table into the batch; False when the batch must be applied first."""
+        b = self.b
+        rows = self.rows
+        if self.alone:
+            return False
+        if self.op == op:
+            if not b.foldable or op == "DELETE":
+                rows.append(row)
+                return True
+            if op == "INSERT":
+                self.keys[b.key_of(row)] = len(rows)
+                rows.append(row)
+                return True
+            key, moved = b.update_key(row)
+            if moved:
+                return False
+            i = self.keys.get(key)
+            if i is None:
+                self.keys[key] = len(rows)
+                rows.append(row)
+            else:
+                prev = rows[i]
+                rows[i] = Update(prev.xid, prev.relation_oid, prev.old_kind, prev.old, overlay(row.new, prev.new))
+            return True
+        if self.op == "INSERT" and b.foldable:
+            key, moved = b.update_key(row) if op == "UPDATE" else (b.key_of(row.old), False)
+            i = self.keys.get(key)
+            if i is None or moved:
+                return False
+            if op == "UPDATE":
+                rows[i] = overlay(row.new, rows[i])
+            else:
+                rows[i] = None
+                del self.keys[key]
+            return True
+        return False
+
+    def final_rows(self) -> list[Any]:
+        """The rows to apply (inserts folded away by a delete are gone)."""
+        if self.op == "INSERT" and None in self.rows:
+            return [r for r in self.rows if r is not None]
+        return self.rows
