@@ -145,6 +145,9 @@ def record(
 
 def main() -> None:
     """Entry point of the ``applier`` script."""
-    from applier.cli import engine_commands  # noqa: F401 - registers commands
+    from applier.cli import (
+        engine_commands,  # noqa: F401 - registers commands
+        spark_commands,  # noqa: F401 - registers sync and verify
+    )
 
     app()

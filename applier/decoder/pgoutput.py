@@ -106,7 +106,7 @@ class _Reader:
         return _I64.unpack_from(self.buf, self._need(8, field))[0]
 
     def lsn(self, field: str) -> LSN:
-        return LSN(_U64.unpack_from(self.buf, self._need(8, field))[0])
+        return int.__new__(LSN, _U64.unpack_from(self.buf, self._need(8, field))[0])
 
     def string(self, field: str) -> str:
         pos = self.pos
@@ -370,7 +370,30 @@ _READERS: dict[int, tuple[str, Callable[[_Reader, bool], PgOutputMessage]]] = {
 }
 
 
-_FAST: dict[int, Callable[[bytes], PgOutputMessage | None]] = {ord("I"): _fast_insert, ord("U"): _fast_update}
+_BEGIN = struct.Struct(">QqI")
+_COMMIT = struct.Struct(">BQQq")
+_new_lsn = int.__new__  # LSN(x) without LSN.__new__'s range check: the struct already bounds it
+
+
+def _fast_begin(data: bytes) -> Begin | None:
+    """Begin without a cursor object; None: use the reader."""
+    if len(data) != 1 + _BEGIN.size:
+        return None
+    lsn, ts, xid = _BEGIN.unpack_from(data, 1)
+    return Begin(_new_lsn(LSN, lsn), ts, xid)
+
+
+def _fast_commit(data: bytes) -> Commit | None:
+    """Commit without a cursor object; None: use the reader."""
+    if len(data) != 1 + _COMMIT.size:
+        return None
+    flags, lsn, end, ts = _COMMIT.unpack_from(data, 1)
+    return Commit(flags, _new_lsn(LSN, lsn), _new_lsn(LSN, end), ts)
+
+
+_FAST: dict[int, Callable[[bytes], PgOutputMessage | None]] = {
+    ord("I"): _fast_insert, ord("U"): _fast_update, ord("B"): _fast_begin, ord("C"): _fast_commit,
+}
 
 
 def decode_message(data: bytes, in_stream: bool = False) -> PgOutputMessage:

@@ -221,7 +221,8 @@ class ApplyEngine:
     def finish_txn(self, txn: SourceTxn, end_lsn: LSN, commit_time: int) -> None:
         """Close the source transaction in the group; commit the group when it is full or old."""
         self.txn = None
-        self.last_commit_end = LSN(max(self.last_commit_end, end_lsn))
+        if end_lsn > self.last_commit_end:
+            self.last_commit_end = end_lsn
         if txn.why == "applied before":
             self.stats.skipped += 1
             return
@@ -553,7 +554,8 @@ class ApplyEngine:
             self.target.preparing = False
 
     def _prepare(self, txn: SourceTxn, gid: str, prepare_lsn: LSN, end_lsn: LSN, when: int) -> None:
-        self.last_commit_end = LSN(max(self.last_commit_end, end_lsn))
+        if end_lsn > self.last_commit_end:
+            self.last_commit_end = end_lsn
         if txn.why == "applied before":
             self.stats.skipped += 1
             return
@@ -592,7 +594,8 @@ class ApplyEngine:
 
     def _finish_prepared(self, xid: int, gid: str, lsn: LSN, end_lsn: LSN, when: int, commit: bool) -> None:
         self.flush_group()
-        self.last_commit_end = LSN(max(self.last_commit_end, end_lsn))
+        if end_lsn > self.last_commit_end:
+            self.last_commit_end = end_lsn
         if end_lsn <= self.applied:
             self.stats.skipped += 1
             return

@@ -1,0 +1,426 @@
+"""Published tables: read from the source's catalog, created or checked on the target.
+
+Library code behind ``applier sync`` (and the table list of ``applier verify``).
+
+What is published: ``pg_publication_tables`` of the configured publications,
+with their column lists (``attnames``) and row filters (``rowfilter``) on
+PostgreSQL 15+. A table in several publications gets the union of the column
+lists and the OR of the row filters (no filter if any publication has none),
+as the walsender does.
+
+Target tables are named as the apply engine names them (``target.tables``,
+else the source's schema and name on PostgreSQL and ``sqlite_table_name`` on
+SQLite), so the copy and the stream write to the same table.
+
+Created on PostgreSQL: the published columns with the source's types
+(``format_type``), collations other than the type's default, NOT NULL,
+defaults that are constants (no function call, operator, variable or
+sub-query; ``nextval`` and ``now()`` are left out), the primary key, the
+unique index used as replica identity (and the replica identity setting).
+User-defined types (enums, domains, …) must already exist on the target.
+
+Created on SQLite: every published column with the declared type of the apply
+engine's documented mapping (``applier.target.values``: INTEGER, REAL, TEXT,
+BLOB, derived from ``sqlite_text_converters`` itself, so there is one mapping),
+NOT NULL, the primary key and the replica identity index as a unique index.
+
+An existing target table is checked instead: every published column must exist
+with the same type (PostgreSQL: same type name, modifiers may differ; SQLite: a
+declared type whose affinity keeps the mapped values as they are), and a target
+column the source does not publish must be nullable or have a default. Every
+mismatch is reported, by table and column, before anything is written.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from applier.config import ConfigError
+from applier.decoder.messages import Column, Relation
+from applier.target.base import quote_ident
+from applier.target.sqlite import sqlite_table_name
+from applier.target.values import sqlite_text_converters
+
+
+class SchemaError(ConfigError):
+    """Target tables that do not fit the source; the message names every table and column."""
+
+
+@dataclass
+class SourceColumn:
+    """One published column of a source table."""
+
+    name: str
+    type_oid: int
+    type_mod: int
+    type_sql: str  # format_type(atttypid, atttypmod), e.g. "numeric(12,3)"
+    type_name: str  # format_type(atttypid, NULL), e.g. "numeric"
+    type_schema: str
+    not_null: bool
+    default: str | None  # the default when it is a constant, else None
+    collation: str | None  # a collation other than the type's default
+
+
+@dataclass
+class SourceTable:
+    """A published source table: what to copy and how to create it."""
+
+    schema: str
+    name: str
+    oid: int
+    relkind: str  # 'r' table, 'p' partitioned table
+    replica_identity: str  # 'd', 'n', 'f', 'i'
+    columns: list[SourceColumn]
+    primary_key: list[str] = field(default_factory=list)
+    identity_index: tuple[str, list[str]] | None = None  # (index name, columns) for REPLICA IDENTITY USING INDEX
+    rowfilter: str | None = None
+    pages: int = 0  # heap pages (the largest leaf's for a partitioned table)
+    estimated_rows: int | None = None
+
+    @property
+    def qualified(self) -> str:
+        """schema.table as text (for people and as the key of ``target.tables``)."""
+        return f"{self.schema}.{self.name}"
+
+    @property
+    def qname(self) -> str:
+        """Quoted "schema"."table" for SQL."""
+        return f"{quote_ident(self.schema)}.{quote_ident(self.name)}"
+
+    @property
+    def key_columns(self) -> list[str]:
+        """Columns that identify a row: the primary key, else the replica identity index; [] if neither."""
+        names = {c.name for c in self.columns}
+        for cand in (self.primary_key, self.identity_index[1] if self.identity_index else []):
+            if cand and all(k in names for k in cand):
+                return list(cand)
+        return []
+
+    def relation(self) -> Relation:
+        """The table as a Relation message would describe it (key flags as for the replica identity)."""
+        keys = set(self.columns_sent_as_key())
+        cols = tuple(Column(1 if c.name in keys else 0, c.name, c.type_oid, c.type_mod) for c in self.columns)
+        return Relation(None, self.oid, self.schema, self.name, self.replica_identity, cols)
+
+    def columns_sent_as_key(self) -> list[str]:
+        """Columns pgoutput flags as the replica identity."""
+        if self.replica_identity == "f":
+            return [c.name for c in self.columns]
+        if self.replica_identity == "i" and self.identity_index:
+            return self.identity_index[1]
+        if self.replica_identity == "d":
+            return self.primary_key
+        return []
+
+
+# -- reading the source ------------------------------------------------------
+
+_NOT_CONSTANT = re.compile(r"\{(VAR|SUBLINK|OPEXPR|NEXTVALUEEXPR|SQLVALUEFUNCTION|PARAM|CASE|"
+                           r"DISTINCTEXPR|SCALARARRAYOPEXPR|BOOLEXPR|MINMAXEXPR|XMLEXPR|WINDOWFUNC|AGGREF)\b")
+_CALL = re.compile(r"\{FUNCEXPR [^{}]*?:funcformat (\d)")
+
+
+def default_is_constant(node_tree: str) -> bool:
+    """True when a default's node tree (``pg_attrdef.adbin``) is a constant, perhaps cast.
+
+    Function calls written as calls (funcformat 0, ``now()``, ``nextval(…)``) or
+    in SQL syntax (3, ``CURRENT_TIMESTAMP`` on 16+), operators, variables and
+    sub-queries make it not a constant; casts (funcformat 1 and 2) do not.
+    """
+    if _NOT_CONSTANT.search(node_tree):
+        return False
+    return all(fmt in ("1", "2") for fmt in _CALL.findall(node_tree))
+
+
+def read_source_tables(conn: psycopg.Connection[Any], publications: list[str]) -> list[SourceTable]:
+    """The published tables with their published columns, keys, row filters and sizes, by name."""
+    v15 = conn.info.server_version >= 150000
+    extra = ", attnames, rowfilter" if v15 else ", NULL::name[], NULL::text"
+    pubs: dict[tuple[str, str], list[tuple[list[str] | None, str | None]]] = {}
+    for schema, name, attnames, rowfilter in conn.execute(
+            f"SELECT schemaname, tablename{extra} FROM pg_publication_tables WHERE pubname = ANY(%s)",
+            [publications]):
+        pubs.setdefault((schema, name), []).append((attnames, rowfilter))
+    tables = []
+    for (schema, name), entries in sorted(pubs.items()):
+        tables.append(_read_table(conn, schema, name, entries))
+    return tables
+
+
+def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
+                entries: list[tuple[list[str] | None, str | None]]) -> SourceTable:
+    row = conn.execute(
+        "SELECT c.oid, c.relkind, c.relreplident, c.reltuples::bigint FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
+        [schema, name]).fetchone()
+    oid, relkind, replident, reltuples = row
+    published: set[str] | None = set()
+    for attnames, _ in entries:
+        if attnames is None:
+            published = None
+            break
+        published |= set(attnames)
+    filters = [f for _, f in entries]
+    rowfilter = None if any(f is None for f in filters) else " OR ".join(f"({f})" for f in dict.fromkeys(filters))
+    cols = []
+    for (attname, typid, typmod, type_sql, type_name, type_schema, notnull, adbin, adsrc, collname,
+         default_coll) in conn.execute(
+            "SELECT a.attname, a.atttypid::int, a.atttypmod, format_type(a.atttypid, a.atttypmod), "
+            "format_type(a.atttypid, NULL), tn.nspname, a.attnotnull, d.adbin::text, "
+            "pg_get_expr(d.adbin, d.adrelid), co.collname, a.attcollation = t.typcollation "
+            "FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
+            "JOIN pg_namespace tn ON tn.oid = t.typnamespace "
+            "LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum "
+            "LEFT JOIN pg_collation co ON co.oid = a.attcollation "
+            "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' "
+            "ORDER BY a.attnum", [oid]):
+        if published is not None and attname not in published:
+            continue
+        default = adsrc if adbin is not None and default_is_constant(adbin) else None
+        collation = collname if collname and not default_coll else None
+        cols.append(SourceColumn(attname, typid, typmod, type_sql, type_name, type_schema, notnull, default, collation))
+    pk: list[str] = []
+    ident: tuple[str, list[str]] | None = None
+    for idxname, primary, replident_idx, colnames in conn.execute(
+            "SELECT ic.relname, i.indisprimary, i.indisreplident, "
+            "array(SELECT a.attname FROM unnest(i.indkey) WITH ORDINALITY k(n, o) "
+            "      JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.n ORDER BY k.o) "
+            "FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid "
+            "WHERE i.indrelid = %s AND (i.indisprimary OR i.indisreplident)", [oid]):
+        if primary:
+            pk = list(colnames)
+        if replident_idx:
+            ident = (idxname, list(colnames))
+    if relkind == "p":
+        pages_sql = ("SELECT coalesce(max(pg_relation_size(relid)), 0) / current_setting('block_size')::int, "
+                     "sum(greatest(c.reltuples, 0))::bigint, bool_or(c.reltuples < 0) "
+                     "FROM pg_partition_tree(%s) t JOIN pg_class c ON c.oid = t.relid WHERE t.isleaf")
+        pages, leaf_rows, unknown = conn.execute(pages_sql, [oid]).fetchone()
+        estimated = None if unknown else leaf_rows
+    else:
+        pages = conn.execute("SELECT pg_relation_size(%s) / current_setting('block_size')::int", [oid]).fetchone()[0]
+        estimated = reltuples if reltuples is not None and reltuples >= 0 else None
+    return SourceTable(schema, name, oid, relkind, replident, cols, pk, ident, rowfilter, int(pages or 0),
+                       None if estimated is None else int(estimated))
+
+
+# -- target names ------------------------------------------------------------------
+
+def pg_target_name(table: SourceTable, table_map: dict[str, str]) -> tuple[str | None, str]:
+    """(schema or None for the search path, table) on a PostgreSQL target, as the apply engine names it."""
+    mapped = table_map.get(table.qualified)
+    if mapped:
+        schema, _, name = mapped.rpartition(".")
+        return (schema or None), name
+    return table.schema, table.name
+
+
+def pg_qname(schema: str | None, name: str) -> str:
+    """Quoted, optionally schema-qualified, table name."""
+    return (quote_ident(schema) + "." if schema else "") + quote_ident(name)
+
+
+def target_table_name(table: SourceTable, dialect: str, table_map: dict[str, str]) -> tuple[str, str]:
+    """(name for people, quoted name for SQL) of the target table."""
+    if dialect == "sqlite":
+        name = sqlite_table_name(table.relation(), table_map)
+        return name, quote_ident(name)
+    schema, name = pg_target_name(table, table_map)
+    return (f"{schema}.{name}" if schema else name), pg_qname(schema, name)
+
+
+# -- SQLite mapping ------------------------------------------------------------------
+
+def sqlite_declared_types(table: SourceTable) -> list[str]:
+    """The declared SQLite type of each column, from what the engine's converter makes of a value."""
+    out = []
+    for conv in sqlite_text_converters(table.relation()):
+        try:
+            sample = conv(b"1")
+        except (ValueError, TypeError):
+            sample = ""
+        out.append({int: "INTEGER", float: "REAL", bytes: "BLOB"}.get(type(sample), "TEXT"))
+    return out
+
+
+def sqlite_affinity(declared: str) -> str:
+    """SQLite's column affinity of a declared type (section 3.1 of SQLite's datatype page)."""
+    d = declared.upper()
+    if "INT" in d:
+        return "INTEGER"
+    if "CHAR" in d or "CLOB" in d or "TEXT" in d:
+        return "TEXT"
+    if "BLOB" in d or not d:
+        return "BLOB"
+    if "REAL" in d or "FLOA" in d or "DOUB" in d:
+        return "REAL"
+    return "NUMERIC"
+
+
+# Affinities that store every value of a mapped kind unchanged.
+_KEEPS = {"INTEGER": {"INTEGER", "NUMERIC", "BLOB"}, "REAL": {"REAL", "BLOB"}, "TEXT": {"TEXT", "BLOB"},
+          "BLOB": {"INTEGER", "NUMERIC", "BLOB", "REAL", "TEXT"}}
+
+
+# -- create or check --------------------------------------------------------------------
+
+@dataclass
+class Prepared:
+    """What ``prepare_target_tables`` did: tables created and tables found."""
+
+    created: list[str] = field(default_factory=list)
+    existing: list[str] = field(default_factory=list)
+
+
+def pg_create_statements(table: SourceTable, schema: str | None, name: str) -> list[str]:
+    """CREATE TABLE (and index / replica identity) statements for a PostgreSQL target."""
+    qt = pg_qname(schema, name)
+    parts = []
+    for c in table.columns:
+        s = f"{quote_ident(c.name)} {c.type_sql}"
+        if c.collation:
+            s += f" COLLATE {quote_ident(c.collation)}"
+        if c.not_null:
+            s += " NOT NULL"
+        if c.default is not None:
+            s += f" DEFAULT {c.default}"
+        parts.append(s)
+    if table.primary_key and all(k in {c.name for c in table.columns} for k in table.primary_key):
+        parts.append("PRIMARY KEY (" + ", ".join(quote_ident(k) for k in table.primary_key) + ")")
+    stmts = []
+    if schema:
+        stmts.append(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")
+    stmts.append(f"CREATE TABLE {qt} (" + ", ".join(parts) + ")")
+    if table.replica_identity == "i" and table.identity_index and table.identity_index[1] != table.primary_key:
+        idx, cols = table.identity_index
+        stmts.append(f"CREATE UNIQUE INDEX {quote_ident(idx)} ON {qt} (" + ", ".join(map(quote_ident, cols)) + ")")
+        stmts.append(f"ALTER TABLE {qt} REPLICA IDENTITY USING INDEX {quote_ident(idx)}")
+    elif table.replica_identity == "f":
+        stmts.append(f"ALTER TABLE {qt} REPLICA IDENTITY FULL")
+    elif table.replica_identity == "n":
+        stmts.append(f"ALTER TABLE {qt} REPLICA IDENTITY NOTHING")
+    return stmts
+
+
+def sqlite_create_statements(table: SourceTable, name: str) -> list[str]:
+    """CREATE TABLE (and unique index) statements for a SQLite target."""
+    qt = quote_ident(name)
+    parts = []
+    for c, decl in zip(table.columns, sqlite_declared_types(table), strict=True):
+        parts.append(f"{quote_ident(c.name)} {decl}" + (" NOT NULL" if c.not_null else ""))
+    if table.primary_key and all(k in {c.name for c in table.columns} for k in table.primary_key):
+        parts.append("PRIMARY KEY (" + ", ".join(quote_ident(k) for k in table.primary_key) + ")")
+    stmts = [f"CREATE TABLE {qt} (" + ", ".join(parts) + ")"]
+    if table.identity_index and table.identity_index[1] != table.primary_key:
+        cols = table.identity_index[1]
+        if all(k in {c.name for c in table.columns} for k in cols):
+            stmts.append(f"CREATE UNIQUE INDEX {quote_ident(name + '_replica_identity')} ON {qt} ("
+                         + ", ".join(map(quote_ident, cols)) + ")")
+    return stmts
+
+
+def check_pg_table(conn: psycopg.Connection[Any], table: SourceTable, schema: str | None, name: str) -> list[str] | None:
+    """Problems of an existing PostgreSQL target table (one line each), or None if it does not exist."""
+    reg = conn.execute("SELECT to_regclass(%s)::oid", [pg_qname(schema, name)]).fetchone()[0]
+    if reg is None:
+        return None
+    have = {r[0]: r[1:] for r in conn.execute(
+        "SELECT attname, format_type(atttypid, NULL), attnotnull, atthasdef OR attidentity <> '' OR attgenerated <> '' "
+        "FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped", [reg])}
+    problems = []
+    for c in table.columns:
+        if c.name not in have:
+            problems.append(f"column {c.name}: missing on the target (source type {c.type_sql})")
+        elif have[c.name][0] != c.type_name:
+            problems.append(f"column {c.name}: source type {c.type_sql}, target type {have[c.name][0]}")
+    published = {c.name for c in table.columns}
+    for col, (_, notnull, hasdef) in have.items():
+        if col not in published and notnull and not hasdef:
+            problems.append(f"column {col}: NOT NULL on the target without a default, and the source does not "
+                            f"publish it")
+    return problems
+
+
+def check_sqlite_table(conn: sqlite3.Connection, table: SourceTable, name: str) -> list[str] | None:
+    """Problems of an existing SQLite target table, or None if it does not exist."""
+    rows = conn.execute(f"PRAGMA table_info({quote_ident(name)})").fetchall()
+    if not rows:
+        return None
+    have = {r[1]: (r[2], bool(r[3]), r[4] is not None, r[5] > 0) for r in rows}
+    problems = []
+    for c, decl in zip(table.columns, sqlite_declared_types(table), strict=True):
+        if c.name not in have:
+            problems.append(f"column {c.name}: missing on the target (mapped type {decl})")
+            continue
+        aff = sqlite_affinity(have[c.name][0])
+        if aff not in _KEEPS[decl]:
+            problems.append(f"column {c.name}: declared {have[c.name][0] or '(none)'} ({aff} affinity) would change "
+                            f"the mapped {decl} values of source type {c.type_sql}")
+    published = {c.name for c in table.columns}
+    for col, (_, notnull, hasdef, _pk) in have.items():
+        if col not in published and notnull and not hasdef:
+            problems.append(f"column {col}: NOT NULL on the target without a default, and the source does not "
+                            f"publish it")
+    return problems
+
+
+def prepare_pg_tables(conn: psycopg.Connection[Any], tables: list[SourceTable], table_map: dict[str, str]) -> Prepared:
+    """Check every existing target table, then create the missing ones (one transaction); SchemaError on mismatch."""
+    problems: list[str] = []
+    missing: list[SourceTable] = []
+    out = Prepared()
+    for t in tables:
+        schema, name = pg_target_name(t, table_map)
+        shown = f"{schema}.{name}" if schema else name
+        found = check_pg_table(conn, t, schema, name)
+        if found is None:
+            missing.append(t)
+            for c in t.columns:
+                if c.type_schema != "pg_catalog" and conn.execute("SELECT to_regtype(%s)", [c.type_sql]).fetchone()[0] is None:
+                    problems.append(f"target table {shown}, column {c.name}: type {c.type_sql} does not exist on the "
+                                    f"target (create it first)")
+        else:
+            out.existing.append(shown)
+            problems += [f"target table {shown} (source {t.qualified}), {p}" for p in found]
+    if problems:
+        raise SchemaError("the target does not fit the source:\n  " + "\n  ".join(problems))
+    with conn.transaction():
+        for t in missing:
+            schema, name = pg_target_name(t, table_map)
+            for stmt in pg_create_statements(t, schema, name):
+                conn.execute(stmt)
+            out.created.append(f"{schema}.{name}" if schema else name)
+    return out
+
+
+def prepare_sqlite_tables(conn: sqlite3.Connection, tables: list[SourceTable], table_map: dict[str, str]) -> Prepared:
+    """As ``prepare_pg_tables``, for a SQLite target."""
+    problems: list[str] = []
+    missing: list[tuple[SourceTable, str]] = []
+    out = Prepared()
+    for t in tables:
+        name = sqlite_table_name(t.relation(), table_map)
+        found = check_sqlite_table(conn, t, name)
+        if found is None:
+            missing.append((t, name))
+        else:
+            out.existing.append(name)
+            problems += [f"target table {name} (source {t.qualified}), {p}" for p in found]
+    if problems:
+        raise SchemaError("the target does not fit the source:\n  " + "\n  ".join(problems))
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for t, name in missing:
+            for stmt in sqlite_create_statements(t, name):
+                conn.execute(stmt)
+            out.created.append(name)
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return out

@@ -1,0 +1,128 @@
+"""The SparkSession of ``applier sync`` and ``applier verify``.
+
+Master: ``spark.master`` of the config (``local[*]`` by default; ``spark://…``,
+``yarn``, ``k8s://…`` work the same). Everything else a cluster needs comes from
+the usual Spark places (``$SPARK_CONF_DIR/spark-defaults.conf``,
+``PYSPARK_SUBMIT_ARGS``), which this module leaves alone.
+
+Local master (one machine, e.g. 2 cores and 24 GB): the Python workers run
+``sys.executable`` (``PYSPARK_PYTHON`` if unset), the driver JVM gets 2 GB,
+shuffles use a few partitions, the web UI and Spark's console progress bar are
+off (applier draws its own), and Spark logs only errors.
+
+Cluster master: the executors need Python 3.11 with ``psycopg`` and ``pyarrow``
+installed; applier itself is shipped to them as a zip (``addPyFile``) unless
+``APPLIER_SPARK_SHIP=0``. The executors must reach the source and the target
+over the network; a SQLite target needs a local master (see ``applier.sync``).
+
+The session also registers applier's data sources (``applier.spark.source``,
+``applier.spark.copy``); ``getOrCreate`` returns an existing session as is
+(tests share one).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+_LOG4J = """\
+rootLogger.level = warn
+rootLogger.appenderRef.stderr.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
+logger.utils.name = org.apache.spark.util.Utils
+logger.utils.level = error
+logger.hadoop.name = org.apache.hadoop
+logger.hadoop.level = error
+"""
+
+LOCAL_CONF = {
+    "spark.driver.memory": "2g",
+    "spark.ui.enabled": "false",
+    "spark.sql.shuffle.partitions": "8",
+    "spark.default.parallelism": "4",
+    "spark.driver.host": "127.0.0.1",
+    "spark.driver.bindAddress": "127.0.0.1",
+    "spark.python.worker.memory": "256m",
+}
+
+COMMON_CONF = {
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.adaptive.enabled": "true",
+}
+
+
+def is_local(master: str) -> bool:
+    """True for local, local[N], local[*], local[N,F]."""
+    return master == "local" or master.startswith("local[")
+
+
+def _log4j_file() -> str:
+    path = Path(tempfile.gettempdir()) / "applier-spark-log4j2.properties"
+    if not path.exists() or path.read_text() != _LOG4J:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(_LOG4J)
+        tmp.replace(path)
+    return str(path)
+
+
+def spark_session(master: str = "local[*]", app_name: str = "applier") -> Any:
+    """The SparkSession for ``master``, with applier's data sources registered; see the module header."""
+    local = is_local(master)
+    if local:
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.master(master).appName(app_name)
+    conf = dict(COMMON_CONF)
+    if local:
+        conf.update(LOCAL_CONF)
+        conf["spark.driver.extraJavaOptions"] = f"-Dlog4j2.configurationFile=file:{_log4j_file()}"
+    for k, v in conf.items():
+        builder = builder.config(k, v)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    register(spark)
+    if not local and os.environ.get("APPLIER_SPARK_SHIP", "1") != "0":
+        spark.sparkContext.addPyFile(_applier_zip())
+    return spark
+
+
+def spark_for(cfg: Any) -> Any:
+    """The SparkSession for a Config (``spark.master``)."""
+    return spark_session(cfg.spark["master"])
+
+
+_REGISTERED: set[int] = set()
+
+
+def register(spark: Any) -> None:
+    """Register applier's Python data sources on this session (once)."""
+    if id(spark) in _REGISTERED:
+        return
+    from applier.spark.copy import TargetSink
+    from applier.spark.source import PgRangeSource, SqliteRangeSource
+
+    for ds in (PgRangeSource, SqliteRangeSource, TargetSink):
+        spark.dataSource.register(ds)
+    _REGISTERED.add(id(spark))
+
+
+def _applier_zip() -> str:
+    """The applier package as a zip for the executors (built once per process)."""
+    import applier
+
+    root = Path(applier.__file__).resolve().parent
+    out = Path(tempfile.gettempdir()) / f"applier-{os.getpid()}.zip"
+    if not out.exists():
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zf:
+            for f in root.rglob("*.py"):
+                zf.write(f, Path("applier") / f.relative_to(root))
+    return str(out)

@@ -1,0 +1,244 @@
+"""PySpark Python Data Sources that read one table in parallel ranges.
+
+``applier_pg`` reads a PostgreSQL table (the source for ``sync`` and
+``verify``, or a PostgreSQL target for ``verify``); ``applier_sqlite`` reads a
+SQLite target table for ``verify``. Both take one option, ``plan``: JSON made
+by ``pg_plan`` / ``sqlite_plan`` on the driver (the data source's own methods
+run in separate Python processes, so everything they need travels in it).
+
+Rows: one column per table column, named ``c0`` … ``cN`` (Spark's case-
+insensitive names cannot clash), every column ``binary``. A value is
+PostgreSQL's text output (the form pgoutput sends in text mode, so the copy
+goes through exactly the conversions the stream goes through), or with
+``canonical`` set the canonical form of ``applier.spark.canonical``.
+
+PostgreSQL reading, per partition: a connection with the walsender's output
+settings pinned (ISO dates, UTC, ``extra_float_digits = 3``) plus hex bytea and
+UTF-8; ``BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY`` and, when the plan
+has one, ``SET TRANSACTION SNAPSHOT '<exported snapshot>'`` so that every
+partition sees the same snapshot; then ``COPY (SELECT … WHERE ctid >= '(lo,0)'
+AND ctid < '(hi,0)' AND (row filter)) TO STDOUT (FORMAT csv)``, parsed by
+pyarrow into record batches. The page ranges split ``[0, pages)``; the last one
+is open-ended, so rows in pages added after the plan was made are still read.
+A TID range scan (PostgreSQL 14+) reads only its pages. The connection's
+``application_name`` (``<app> p<partition>``) lets the driver follow the copy
+in ``pg_stat_progress_copy``.
+
+SQLite reading: ``rowid`` ranges (one range for a WITHOUT ROWID table), a
+read-only connection each, values encoded canonically.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+import pyarrow.csv as pacsv
+from psycopg import sql as psql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+from pyspark.sql.types import BinaryType, StructField, StructType
+
+CHUNK_BYTES = 4 << 20  # COPY data parsed at a time, per partition
+SQLITE_BATCH = 10000
+MIN_PAGES_PER_PARTITION = 16
+
+
+def pinned_dsn(dsn: str, application_name: str | None = None) -> str:
+    """``dsn`` with the output settings of the walsender session (runner) plus hex bytea and UTF-8."""
+    from applier.engine.runner import _session_dsn
+
+    base = _session_dsn(dsn)
+    opts = conninfo_to_dict(base).get("options") or ""
+    extra: dict[str, Any] = {"options": f"{opts} -c bytea_output=hex -c client_encoding=UTF8".strip()}
+    if application_name:
+        extra["application_name"] = application_name
+    return make_conninfo(base, **extra)
+
+
+def ctid_ranges(pages: int, partitions: int) -> list[tuple[int | None, int | None]]:
+    """Page ranges covering a heap of ``pages`` pages; first and last open-ended."""
+    n = max(1, min(partitions, pages // MIN_PAGES_PER_PARTITION if pages >= MIN_PAGES_PER_PARTITION else 1))
+    bounds = [pages * i // n for i in range(n + 1)]
+    return [(None if i == 0 else bounds[i], None if i == n - 1 else bounds[i + 1]) for i in range(n)]
+
+
+def schema_of(ncols: int) -> StructType:
+    """The Spark schema: c0 … cN, all binary."""
+    return StructType([StructField(f"c{i}", BinaryType(), True) for i in range(ncols)])
+
+
+def pg_plan(dsn: str, table: str, columns: list[str], *, pages: int, partitions: int, snapshot: str | None = None,
+            where: str | None = None, app: str = "applier", canonical_types: list[int] | None = None) -> str:
+    """The ``plan`` option of ``applier_pg``: quoted table and column names, filter, ranges, snapshot."""
+    return json.dumps({
+        "dsn": dsn, "table": table, "columns": columns, "where": where, "snapshot": snapshot, "app": app,
+        "ranges": ctid_ranges(pages, partitions), "canonical": canonical_types,
+    })
+
+
+def sqlite_plan(path: str, table: str, columns: list[str], ranges: list[tuple[int | None, int | None]]) -> str:
+    """The ``plan`` option of ``applier_sqlite``."""
+    return json.dumps({"path": path, "table": table, "columns": columns, "ranges": ranges})
+
+
+def sqlite_rowid_ranges(conn: sqlite3.Connection, qtable: str, partitions: int) -> list[tuple[int | None, int | None]]:
+    """rowid ranges splitting a SQLite table; one unbounded range for WITHOUT ROWID or small tables."""
+    try:
+        lo, hi = conn.execute(f"SELECT min(rowid), max(rowid) FROM {qtable}").fetchone()
+    except sqlite3.OperationalError:  # WITHOUT ROWID
+        return [(None, None)]
+    if lo is None or partitions <= 1 or hi - lo < 10000:
+        return [(None, None)]
+    span = hi - lo + 1
+    bounds = [lo + span * i // partitions for i in range(partitions + 1)]
+    return [(None if i == 0 else bounds[i], None if i == partitions - 1 else bounds[i + 1]) for i in range(partitions)]
+
+
+class RangePartition(InputPartition):
+    """One range of a table: (index, low bound or None, high bound or None)."""
+
+    def __init__(self, index: int, lo: int | None, hi: int | None) -> None:
+        super().__init__((index, lo, hi))
+        self.index, self.lo, self.hi = index, lo, hi
+
+
+class _RangeReader(DataSourceReader):
+    def __init__(self, plan: dict[str, Any]) -> None:
+        self.plan = plan
+
+    def partitions(self) -> list[RangePartition]:
+        return [RangePartition(i, lo, hi) for i, (lo, hi) in enumerate(self.plan["ranges"])]
+
+
+class _PgReader(_RangeReader):
+    def read(self, partition: RangePartition) -> Iterator[pa.RecordBatch]:
+        yield from read_pg_range(self.plan, partition.index, partition.lo, partition.hi)
+
+
+class _SqliteReader(_RangeReader):
+    def read(self, partition: RangePartition) -> Iterator[pa.RecordBatch]:
+        yield from read_sqlite_range(self.plan, partition.lo, partition.hi)
+
+
+class PgRangeSource(DataSource):
+    """``spark.read.format("applier_pg").option("plan", pg_plan(…)).load()``; see the module header."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "applier_pg"
+
+    def schema(self) -> StructType:
+        return schema_of(len(json.loads(self.options["plan"])["columns"]))
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return _PgReader(json.loads(self.options["plan"]))
+
+
+class SqliteRangeSource(DataSource):
+    """``spark.read.format("applier_sqlite").option("plan", sqlite_plan(…)).load()``; see the module header."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "applier_sqlite"
+
+    def schema(self) -> StructType:
+        return schema_of(len(json.loads(self.options["plan"])["columns"]))
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return _SqliteReader(json.loads(self.options["plan"]))
+
+
+# -- the readers proper (plain functions: testable without Spark) -------------------------
+
+def range_query(plan: dict[str, Any], lo: int | None, hi: int | None) -> str:
+    """The SELECT of one partition."""
+    conds = []
+    if lo is not None:
+        conds.append(f"ctid >= '({int(lo)},0)'::tid")
+    if hi is not None:
+        conds.append(f"ctid < '({int(hi)},0)'::tid")
+    if plan.get("where"):
+        conds.append(f"({plan['where']})")
+    q = f"SELECT {', '.join(plan['columns'])} FROM {plan['table']}"
+    return q + (" WHERE " + " AND ".join(conds) if conds else "")
+
+
+def read_pg_range(plan: dict[str, Any], index: int, lo: int | None, hi: int | None) -> Iterator[pa.RecordBatch]:
+    """Record batches of one partition of a PostgreSQL table (see the module header)."""
+    names = [f"c{i}" for i in range(len(plan["columns"]))]
+    transform = None
+    if plan.get("canonical") is not None:
+        from applier.spark.canonical import sqlite_source_canonicalizer
+        transform = sqlite_source_canonicalizer(plan["canonical"])
+    conn = psycopg.connect(pinned_dsn(plan["dsn"], f"{plan['app']} p{index}"), autocommit=True)
+    try:
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        if plan.get("snapshot"):
+            conn.execute(psql.SQL("SET TRANSACTION SNAPSHOT {}").format(psql.Literal(plan["snapshot"])))
+        copy_sql = f"COPY ({range_query(plan, lo, hi)}) TO STDOUT WITH (FORMAT csv)"
+        with conn.cursor().copy(copy_sql) as cp:
+            for batch in csv_batches(_copy_chunks(cp), names):
+                yield transform(batch) if transform is not None else batch
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+def _copy_chunks(cp: Any) -> Iterator[bytes]:
+    """COPY data in pieces of about CHUNK_BYTES, each made of whole rows (libpq returns one row per read)."""
+    parts: list[bytes] = []
+    size = 0
+    for data in cp:
+        parts.append(data)
+        size += len(data)
+        if size >= CHUNK_BYTES:
+            yield b"".join(parts)
+            parts, size = [], 0
+    if parts:
+        yield b"".join(parts)
+
+
+_CSV_PARSE = pacsv.ParseOptions(newlines_in_values=True, ignore_empty_lines=False)
+
+
+def csv_batches(chunks: Iterator[bytes], names: list[str]) -> Iterator[pa.RecordBatch]:
+    """Parse PostgreSQL CSV (unquoted empty = NULL, ``""`` = empty string) into binary record batches."""
+    convert = pacsv.ConvertOptions(column_types={n: pa.binary() for n in names}, strings_can_be_null=True,
+                                   quoted_strings_can_be_null=False, null_values=[""])
+    for chunk in chunks:
+        ropts = pacsv.ReadOptions(column_names=names, use_threads=False, block_size=len(chunk) + 1)
+        table = pacsv.read_csv(io.BytesIO(chunk), read_options=ropts, parse_options=_CSV_PARSE,
+                               convert_options=convert)
+        yield from table.combine_chunks().to_batches()
+
+
+def read_sqlite_range(plan: dict[str, Any], lo: int | None, hi: int | None) -> Iterator[pa.RecordBatch]:
+    """Canonical record batches of one rowid range of a SQLite table."""
+    from applier.spark.canonical import canonical_rows_batch
+
+    names = [f"c{i}" for i in range(len(plan["columns"]))]
+    conds, params = [], []
+    if lo is not None:
+        conds.append("rowid >= ?")
+        params.append(lo)
+    if hi is not None:
+        conds.append("rowid < ?")
+        params.append(hi)
+    q = f"SELECT {', '.join(plan['columns'])} FROM {plan['table']}" + (" WHERE " + " AND ".join(conds) if conds else "")
+    conn = sqlite3.connect(Path(plan["path"]).resolve().as_uri() + "?mode=ro", uri=True, timeout=60)
+    try:
+        cur = conn.execute(q, params)
+        while True:
+            rows = cur.fetchmany(SQLITE_BATCH)
+            if not rows:
+                break
+            yield canonical_rows_batch(rows, names)
+    finally:
+        conn.close()

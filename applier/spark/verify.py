@@ -1,0 +1,402 @@
+"""``applier verify``: compare every replicated table, source against target, as Spark jobs.
+
+Consistency: both sides must show the same moment.
+
+1. No daemon may apply meanwhile: the slot must be inactive (``applier run``
+   stopped), checked before and after; the target's recorded position must
+   not move during the comparison (checked after), else verify fails.
+2. A *temporary* logical slot is created on a replication connection with
+   ``SNAPSHOT 'export'``: an exported snapshot S and its consistent point C.
+   S sees exactly the transactions whose commit record lies before C; the
+   connection stays open and idle until the comparison ends (S lives as long
+   as it does; the temporary slot is dropped when it closes).
+3. The target is brought to exactly C: the normal apply ``Runner`` (catch-up
+   mode, the configured slot) reads through ``StopBefore(C)``, a source wrapper
+   that withholds the first transaction whose commit is at or after C (Begin's
+   final LSN, or the commit LSN of a streamed or prepared transaction) and ends
+   the stream there, or ends it when a keepalive shows the server has sent
+   everything before C. Commit records never straddle C, so the transactions
+   applied are exactly those S sees. The withheld ones stay in the slot for
+   the next ``run`` / ``catchup``: nothing is lost or skipped.
+4. Source partitions read in S (``SET TRANSACTION SNAPSHOT``), target
+   partitions read the target as it is (nothing writes to it now).
+
+Comparison, per published table (same column lists and row filters as the
+copy), in Spark:
+
+- each row becomes its canonical column values (``applier.spark.canonical``),
+  its *key* (primary key, else replica identity index, else the whole row:
+  duplicates are then counted), a 64+32-bit row hash (``xxhash64`` and
+  ``hash`` over NULL-tagged values) and a *key range*: the top 10 bits of the
+  key's ``xxhash64``, i.e. 1024 ranges of the key-hash space (the same on both
+  sides whatever the target's collation or SQLite's storage);
+- job 1: per range, row count and sums of the hash parts, both sides, joined:
+  the ranges that differ;
+- job 2, only if some differ: the rows of those ranges, grouped by key and
+  joined (full outer) on it: every differing key, counted as missing on the
+  target, extra on the target, or changed, with the first ``max_keys`` (in
+  key order) shown with both sides' values.
+
+Exit status of the command: 0 only when every table agrees.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from applier.config import Config, ConfigError
+from applier.decoder.framing import Keepalive, XLogData
+from applier.lsn import LSN
+from applier.source.base import Source, SourceError
+from applier.target.base import quote_ident
+
+KEY_BITS = 10  # 1024 key-hash ranges
+_U64 = int.from_bytes
+
+
+class StopBefore:
+    """A Source that ends just before the first transaction committed at or after ``point``."""
+
+    def __init__(self, inner: Source, point: LSN) -> None:
+        self.inner = inner
+        self.point = point
+        self.exhausted = False
+        self.reached = False  # the stream provably passed every commit before point
+        self._block: bytes | None = None  # the message kind that ends the open transaction / stream block
+
+    @staticmethod
+    def commit_position(payload: bytes) -> int | None:
+        """Where a transaction-opening message's transaction commits (or rolls back), else None."""
+        kind = payload[:1]
+        if kind in (b"B", b"b"):  # Begin: final_lsn; Begin Prepare: prepare_lsn
+            return _U64(payload[1:9], "big")
+        if kind == b"c":  # Stream Commit: xid, flags, commit_lsn
+            return _U64(payload[6:14], "big")
+        if kind in (b"K", b"p"):  # Commit Prepared: flags, commit_lsn; Stream Prepare: flags, prepare_lsn
+            return _U64(payload[2:10], "big")
+        if kind == b"r":  # Rollback Prepared: flags, prepare_end_lsn, rollback_end_lsn (end > point: after it)
+            return _U64(payload[10:18], "big") - 1
+        return None
+
+    def read(self, timeout: float) -> Any:
+        """The next frame, or None (for good once the point is reached)."""
+        if self.exhausted:
+            return None
+        frame = self.inner.read(timeout)
+        if frame is None:
+            return None
+        if type(frame) is XLogData:
+            payload = bytes(frame.payload[:18])
+            kind = payload[:1]
+            if self._block is None:
+                at = self.commit_position(payload)
+                if at is not None and at >= self.point:
+                    self.exhausted = self.reached = True
+                    return None
+                self._block = {b"B": b"C", b"b": b"P", b"S": b"E"}.get(kind)
+            elif kind == self._block:
+                self._block = None
+            return frame
+        if isinstance(frame, Keepalive) and frame.wal_end >= self.point and self._block is None:
+            self.exhausted = self.reached = True
+            return None
+        return frame
+
+    def confirm(self, lsn: LSN) -> None:
+        """Pass on."""
+        self.inner.confirm(lsn)
+
+    def close(self) -> None:
+        """Pass on."""
+        self.inner.close()
+
+
+def catch_up_to(cfg: Config, point: LSN) -> Any:
+    """Apply exactly the transactions committed before ``point`` (see the module header); the Summary."""
+    from applier.engine.runner import Runner
+
+    stoppers: list[StopBefore] = []
+
+    def wrap(src: Source) -> Source:
+        stoppers.append(StopBefore(src, point))
+        return stoppers[-1]
+
+    return Runner(cfg, catchup=True, wrap_source=wrap).run()
+
+
+# -- report ----------------------------------------------------------------------------------
+
+@dataclass
+class TableResult:
+    """The comparison of one table."""
+
+    table: str
+    target: str
+    key: list[str]
+    source_rows: int = 0
+    target_rows: int = 0
+    ranges: int = 0
+    differing_ranges: int = 0
+    differing_keys: int = 0
+    missing_on_target: int = 0
+    extra_on_target: int = 0
+    changed: int = 0
+    first: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """The two sides agree."""
+        return self.error is None and self.differing_ranges == 0 and self.source_rows == self.target_rows
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` found."""
+
+    snapshot_lsn: str
+    target_lsn: str
+    applied_transactions: int
+    tables: list[TableResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Every table agrees."""
+        return all(t.ok for t in self.tables)
+
+    def as_json(self) -> dict[str, Any]:
+        """For --json."""
+        return {"ok": self.ok, "snapshot_lsn": self.snapshot_lsn, "target_lsn": self.target_lsn,
+                "applied_transactions": self.applied_transactions,
+                "tables": [{**asdict(t), "ok": t.ok} for t in self.tables]}
+
+    def lines(self) -> list[str]:
+        """For people: a summary line per table, then the first differing keys."""
+        out = [f"source snapshot at {self.snapshot_lsn}; target at {self.target_lsn} "
+               f"(applied {self.applied_transactions} transactions to get there)"]
+        for t in self.tables:
+            name = t.table if t.target in (t.table, t.table.split(".", 1)[-1]) else f"{t.table} -> {t.target}"
+            if t.error:
+                out.append(f"{name}: ERROR {t.error}")
+                continue
+            if t.ok:
+                out.append(f"{name}: OK, {t.source_rows:,} rows, {t.ranges} key ranges agree")
+                continue
+            out.append(f"{name}: DIFFERENT: source {t.source_rows:,} rows, target {t.target_rows:,} rows; "
+                       f"{t.differing_ranges} of {t.ranges} key ranges differ; {t.differing_keys:,} differing keys "
+                       f"({t.missing_on_target:,} missing on the target, {t.extra_on_target:,} extra on the target, "
+                       f"{t.changed:,} changed)")
+            for d in t.first:
+                out.append("  " + _describe(d))
+        out.append("verify: the source and the target agree" if self.ok else "verify: the source and the target DIFFER")
+        return out
+
+
+def _fmt(v: Any) -> str:
+    return "NULL" if v is None else repr(v)
+
+
+def _describe(d: dict[str, Any]) -> str:
+    key = ", ".join(d["key"]) if d["key"] else ""
+    kv = f"({key})=({', '.join(_fmt(v) for v in d['key'].values())})" if d["key"] else "(row)"
+    src, tgt = d["source"], d["target"]
+    if d["kind"] == "missing":
+        return f"{kv}: missing on the target; source row {_row(src)}"
+    if d["kind"] == "extra":
+        return f"{kv}: extra on the target; target row {_row(tgt)}"
+    if d["kind"] == "count":
+        return f"row {_row(src or tgt)}: {d['source_count']} on the source, {d['target_count']} on the target"
+    cols = [c for c in src if src.get(c) != tgt.get(c)]
+    return f"{kv}: " + "; ".join(f"{c}: source {_fmt(src.get(c))}, target {_fmt(tgt.get(c))}" for c in cols)
+
+
+def _row(r: dict[str, Any] | None) -> str:
+    return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in (r or {}).items()) + "}"
+
+
+# -- the Spark part ----------------------------------------------------------------------------
+
+def _prepared(df: Any, ncols: int, key_idx: list[int]) -> Any:
+    from pyspark.sql import functions as F
+
+    names = [f"c{i}" for i in range(ncols)]
+    null, val = F.unhex(F.lit("00")), F.unhex(F.lit("01"))
+    tagged = [F.when(F.col(n).isNull(), null).otherwise(F.concat(val, F.col(n))) for n in names]
+    key = F.array(*[tagged[i] for i in key_idx]) if key_idx else F.array(*tagged)
+    row = F.array(*tagged)
+    return df.select(F.shiftrightunsigned(F.xxhash64(key), 64 - KEY_BITS).cast("int").alias("bucket"),
+                     key.alias("key"), F.xxhash64(row).alias("h"), F.hash(row).alias("m"), *names)
+
+
+def _hash_sums(F: Any) -> list[Any]:  # noqa: N803 - the usual alias of pyspark.sql.functions
+    return [F.count(F.lit(1)).alias("n"),
+            F.sum(F.col("h").bitwiseAND(F.lit(0xFFFFFFFF))).alias("s1"),
+            F.sum(F.shiftrightunsigned(F.col("h"), 32)).alias("s2"),
+            F.sum(F.col("m").cast("long").bitwiseAND(F.lit(0xFFFFFFFF))).alias("s3")]
+
+
+_SUMS = ("n", "s1", "s2", "s3")
+
+
+def compare(spark: Any, source_plan: str, target_plan: str, target_format: str, columns: list[str],
+            key: list[str], dialect: str, max_keys: int, label: str) -> TableResult:
+    """Compare one table (see the module header); fills a TableResult (table names left to the caller)."""
+    from pyspark.sql import functions as F
+
+    from applier.spark.canonical import display
+
+    ncols = len(columns)
+    key_idx = [columns.index(k) for k in key]
+    res = TableResult("", "", key, ranges=1 << KEY_BITS)
+    cached: list[Any] = []
+    sc = spark.sparkContext
+    sc.setJobDescription(f"applier verify: {label}")
+    try:
+        from pyspark import StorageLevel
+
+        # cached by job 1, so that job 2 (only when something differs) does not read both databases again
+        src = _prepared(spark.read.format("applier_pg").option("plan", source_plan).load(), ncols, key_idx)
+        tgt = _prepared(spark.read.format(target_format).option("plan", target_plan).load(), ncols, key_idx)
+        cached = [src.persist(StorageLevel.MEMORY_AND_DISK), tgt.persist(StorageLevel.MEMORY_AND_DISK)]
+
+        def side(df: Any, p: str) -> Any:
+            agg = df.groupBy("bucket").agg(*_hash_sums(F))
+            return agg.select("bucket", *[F.col(c).alias(f"{p}{c}") for c in _SUMS])
+
+        ranges = side(src, "a_").join(side(tgt, "b_"), on="bucket", how="full_outer").collect()
+        differing = []
+        for r in ranges:
+            res.source_rows += r["a_n"] or 0
+            res.target_rows += r["b_n"] or 0
+            if any(r[f"a_{c}"] != r[f"b_{c}"] for c in _SUMS):
+                differing.append(int(r["bucket"]))
+        res.differing_ranges = len(differing)
+        if not differing:
+            return res
+
+        def by_key(df: Any, p: str) -> Any:
+            agg = df.where(F.col("bucket").isin(differing)).groupBy("key").agg(
+                *_hash_sums(F), F.first(F.struct(*[f"c{i}" for i in range(ncols)])).alias("row"))
+            return agg.select("key", "row", *[F.col(c) for c in _SUMS]).select(
+                "key", *[F.col(c).alias(p + c) for c in ("row", *_SUMS)])
+
+        joined = by_key(src, "a_").join(by_key(tgt, "b_"), on="key", how="full_outer")
+        same = None
+        for c in _SUMS:
+            cond = F.col(f"a_{c}").eqNullSafe(F.col(f"b_{c}"))
+            same = cond if same is None else same & cond
+        kind = (F.when(F.col("b_n").isNull(), F.lit("missing")).when(F.col("a_n").isNull(), F.lit("extra"))
+                .otherwise(F.lit("changed" if key else "count")))
+        diff = joined.where(~same).withColumn("kind", kind).persist()
+        try:
+            counts = {r["kind"]: r["count"] for r in diff.groupBy("kind").count().collect()}
+            first = diff.orderBy("key").limit(max_keys).collect() if max_keys > 0 else []
+        finally:
+            diff.unpersist()
+        res.missing_on_target = counts.get("missing", 0)
+        res.extra_on_target = counts.get("extra", 0)
+        res.changed = counts.get("changed", 0) + counts.get("count", 0)
+        res.differing_keys = sum(counts.values())
+
+        def values(row: Any) -> dict[str, Any] | None:
+            if row is None:
+                return None
+            return {c: display(row[f"c{i}"], dialect) for i, c in enumerate(columns)}
+
+        for r in first:
+            a, b = values(r["a_row"]), values(r["b_row"])
+            some = a or b or {}
+            res.first.append({"kind": r["kind"], "key": {k: some.get(k) for k in key}, "source": a, "target": b,
+                              "source_count": r["a_n"] or 0, "target_count": r["b_n"] or 0})
+        return res
+    finally:
+        for df in cached:
+            df.unpersist()
+        sc.setJobDescription(None)
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = None,
+           partitions: int | None = None) -> VerifyReport:
+    """Compare every published table at one consistent moment (see the module header)."""
+    from applier.admin import check_source, check_target, read_progress
+    from applier.source.walsender import WalSender
+    from applier.spark.source import pg_plan, sqlite_plan, sqlite_rowid_ranges
+    from applier.sync import TargetDb, _slot_row, check_spark_target, read_tables_in_snapshot
+
+    say = say or (lambda line: None)
+    nparts = partitions or cfg.spark["partitions"]
+    check_spark_target(cfg)
+    check_source(cfg)
+    check_target(cfg)
+
+    def slot_idle(when: str) -> None:
+        row = _slot_row(cfg)
+        if row is not None and row[0]:
+            raise ConfigError(f"{cfg.where('source', 'slot')}: slot {cfg.source['slot']!r} is in use "
+                              f"(pid {row[1]}) {when}; stop `applier run` while verifying")
+
+    slot_idle("")
+    try:
+        ws = WalSender(cfg.source["dsn"], connect_timeout=cfg.source["connect_timeout"])
+    except SourceError as exc:
+        raise ConfigError(f"{cfg.where('source', 'dsn')}: {exc}") from None
+    try:
+        temp = f"applier_verify_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        info = ws.create_slot(temp, snapshot="export", temporary=True)
+        point = info.consistent_point
+        say(f"source snapshot {info.snapshot_name} at {point}; bringing the target to exactly that point")
+        summary = catch_up_to(cfg, point)
+        applied = read_progress(cfg).lsn
+        if applied > point:
+            raise ConfigError(f"the target is at {applied}, past the snapshot's {point}: something else applied "
+                              f"changes meanwhile; stop `applier run` and verify again")
+        report = VerifyReport(str(point), str(applied), summary.transactions)
+        if spark is None:
+            from applier.spark.session import spark_for
+            spark = spark_for(cfg)
+        tables = read_tables_in_snapshot(cfg, info.snapshot_name)
+        target = TargetDb(cfg)
+        try:
+            for t in tables:
+                shown, qtarget = target.name_of(t)
+                cols = [c.name for c in t.columns]
+                res_name = t.qualified
+                if not target.exists(t):
+                    report.tables.append(TableResult(res_name, shown, t.key_columns,
+                                                     error=f"target table {shown} does not exist"))
+                    continue
+                qcols = [quote_ident(c) for c in cols]
+                sqlite = target.dialect == "sqlite"
+                src_plan = pg_plan(cfg.source["dsn"], t.qname, qcols, pages=t.pages, partitions=nparts,
+                                   snapshot=info.snapshot_name, where=t.rowfilter, app="applier-verify source",
+                                   canonical_types=[c.type_oid for c in t.columns] if sqlite else None)
+                if sqlite:
+                    tgt_plan = sqlite_plan(target.where, qtarget, qcols, sqlite_rowid_ranges(target.conn, qtarget, nparts))
+                    fmt = "applier_sqlite"
+                else:
+                    tgt_plan = pg_plan(target.where, qtarget, qcols, pages=target.pages(t), partitions=nparts,
+                                       app="applier-verify target")
+                    fmt = "applier_pg"
+                say(f"comparing {t.qualified}")
+                try:
+                    res = compare(spark, src_plan, tgt_plan, fmt, cols, t.key_columns, target.dialect, max_keys,
+                                  t.qualified)
+                except Exception as exc:  # noqa: BLE001 - one table's failure is reported, the others go on
+                    from applier.spark.copy import spark_error_line
+                    res = TableResult(res_name, shown, t.key_columns, error=spark_error_line(exc))
+                res.table, res.target = res_name, shown
+                report.tables.append(res)
+        finally:
+            target.close()
+        if read_progress(cfg).lsn != applied:
+            raise ConfigError("the target's applied position moved during verification (is `applier run` "
+                              "running?); the comparison is not valid, verify again with it stopped")
+        slot_idle("after the comparison")
+        return report
+    finally:
+        ws.close()

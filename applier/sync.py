@@ -1,0 +1,443 @@
+"""The initial copy: the library function behind ``applier sync``.
+
+``sync(cfg)`` makes a target that ``applier run`` / ``catchup`` can follow from
+the very next source transaction:
+
+1. control tables migrated (as ``applier init``), ``applier_sync`` (one row per
+   ``apply.name``: state, run id, slot, consistent point, times) and
+   ``applier_sync_parts`` (finished partitions of the current run) created;
+2. published tables read from the source catalog; the target's existing tables
+   checked (every mismatch reported by table and column, nothing written) and
+   the missing ones created (``applier.schema``);
+3. the sync row set to ``copying`` with a new run id;
+4. the slot created on a replication connection with ``SNAPSHOT 'export'``: its
+   consistent point C and an exported snapshot that sees exactly the
+   transactions committed before C. The connection stays open, idle, until the
+   copy is over (the snapshot lives as long as it does);
+5. every published table copied as a Spark job reading in that snapshot
+   (``applier.spark.copy``), with its column list and row filter;
+6. in one durable target transaction: the progress row of ``apply.name`` set to
+   C (and any pending skip cleared), the sync row set to ``done``.
+
+The stream of the slot starts with the first transaction committed at or after
+C, and the engine applies transactions from C on, so copy and stream meet
+exactly: nothing missed, nothing applied twice.
+
+Interruptions (resume or restart):
+
+- Within a run, a table whose Spark job fails is retried once. Partitions
+  written before the failure are recorded in ``applier_sync_parts`` in the same
+  transaction as their rows, so the retry *resumes*: it writes only the missing
+  partitions (same snapshot, still open). The message says so.
+- Across runs an exported snapshot cannot be recovered, so a sync row left at
+  ``copying`` means the next ``sync`` *restarts*: it says "restarting the
+  interrupted sync", empties the published target tables, drops the slot and
+  creates it again with a new snapshot, and copies everything.
+- A slot that exists when no copy has completed (made by ``applier init``, or
+  left by an interrupted run) is dropped and created again, with a message.
+- A completed sync is not repeated unless ``force``; a fresh sync refuses
+  target tables that already hold rows unless ``force`` (which empties them).
+
+While a sync runs, do not run ``applier run`` / ``catchup`` for the same
+target (they would start streaming before the copy is complete).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import sqlite3
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql as psql
+
+from applier.admin import check_source, check_target
+from applier.config import Config, ConfigError, redact_dsn
+from applier.lsn import LSN
+from applier.progress.migrate import migrate
+from applier.progress.store import PG_SQL, SQLITE_SQL
+from applier.schema import (
+    Prepared,
+    SourceTable,
+    prepare_pg_tables,
+    prepare_sqlite_tables,
+    read_source_tables,
+    target_table_name,
+)
+from applier.source.base import SourceError
+from applier.source.walsender import WalSender
+from applier.target.base import quote_ident
+
+STATE_DDL = ("CREATE TABLE IF NOT EXISTS applier_sync (name TEXT PRIMARY KEY, state TEXT NOT NULL, run TEXT NOT NULL, "
+             "slot TEXT, consistent_point TEXT, started_at TEXT, finished_at TEXT)")
+
+
+class SyncError(ConfigError):
+    """Sync cannot go on; the message says why and what to do."""
+
+
+@dataclass
+class TableCopy:
+    """One table's copy."""
+
+    table: str
+    target: str
+    rows: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    partitions: int = 0
+
+
+@dataclass
+class SyncResult:
+    """What ``sync`` did."""
+
+    mode: str  # 'fresh', 'restart' or 'force'
+    slot: str
+    consistent_point: LSN
+    tables: list[TableCopy] = field(default_factory=list)
+    created: list[str] = field(default_factory=list)
+    copy_seconds: float = 0.0
+    messages: list[str] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        """Rows copied in all."""
+        return sum(t.rows for t in self.tables)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of values copied in all."""
+        return sum(t.nbytes for t in self.tables)
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+def source_connect(cfg: Config) -> psycopg.Connection[Any]:
+    """An autocommit connection to the source; ConfigError naming the DSN if it fails."""
+    try:
+        return psycopg.connect(cfg.source["dsn"], autocommit=True, connect_timeout=cfg.source["connect_timeout"])
+    except psycopg.Error as exc:
+        raise ConfigError(f"{cfg.where('source', 'dsn')}: cannot connect to the source "
+                          f"({redact_dsn(cfg.source['dsn'])}): {' '.join(str(exc).split())}") from None
+
+
+class TargetDb:
+    """The few things sync and verify do on the target, for PostgreSQL and SQLite."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.dialect = cfg.target_dialect
+        self.table_map = cfg.target["tables"]
+        if self.dialect == "sqlite":
+            from applier.target.sqlite import sqlite_path
+
+            self.where = str(Path(sqlite_path(cfg.target["url"])).resolve())
+            self.conn: Any = sqlite3.connect(self.where, isolation_level=None, timeout=60, check_same_thread=False)
+            self.conn.execute("PRAGMA journal_mode = WAL")
+            self.ph = "?"
+        else:
+            from applier.target.postgres import libpq_dsn
+
+            self.where = libpq_dsn(cfg.target["url"])
+            self.conn = psycopg.connect(self.where, autocommit=True)
+            self.ph = "%s"
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.conn.close()
+
+    def execute(self, sql: str, params: list[Any] | tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        """Run one statement (autocommit); its rows."""
+        cur = self.conn.execute(sql, params or None) if self.dialect != "sqlite" else self.conn.execute(sql, params)
+        return cur.fetchall() if cur.description is not None else []
+
+    def transaction(self, statements: list[tuple[str, list[Any]]], durable: bool = False) -> None:
+        """Run statements in one transaction; ``durable``: flushed to disk when it returns."""
+        if self.dialect == "sqlite":
+            if durable:
+                self.conn.execute("PRAGMA synchronous = FULL")
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                for sql, params in statements:
+                    self.conn.execute(sql, params)
+                self.conn.execute("COMMIT")
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
+            return
+        with self.conn.transaction():
+            if durable:
+                self.conn.execute("SET LOCAL synchronous_commit = on")
+            for sql, params in statements:
+                self.conn.execute(sql, params)
+
+    # -- tables ---------------------------------------------------------------------
+
+    def name_of(self, table: SourceTable) -> tuple[str, str]:
+        """(name for people, quoted name) of a source table's target table."""
+        return target_table_name(table, self.dialect, self.table_map)
+
+    def prepare(self, tables: list[SourceTable]) -> Prepared:
+        """Check existing target tables, create missing ones (SchemaError on a mismatch)."""
+        if self.dialect == "sqlite":
+            return prepare_sqlite_tables(self.conn, tables, self.table_map)
+        return prepare_pg_tables(self.conn, tables, self.table_map)
+
+    def exists(self, table: SourceTable) -> bool:
+        """Whether the target table exists."""
+        shown, qname = self.name_of(table)
+        if self.dialect == "sqlite":
+            return bool(self.execute(f"PRAGMA table_info({quote_ident(shown)})"))
+        return self.execute("SELECT to_regclass(%s)", [qname])[0][0] is not None
+
+    def has_rows(self, table: SourceTable) -> bool:
+        """Whether the target table holds any row."""
+        return bool(self.execute(f"SELECT 1 FROM {self.name_of(table)[1]} LIMIT 1"))
+
+    def empty_tables(self, tables: list[SourceTable]) -> None:
+        """Delete every row of these target tables (TRUNCATE on PostgreSQL), in one transaction."""
+        names = [self.name_of(t)[1] for t in tables]
+        if self.dialect == "sqlite":
+            self.transaction([(f"DELETE FROM {n}", []) for n in names])
+        else:
+            self.transaction([("TRUNCATE " + ", ".join(names), [])])
+
+    def pages(self, table: SourceTable) -> int:
+        """Heap pages of a PostgreSQL target table."""
+        return int(self.execute("SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::int",
+                                [self.name_of(table)[1]])[0][0])
+
+    # -- sync state -------------------------------------------------------------------
+
+    def ensure_sync_tables(self) -> None:
+        """Create applier_sync and applier_sync_parts if missing."""
+        from applier.spark.copy import PARTS_DDL
+
+        self.transaction([(STATE_DDL, []), (PARTS_DDL, [])])
+
+    def sync_state(self, name: str) -> dict[str, Any] | None:
+        """The sync row of ``name``, or None."""
+        ph = self.ph
+        rows = self.execute(f"SELECT state, run, slot, consistent_point, started_at, finished_at FROM applier_sync "
+                            f"WHERE name = {ph}", [name])
+        if not rows:
+            return None
+        return dict(zip(("state", "run", "slot", "consistent_point", "started_at", "finished_at"), rows[0]))
+
+    def start_run(self, name: str, run: str, slot: str) -> None:
+        """Sync row to 'copying' with a new run id; forget the partitions of earlier runs."""
+        ph = self.ph
+        self.transaction([
+            (f"DELETE FROM applier_sync_parts WHERE name = {ph}", [name]),
+            (f"DELETE FROM applier_sync WHERE name = {ph}", [name]),
+            (f"INSERT INTO applier_sync (name, state, run, slot, started_at) VALUES ({ph}, 'copying', {ph}, {ph}, {ph})",
+             [name, run, slot, _now()]),
+        ], durable=True)
+
+    def set_consistent_point(self, name: str, lsn: LSN) -> None:
+        """Remember the slot's consistent point in the sync row."""
+        self.transaction([(f"UPDATE applier_sync SET consistent_point = {self.ph} WHERE name = {self.ph}",
+                           [str(lsn), name])])
+
+    def parts(self, name: str, run: str, tbl: str) -> dict[int, tuple[int, int]]:
+        """Finished partitions of a table in this run: part -> (rows, bytes)."""
+        from applier.spark.copy import parts_sql
+
+        return {int(p): (int(r), int(b)) for p, r, b in self.execute(parts_sql(self.ph)[2], [name, run, tbl])}
+
+    def finish(self, name: str, lsn: LSN) -> None:
+        """Progress row to ``lsn``, pending skip cleared, sync row 'done': one durable transaction."""
+        sql = SQLITE_SQL if self.dialect == "sqlite" else PG_SQL
+        ph = self.ph
+        self.transaction([
+            (sql.upsert, [name, str(lsn), None]),
+            (sql.clear_skip, [name]),
+            (f"UPDATE applier_sync SET state = 'done', finished_at = {ph} WHERE name = {ph}", [_now(), name]),
+            (f"DELETE FROM applier_sync_parts WHERE name = {ph}", [name]),
+        ], durable=True)
+
+
+def _slot_row(cfg: Config) -> tuple[bool, int | None] | None:
+    """(active, active pid) of the configured slot, or None if it does not exist."""
+    with source_connect(cfg) as conn:
+        row = conn.execute("SELECT active, active_pid FROM pg_replication_slots WHERE slot_name = %s",
+                           [cfg.source["slot"]]).fetchone()
+    return None if row is None else (bool(row[0]), row[1])
+
+
+def _drop_slot(cfg: Config) -> None:
+    with source_connect(cfg) as conn:
+        conn.execute("SELECT pg_drop_replication_slot(%s)", [cfg.source["slot"]])
+
+
+def _signature(tables: list[SourceTable]) -> list[tuple[Any, ...]]:
+    return [(t.qualified, tuple((c.name, c.type_sql) for c in t.columns), t.rowfilter) for t in tables]
+
+
+def read_tables_in_snapshot(cfg: Config, snapshot: str | None) -> list[SourceTable]:
+    """The published tables as the exported snapshot sees them (now, without a snapshot)."""
+    with source_connect(cfg) as conn:
+        if snapshot is None:
+            return read_source_tables(conn, cfg.source["publications"])
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        conn.execute(psql.SQL("SET TRANSACTION SNAPSHOT {}").format(psql.Literal(snapshot)))
+        try:
+            return read_source_tables(conn, cfg.source["publications"])
+        finally:
+            conn.execute("ROLLBACK")
+
+
+def check_spark_target(cfg: Config) -> None:
+    """A SQLite target file is written by the Spark workers: it needs a local master."""
+    from applier.spark.session import is_local
+
+    if cfg.target_dialect == "sqlite" and not is_local(cfg.spark["master"]):
+        raise ConfigError(f"{cfg.where('spark', 'master')}: a SQLite target needs a local Spark master "
+                          f"(local[*]), not {cfg.spark['master']!r}: the workers write the file")
+
+
+def sync(cfg: Config, *, force: bool = False, spark: Any = None, reporter: Any = None,
+         say: Any = None, partitions: int | None = None) -> SyncResult:
+    """Create the slot with a snapshot, create the target tables, copy them, record the slot's consistent point.
+
+    ``say(line)`` gets the messages for people (mode, slot, restarts, retries);
+    ``reporter`` the per-table progress (``applier.spark.progress``).
+    """
+    from applier.spark.progress import Reporter
+
+    say = say or (lambda line: None)
+    reporter = reporter or Reporter()
+    nparts = partitions or cfg.spark["partitions"]
+    name, slot = cfg.apply["name"], cfg.source["slot"]
+    check_spark_target(cfg)
+    check_source(cfg, need_slot=False)
+    check_target(cfg, need_init=False)
+    before, after = migrate(cfg.target["url"])
+    if before != after:
+        say(f"control tables: {'created at' if before is None else 'upgraded from ' + before + ' to'} {after}")
+    target = TargetDb(cfg)
+    try:
+        target.ensure_sync_tables()
+        tables = read_tables_in_snapshot(cfg, None)
+        if not tables:
+            raise SyncError(f"{cfg.where('source', 'publications')}: the publications "
+                            f"{', '.join(cfg.source['publications'])} publish no tables")
+        prepared = target.prepare(tables)
+        for t in prepared.created:
+            say(f"created target table {t}")
+        state = target.sync_state(name)
+        if state and state["state"] == "done" and not force:
+            raise SyncError(f"a sync for {name!r} already completed at {state['consistent_point']} "
+                            f"({state['finished_at']}); `applier run` / `catchup` continue from there. "
+                            f"Use --force to copy everything again (empties the target tables)")
+        if state and state["state"] != "done":
+            mode = "restart"
+            say(f"restarting the interrupted sync (started {state['started_at']}): the published target tables "
+                f"are emptied, the slot {slot!r} is created again with a new snapshot, every table is copied again")
+        elif force:
+            mode = "force"
+            say("copying everything again (--force): the published target tables are emptied first")
+        else:
+            mode = "fresh"
+            full = [target.name_of(t)[0] for t in tables if target.has_rows(t)]
+            if full:
+                raise SyncError("target tables already hold rows: " + ", ".join(full)
+                                + "; sync copies into empty tables (use --force to empty them first)")
+        slot_state = _slot_row(cfg)
+        if slot_state is not None and slot_state[0]:
+            raise SyncError(f"{cfg.where('source', 'slot')}: slot {slot!r} is in use (pid {slot_state[1]}); "
+                            f"stop `applier run` first")
+        run = uuid.uuid4().hex
+        target.start_run(name, run, slot)
+        if slot_state is not None:
+            say(f"slot {slot!r} exists but no copy has completed with it: dropping it and creating it again "
+                f"with a snapshot")
+            _drop_slot(cfg)
+        result = _copy_with_new_slot(cfg, target, tables, run, mode, nparts, spark, reporter, say)
+        result.created = prepared.created
+        return result
+    finally:
+        target.close()
+
+
+def _copy_with_new_slot(cfg: Config, target: TargetDb, tables: list[SourceTable], run: str, mode: str, nparts: int,
+                        spark: Any, reporter: Any, say: Any) -> SyncResult:
+    name, slot = cfg.apply["name"], cfg.source["slot"]
+    try:
+        ws = WalSender(cfg.source["dsn"], connect_timeout=cfg.source["connect_timeout"])
+    except SourceError as exc:
+        raise ConfigError(f"{cfg.where('source', 'dsn')}: {exc}") from None
+    try:
+        try:
+            info = ws.create_slot(slot, two_phase=cfg.source["two_phase"], snapshot="export")
+        except SourceError as exc:
+            raise SyncError(f"{cfg.where('source', 'slot')}: {exc}") from None
+        say(f"slot {slot!r} created; consistent point {info.consistent_point}, snapshot {info.snapshot_name}")
+        target.set_consistent_point(name, info.consistent_point)
+        in_snapshot = read_tables_in_snapshot(cfg, info.snapshot_name)
+        if _signature(in_snapshot) != _signature(tables):
+            raise SyncError("the published tables changed while sync started; run `applier sync` again")
+        if mode != "fresh":
+            target.empty_tables(in_snapshot)
+        result = SyncResult(mode, slot, info.consistent_point)
+        if spark is None:
+            from applier.spark.session import spark_for
+
+            spark = spark_for(cfg)
+        started = time.monotonic()
+        with source_connect(cfg) as poll:
+            for i, table in enumerate(in_snapshot):
+                result.tables.append(_copy_table(cfg, target, table, i, run, info.snapshot_name, nparts, spark,
+                                                 reporter, say, poll))
+        result.copy_seconds = time.monotonic() - started
+        target.finish(name, info.consistent_point)
+        say(f"sync complete: {result.rows:,} rows in {len(result.tables)} tables; the target is at "
+            f"{info.consistent_point}, `applier run` / `catchup` continue from there")
+        return result
+    finally:
+        reporter.close()
+        ws.close()
+
+
+def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, run: str, snapshot: str | None,
+                nparts: int, spark: Any, reporter: Any, say: Any, poll: psycopg.Connection[Any]) -> TableCopy:
+    from applier.spark.copy import CopyError, CopyWatcher, run_copy_job, running_copies, target_plan
+    from applier.spark.source import ctid_ranges, pg_plan
+
+    name = cfg.apply["name"]
+    shown, qtarget = target.name_of(table)
+    label = table.qualified if shown in (table.qualified, table.name) else f"{table.qualified} -> {shown}"
+    cols = [quote_ident(c.name) for c in table.columns]
+    app = f"applier-sync {run[:8]} t{index}"
+    src = pg_plan(cfg.source["dsn"], table.qname, cols, pages=table.pages, partitions=nparts, snapshot=snapshot,
+                  where=table.rowfilter, app=app)
+    nranges = len(ctid_ranges(table.pages, nparts))
+    dst = target_plan(dialect=target.dialect, where=target.where, table=qtarget, columns=cols,
+                      types=[c.type_oid for c in table.columns], name=name, run=run, tbl=table.qualified)
+    reporter.start(label, table.estimated_rows)
+    started = time.monotonic()
+    for attempt in (1, 2):
+        watcher = CopyWatcher(lambda: target.parts(name, run, table.qualified), lambda: running_copies(poll, app),
+                              lambda rows, nbytes: reporter.update(label, rows, nbytes))
+        try:
+            with watcher:
+                run_copy_job(spark, src, dst, label)
+            break
+        except CopyError as exc:
+            if attempt == 2:
+                raise
+            done = len(target.parts(name, run, table.qualified))
+            say(f"{exc}; retrying the table once, resuming: {done} of {nranges} partitions are already copied")
+    parts = target.parts(name, run, table.qualified)
+    rows = sum(r for r, _ in parts.values())
+    nbytes = sum(b for _, b in parts.values())
+    seconds = time.monotonic() - started
+    reporter.finish(label, rows, nbytes, seconds)
+    return TableCopy(table.qualified, shown, rows, nbytes, seconds, nranges)
