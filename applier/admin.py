@@ -19,8 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from applier.config import Config, ConfigError, redact_dsn
 from applier.lsn import LSN
-from applier.progress.migrate import current_revision, head_revision, migrate
-from applier.progress.store import PG_SQL, SQLITE_SQL, Progress
+from applier.progress.store import HEAD_REVISION, PG_SQL, SQLITE_SQL, VERSION_TABLE, Progress
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
 
@@ -67,6 +66,16 @@ def check_source(cfg: Config, need_slot: bool = True) -> dict[str, Any]:
         return facts
 
 
+def _revision(engine: Any) -> str | None:
+    """The control tables' alembic revision (None: never initialized), without importing alembic."""
+    from sqlalchemy import inspect, text
+
+    if not inspect(engine).has_table(VERSION_TABLE):
+        return None
+    with engine.connect() as conn:
+        return conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar()
+
+
 def check_target(cfg: Config, need_init: bool = True) -> str | None:
     """Target reachable and (if needed) its control tables at the newest revision; returns the revision."""
     if need_init and cfg.target_dialect == "sqlite":  # opening a missing file would create it
@@ -77,13 +86,13 @@ def check_target(cfg: Config, need_init: bool = True) -> str | None:
     try:
         engine = create_engine(cfg.target["url"])
         try:
-            rev = current_revision(engine)
+            rev = _revision(engine)
         finally:
             engine.dispose()
     except SQLAlchemyError as exc:
         raise ConfigError(f"{cfg.where('target', 'url')}: cannot open the target "
                           f"({redact_dsn(cfg.target['url'])}): {' '.join(str(exc.orig or exc).split())[:300]}") from None
-    if need_init and rev != head_revision():
+    if need_init and rev != HEAD_REVISION:
         raise ConfigError(f"{cfg.where('target', 'url')}: the target's control tables are "
                           f"{'missing' if rev is None else f'at revision {rev}'}; run `applier init`")
     return rev
@@ -96,6 +105,8 @@ def init(cfg: Config) -> list[str]:
     check_target(cfg, need_init=False)
     if cfg.source["two_phase"] and cfg.target_dialect == "postgresql" and cfg.target["two_phase_mode"] == "prepare":
         _check_prepared_allowed(cfg)
+    from applier.progress.migrate import migrate
+
     before, after = migrate(cfg.target["url"])
     done.append(f"control tables: {'created at' if before is None else 'upgraded from ' + before + ' to'} {after}"
                 if before != after else f"control tables: already at {after}")

@@ -166,7 +166,11 @@ def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
             break
         published |= set(attnames)
     filters = [f for _, f in entries]
-    rowfilter = None if any(f is None for f in filters) else " OR ".join(f"({f})" for f in dict.fromkeys(filters))
+    distinct = list(dict.fromkeys(filters))
+    if any(f is None for f in distinct):
+        rowfilter = None
+    else:
+        rowfilter = distinct[0] if len(distinct) == 1 else " OR ".join(f"({f})" for f in distinct)
     cols = []
     for (attname, typid, typmod, type_sql, type_name, type_schema, notnull, adbin, adsrc, collname,
          default_coll) in conn.execute(

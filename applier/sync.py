@@ -397,6 +397,7 @@ def _copy_with_new_slot(cfg: Config, target: TargetDb, tables: list[SourceTable]
                 result.tables.append(_copy_table(cfg, target, table, i, run, info.snapshot_name, nparts, spark,
                                                  reporter, say, poll))
         result.copy_seconds = time.monotonic() - started
+        reporter.close()
         target.finish(name, info.consistent_point)
         say(f"sync complete: {result.rows:,} rows in {len(result.tables)} tables; the target is at "
             f"{info.consistent_point}, `applier run` / `catchup` continue from there")

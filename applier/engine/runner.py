@@ -232,6 +232,9 @@ class Runner:
         reached = LSN(0)
         keepalive_end = LSN(0)
         last_confirm = time.monotonic()
+        # catching up: idle means the goal may lie in WAL that publishes nothing; ask the server where it is
+        idle_wait = 0.1 if goal is not None else 0.5
+        ask_position = getattr(source, "send_status", None)
         stopping_since: float | None = None
         group_delay = self.cfg.apply["group_commit_delay"]
         while True:
@@ -243,13 +246,16 @@ class Runner:
                 if time.monotonic() - stopping_since > 5.0:
                     log.warning("stopping in the middle of a transaction: rolled back, it will be applied next time")
                     break
-            frame = source.read(0.0 if engine.group_open and not engine.in_transaction else 0.5)
+            frame = source.read(0.0 if engine.group_open and not engine.in_transaction else idle_wait)
             if frame is None:
                 if engine.group_open and not engine.in_transaction:
                     engine.flush_group()
                     continue
-                if goal is not None and goal_reached(reached, goal) and not engine.in_transaction:
-                    break
+                if goal is not None and not engine.in_transaction:
+                    if goal_reached(reached, goal):
+                        break
+                    if ask_position is not None:  # a keepalive with the server's position, now
+                        ask_position(True)
                 if getattr(source, "exhausted", False):
                     break
                 if (keepalive_end > engine.applied and engine.quiet

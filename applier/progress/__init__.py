@@ -4,9 +4,11 @@ Invariant: the end LSN of a source transaction is written in the same target
 transaction as its rows (``write_progress_sql`` is run by the engine inside the
 open transaction), so the target's committed state and its recorded position
 can never disagree. Restarting resumes from ``Progress.lsn``.
+
+Alembic is imported only by ``applier.progress.migrate`` (``applier init``, ``sync``): the apply
+path reads the revision with one query (``store.HEAD_REVISION``), which keeps start-up short.
 """
 
-from applier.progress.migrate import migrate, migration_dir
-from applier.progress.store import Progress
+from applier.progress.store import HEAD_REVISION, Progress
 
-__all__ = ["Progress", "migrate", "migration_dir"]
+__all__ = ["HEAD_REVISION", "Progress"]

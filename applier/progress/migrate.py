@@ -11,7 +11,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine
 from sqlalchemy.engine import Engine
 
-VERSION_TABLE = "applier_alembic_version"
+from applier.progress.store import VERSION_TABLE
 
 
 def migration_dir() -> Path:

@@ -6,6 +6,10 @@ from typing import Any, NamedTuple
 
 from applier.lsn import LSN
 
+# The newest alembic revision of the control tables (tests check it against migrations/).
+HEAD_REVISION = "0001"
+VERSION_TABLE = "applier_alembic_version"
+
 
 class Progress(NamedTuple):
     """What the target has applied: end LSN of the last source transaction, and a pending skip."""

@@ -41,6 +41,7 @@ from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, DataSource
 from pyspark.sql.types import StructType
 
 from applier.decoder.messages import Column, Relation
+from applier.target.base import ApplyError
 from applier.target.values import sqlite_text_converters
 
 PARTS_DDL = ("CREATE TABLE IF NOT EXISTS applier_sync_parts (name TEXT NOT NULL, run TEXT NOT NULL, "
@@ -50,7 +51,7 @@ SQLITE_LOCK_WAIT = 86400.0  # seconds a SQLite partition waits for the write loc
 _WRITE_CSV = pacsv.WriteOptions(include_header=False)
 
 
-class CopyError(RuntimeError):
+class CopyError(ApplyError):
     """A table could not be copied; the message names the table and the cause."""
 
 

@@ -90,9 +90,9 @@ class RichReporter(Reporter):
 
         self.verb = verb
         self.progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(),
-            TextColumn("{task.fields[rows]}"), TextColumn("{task.fields[nbytes]}"),
-            TextColumn("{task.fields[rate]}"), TextColumn("ETA {task.fields[eta]}"), TimeElapsedColumn(),
+            TextColumn("[bold]{task.description}"), BarColumn(bar_width=24),
+            TextColumn("{task.fields[rows]:>17}"), TextColumn("{task.fields[nbytes]:>9}"),
+            TextColumn("{task.fields[rate]:>27}"), TextColumn("ETA {task.fields[eta]:>7}"), TimeElapsedColumn(),
             console=Console(stderr=True), refresh_per_second=4)
         self.tasks: dict[str, Any] = {}
         self.started: dict[str, float] = {}
@@ -125,7 +125,8 @@ class RichReporter(Reporter):
                              rate=f"{rate:,.0f} rows/s", eta="done")
 
     def close(self) -> None:
-        self.progress.stop()
+        if self.progress.live.is_started:
+            self.progress.stop()
 
 
 def open_reporter(verb: str = "copy", quiet: bool = False, stream: TextIO | None = None) -> Reporter:

@@ -22,6 +22,7 @@ The session also registers applier's data sources (``applier.spark.source``,
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tempfile
@@ -76,6 +77,7 @@ def _log4j_file() -> str:
 def spark_session(master: str = "local[*]", app_name: str = "applier") -> Any:
     """The SparkSession for ``master``, with applier's data sources registered; see the module header."""
     local = is_local(master)
+    logging.getLogger("py4j").setLevel(logging.WARNING)
     if local:
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
