@@ -1,0 +1,213 @@
+"""Benchmark: the copy of ``applier sync`` (Spark, 1, 2 and 4 partitions) against ``pg_dump | psql``.
+
+Starts its own source and target clusters (the same PostgreSQL install; its own
+``pg_dump`` and ``psql``), loads the same two tables into the source once
+(``orders``: 6 columns, ``wide``: 23 columns of many types), then measures, one
+after the other, into a fresh target database each time:
+
+1. reference: ``pg_dump --data-only -t orders -t wide SRC | psql -q TGT`` into
+   tables created beforehand from ``pg_dump --schema-only`` (untimed); wall
+   time of the pipeline;
+2. applier: ``applier.sync.sync`` with ``spark.partitions`` = 1, 2, 4 (local
+   master, ``--master``); the copy time is from the start of the first table's
+   Spark job to the end of the last one (``SyncResult.copy_seconds``: slot and
+   table creation, the catalog reads and the final commit are outside it; the
+   whole ``sync`` call is reported too). A small sync runs first so that the
+   JVM and the Python workers are warm.
+
+Each timed copy is checked: the target's row counts equal the source's.
+Rates are rows/s and MB/s of PostgreSQL's text output (the COPY size of the
+source tables); **ratio = applier rows/s ÷ pg_dump|psql rows/s** of the same
+run. Prints a table and writes bench/results/sync.json.
+
+    python bench/sync.py                       # PostgreSQL 18, 1,000,000 rows, local[*]
+    python bench/sync.py --rows 200000 --partitions 1,2 --repeat 2
+    python bench/sync.py --pg 15 --master local[4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from applier.config import load_config
+from applier.embedded import Cluster, find_install
+
+TABLES = ("orders", "wide")
+SCHEMA = """
+CREATE TABLE orders (id bigint PRIMARY KEY, customer integer NOT NULL, amount numeric(12,2),
+    status text NOT NULL DEFAULT 'new', note text, placed timestamptz);
+INSERT INTO orders SELECT g, g % 5000, (g % 100000) / 100.0, (ARRAY['new', 'paid', 'sent'])[g % 3 + 1],
+    CASE WHEN g % 3 = 0 THEN NULL ELSE 'note ' || g END, timestamptz '2023-06-01 12:00+02' + g * interval '1 s'
+  FROM generate_series(1, {orders}) g;
+CREATE TABLE wide (
+    id bigint PRIMARY KEY, i2 smallint, i4 integer NOT NULL DEFAULT 0, f4 real, f8 double precision,
+    num numeric(14,4), flag boolean DEFAULT false, name varchar(40), code char(6), body text,
+    created timestamptz, day date, tod time, ts timestamp, span interval, uid uuid,
+    doc jsonb, raw json, blob bytea, ints integer[], tags text[], ip inet, note text);
+INSERT INTO wide SELECT g, (g % 30000)::smallint, g % 1000, g / 3.0, g / 7.0, g / 13.0, g % 2 = 0,
+    'name ' || g, lpad((g % 1000)::text, 4, '0'), 'body ' || g || E'\\twith,"quotes"\\nand a new line',
+    timestamptz '2024-01-01 00:00:00+00' + g * interval '1 minute', date '2020-01-01' + (g % 3000),
+    time '00:00' + (g % 86400) * interval '1 second', timestamp '2024-01-01' + g * interval '1.5 second',
+    (g % 1000) * interval '1 hour 1 second', md5(g::text)::uuid,
+    jsonb_build_object('g', g, 'tags', jsonb_build_array('a', g % 7)), ('{"g": ' || g || '}')::json,
+    decode(md5(g::text), 'hex'), ARRAY[g::int, g % 7, NULL], ARRAY['x' || g, 'y,z'], ('10.' || (g % 256) || '.0.1')::inet,
+    CASE WHEN g % 4 = 0 THEN NULL ELSE repeat('n', g % 50) END
+  FROM generate_series(1, {wide}) g;
+CREATE PUBLICATION bench_pub FOR TABLE orders, wide;
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    p.add_argument("--pg", type=int, default=None, help="PostgreSQL major version (default: the newest installed)")
+    p.add_argument("--rows", type=int, default=1_000_000, help="rows in all, 70%% orders and 30%% wide (default 1000000)")
+    p.add_argument("--partitions", default="1,2,4", help="Spark partitions per table to measure (default 1,2,4)")
+    p.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+    p.add_argument("--repeat", type=int, default=1, help="timed runs of each side; the best counts (default 1)")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "sync.json",
+                   help="JSON results file (default bench/results/sync.json)")
+    return p.parse_args(argv)
+
+
+def counts(cluster: Cluster, db: str) -> dict[str, int]:
+    return {t: cluster.execute(f"SELECT count(*) FROM {t}", db)[0][0] for t in TABLES}
+
+
+def copy_bytes(cluster: Cluster, db: str) -> int:
+    """Bytes of the tables' COPY text output (what both sides move)."""
+    total = 0
+    with psycopg.connect(cluster.dsn(db)) as conn:
+        for t in TABLES:
+            with conn.cursor().copy(f"COPY {t} TO STDOUT") as cp:
+                for data in cp:
+                    total += len(data)
+    return total
+
+
+def run_pg_dump(src: Cluster, tgt: Cluster, install: Any, db: str) -> float:
+    """Schema (untimed), then the timed data-only pg_dump | psql."""
+    tables = [a for t in TABLES for a in ("-t", t)]
+    schema = subprocess.run([str(install.bin("pg_dump")), "--schema-only", *tables, "-d", src.dsn("src")],
+                            check=True, capture_output=True).stdout
+    subprocess.run([str(install.bin("psql")), "-q", "-v", "ON_ERROR_STOP=1", "-d", tgt.dsn(db)], input=schema,
+                   check=True, capture_output=True)
+    started = time.monotonic()
+    dump = subprocess.Popen([str(install.bin("pg_dump")), "--data-only", *tables, "-d", src.dsn("src")],
+                            stdout=subprocess.PIPE)
+    restore = subprocess.run([str(install.bin("psql")), "-q", "-v", "ON_ERROR_STOP=1", "-d", tgt.dsn(db)],
+                             stdin=dump.stdout, capture_output=True)
+    dump.stdout.close()
+    if dump.wait() != 0 or restore.returncode != 0:
+        raise SystemExit(f"pg_dump | psql failed: {restore.stderr.decode(errors='replace')[-500:]}")
+    return time.monotonic() - started
+
+
+def run_sync(src: Cluster, tgt: Cluster, db: str, partitions: int, master: str, spark: Any, work: Path,
+             slot: str) -> tuple[float, float]:
+    """One applier sync into database ``db``; (copy seconds, whole sync seconds)."""
+    from applier.sync import sync
+
+    cfg = load_config(None, {"source.dsn": src.dsn("src"), "source.slot": slot, "source.publications": ["bench_pub"],
+                             "target.url": tgt.url(db), "apply.work_dir": str(work), "spark.master": master,
+                             "spark.partitions": partitions}, env={})
+    started = time.monotonic()
+    res = sync(cfg, spark=spark)
+    whole = time.monotonic() - started
+    src.execute("SELECT pg_drop_replication_slot(%s)", "src", [slot])
+    return res.copy_seconds, whole
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    parts = [int(p) for p in args.partitions.split(",")]
+    install = find_install(args.pg)
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from applier.spark.session import spark_session
+
+    sizes = {"orders": args.rows * 7 // 10, "wide": args.rows - args.rows * 7 // 10}
+    work = Path(tempfile.mkdtemp(prefix="applier-bench-sync-"))
+    with Cluster(install, name="bench-sync-src") as src, Cluster(install, name="bench-sync-dst") as tgt:
+        print(f"PostgreSQL {install.version}; loading {args.rows:,} rows ({sizes}) …", file=sys.stderr)
+        src.create_database("src")
+        sql = SCHEMA
+        for k, v in sizes.items():
+            sql = sql.replace("{" + k + "}", str(v))
+        src.execute(sql, "src")
+        src.execute("VACUUM ANALYZE", "src")
+        want = counts(src, "src")
+        nbytes = copy_bytes(src, "src")
+        spark = spark_session(args.master, app_name="applier-bench-sync")
+        # warm-up: JVM, Python workers, the data sources (a small table, not timed)
+        src.execute("CREATE TABLE warm AS SELECT g AS id FROM generate_series(1, 10000) g; "
+                    "CREATE PUBLICATION warm_pub FOR TABLE warm", "src")
+        tgt.create_database("warm")
+        from applier.sync import sync
+        sync(load_config(None, {"source.dsn": src.dsn("src"), "source.slot": "warm", "source.publications": ["warm_pub"],
+                                "target.url": tgt.url("warm"), "apply.work_dir": str(work), "spark.master": args.master,
+                                "spark.partitions": max(parts)}, env={}), spark=spark)
+        src.execute("SELECT pg_drop_replication_slot('warm')", "src")
+
+        results: dict[str, Any] = {}
+        n = 0
+
+        def fresh_db() -> str:
+            nonlocal n
+            n += 1
+            name = f"t{n}"
+            tgt.create_database(name)
+            return name
+
+        ref_runs = []
+        for _ in range(args.repeat):
+            db = fresh_db()
+            ref_runs.append(run_pg_dump(src, tgt, install, db))
+            assert counts(tgt, db) == want, f"pg_dump | psql copied {counts(tgt, db)}, want {want}"
+            tgt.drop_database(db)
+        ref = min(ref_runs)
+        results["pg_dump|psql"] = {"seconds": ref, "runs_s": ref_runs}
+        for p in parts:
+            runs, wholes = [], []
+            for _ in range(args.repeat):
+                db = fresh_db()
+                copy_s, whole_s = run_sync(src, tgt, db, p, args.master, spark, work, f"bench_{n}")
+                assert counts(tgt, db) == want, f"sync copied {counts(tgt, db)}, want {want}"
+                tgt.drop_database(db)
+                runs.append(copy_s)
+                wholes.append(whole_s)
+            results[f"applier {p} partition{'s' if p > 1 else ''}"] = {
+                "partitions": p, "seconds": min(runs), "runs_s": runs, "sync_seconds": min(wholes)}
+        spark.stop()
+
+    rows = sum(want.values())
+    print(f"\ncopy of {rows:,} rows, {nbytes / 1e6:,.1f} MB of COPY text (PostgreSQL {install.version} -> "
+          f"PostgreSQL {install.version}, Spark {args.master}, {os.cpu_count()} CPUs)\n")
+    print(f"{'':28} {'seconds':>8} {'rows/s':>10} {'MB/s':>7} {'ratio':>6}   whole sync")
+    for name, r in results.items():
+        r["rows_per_s"] = rows / r["seconds"]
+        r["mb_per_s"] = nbytes / 1e6 / r["seconds"]
+        r["ratio"] = ref / r["seconds"]
+        whole = f"{r['sync_seconds']:.1f}s" if "sync_seconds" in r else ""
+        print(f"{name:28} {r['seconds']:8.1f} {r['rows_per_s']:10,.0f} {r['mb_per_s']:7.1f} {r['ratio']:6.2f}   {whole}")
+    out = {"pg_version": install.version, "rows": rows, "tables": sizes, "copy_bytes": nbytes,
+           "master": args.master, "results": results, "python": platform.python_version(),
+           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+           "load_average": os.getloadavg(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\nwritten to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
