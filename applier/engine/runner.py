@@ -27,18 +27,20 @@ import logging
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psycopg
+import sqlalchemy.exc
 
 from applier.config import Config
-from applier.decoder import Decoder, XLogData
 from applier.engine.apply import ApplyEngine, Stats
 from applier.inspect import current_wal_insert_lsn, stream_options
 from applier.lsn import LSN
 from applier.source.base import Source, SourceError
+from applier.source.prefetch import Prefetch
 from applier.source.sql import SqlSlotSource
 from applier.source.walsender import WalSender
 from applier.target.base import ApplyError
@@ -83,18 +85,24 @@ def open_target(cfg: Config, applying: bool = True) -> Any:
                           use_origin=applying, two_phase_mode=t["two_phase_mode"])
 
 
-def open_source(cfg: Config, start: LSN) -> Source:
-    """The source of the config, started at ``start`` (0/0: the slot's confirmed position)."""
+def open_source(cfg: Config, start: LSN, wrap: Callable[[Source], Source] | None = None) -> Prefetch:
+    """The source of the config, started at ``start`` (0/0: the slot's confirmed position), on a receiver thread.
+
+    ``wrap`` filters the frames on the receiver thread (``applier verify`` stops at a snapshot's LSN).
+    """
     s = cfg.source
+    src: Source
     if s["sql_interface"]:
-        return SqlSlotSource(s["dsn"], s["slot"], stream_options(cfg))
-    ws = WalSender(_session_dsn(s["dsn"]), status_interval=s["status_interval"], connect_timeout=s["connect_timeout"])
-    try:
-        ws.start(s["slot"], start, stream_options(cfg))
-    except BaseException:
-        ws.close()
-        raise
-    return ws
+        src = SqlSlotSource(s["dsn"], s["slot"], stream_options(cfg))
+    else:
+        src = ws = WalSender(_session_dsn(s["dsn"]), status_interval=s["status_interval"],
+                             connect_timeout=s["connect_timeout"])
+        try:
+            ws.start(s["slot"], start, stream_options(cfg))
+        except BaseException:
+            ws.close()
+            raise
+    return Prefetch(wrap(src) if wrap is not None else src)
 
 
 def _session_dsn(dsn: str) -> str:
@@ -162,7 +170,9 @@ class Runner:
                     break
                 delay = self.cfg.apply["retry_initial"]
                 failures = 0
-            except (ApplyError, SourceError, psycopg.Error, sqlite3.Error) as exc:
+            # SQLAlchemy errors: a PostgreSQL target reflects its tables through SQLAlchemy (bind), so a
+            # target that refuses connections then raises one (is_transient looks at its __cause__)
+            except (ApplyError, SourceError, psycopg.Error, sqlite3.Error, sqlalchemy.exc.SQLAlchemyError) as exc:
                 msg = " ".join(str(exc).split())
                 if is_transient(exc):
                     failures += 1
@@ -190,7 +200,7 @@ class Runner:
         self.ended_careful = careful
         target = open_target(cfg)
         engine: ApplyEngine | None = None
-        source: Source | None = None
+        source: Prefetch | None = None
         try:
             progress = target.read_progress()
             engine = ApplyEngine(
@@ -201,9 +211,7 @@ class Runner:
             if self.catchup and self.goal is not None and goal_reached(progress.lsn, self.goal):
                 self.summary.applied = progress.lsn
                 return True
-            source = open_source(cfg, progress.lsn)
-            if self.wrap_source is not None:
-                source = self.wrap_source(source)
+            source = open_source(cfg, progress.lsn, self.wrap_source)
             return self._loop(engine, source, target, careful, self.fail_lsn)
         finally:
             if engine is not None:
@@ -225,8 +233,7 @@ class Runner:
         self.summary.rows += stats.rows
         self.summary.skipped += stats.skipped
 
-    def _loop(self, engine: ApplyEngine, source: Source, target: Any, careful: bool, fail_point: LSN) -> bool:
-        decode = Decoder().decode
+    def _loop(self, engine: ApplyEngine, source: Prefetch, target: Any, careful: bool, fail_point: LSN) -> bool:
         handle = engine.handle
         goal = self.goal
         reached = LSN(0)
@@ -234,7 +241,6 @@ class Runner:
         last_confirm = time.monotonic()
         # catching up: idle means the goal may lie in WAL that publishes nothing; ask the server where it is
         idle_wait = 0.1 if goal is not None else 0.5
-        ask_position = getattr(source, "send_status", None)
         stopping_since: float | None = None
         group_delay = self.cfg.apply["group_commit_delay"]
         while True:
@@ -246,17 +252,16 @@ class Runner:
                 if time.monotonic() - stopping_since > 5.0:
                     log.warning("stopping in the middle of a transaction: rolled back, it will be applied next time")
                     break
-            frame = source.read(0.0 if engine.group_open and not engine.in_transaction else idle_wait)
-            if frame is None:
+            chunk = source.read_chunk(0.0 if engine.group_open and not engine.in_transaction else idle_wait)
+            if chunk is None:
                 if engine.group_open and not engine.in_transaction:
                     engine.flush_group()
                     continue
                 if goal is not None and not engine.in_transaction:
                     if goal_reached(reached, goal):
                         break
-                    if ask_position is not None:  # a keepalive with the server's position, now
-                        ask_position(True)
-                if getattr(source, "exhausted", False):
+                    source.send_status(True)  # a keepalive with the server's position, now
+                if source.exhausted:
                     break
                 if (keepalive_end > engine.applied and engine.quiet
                         and time.monotonic() - engine.last_flush >= self.cfg.source["status_interval"]):
@@ -267,22 +272,26 @@ class Runner:
                     source.confirm(target.durable_lsn())
                     last_confirm = time.monotonic()
                 continue
-            if type(frame) is XLogData:
-                payload = frame.payload
-                handle(decode(payload), payload)
-                if payload[0] not in _ENDS:  # a change inside a transaction: nothing else to look at
-                    continue
-                if not engine.in_transaction and engine.last_commit_end > reached:
-                    reached = engine.last_commit_end
-            else:
-                keepalive_end = frame.wal_end
-                if keepalive_end > reached:
-                    reached = keepalive_end
-            if careful and engine.applied >= fail_point and not engine.group_open:
-                careful = False
-                engine.set_careful(False, group_delay)
-            if goal is not None and not engine.in_transaction and goal_reached(reached, goal):
-                engine.flush_group()
+            done = False
+            for frame, msg in chunk:
+                if msg is not None:
+                    payload = frame.payload
+                    handle(msg, payload)
+                    if payload[0] not in _ENDS:  # a change inside a transaction: nothing else to look at
+                        continue
+                    if not engine.in_transaction and engine.last_commit_end > reached:
+                        reached = engine.last_commit_end
+                else:
+                    keepalive_end = frame.wal_end
+                    if keepalive_end > reached:
+                        reached = keepalive_end
+                if careful and engine.applied >= fail_point and not engine.group_open:
+                    careful = False
+                    engine.set_careful(False, group_delay)
+                if goal is not None and not engine.in_transaction and goal_reached(reached, goal):
+                    done = True
+                    break
+            if done:
                 break
             if not engine.group_open and time.monotonic() - last_confirm >= CONFIRM_EVERY:
                 source.confirm(target.durable_lsn())
