@@ -8,11 +8,13 @@ random transactions (inserts, updates, key changes, deletes, bulk statements,
 truncates, savepoints rolled back or released, whole transactions rolled back,
 transactions touching only unpublished tables) each followed by an in-process
 ``Runner(cfg, catchup=True).run()`` that resumes where the previous one stopped.
-After every round each table is compared whole (``workload.compare``), and
-nothing may have been logged as missing on the target.
+After every round each table is compared whole (``workload.compare``), and the
+engine may not have logged any warning (no row missing on the target, no apply
+error retried row by row).
 
 Rounds vary the apply settings so resume crosses them: default grouping, one
-target transaction per source transaction, and streaming of large transactions.
+target transaction per source transaction, streaming of large transactions, and
+binary mode (whose values must be exactly text mode's, on either target).
 
 The seed is random per run unless APPLIER_TEST_SEED is set; it is printed and
 named in every failure message.
@@ -39,6 +41,7 @@ ROUNDS: list[tuple[int, dict[str, object]]] = [
     (120, {}),
     (100, {"apply__group_commit_delay": 0.0}),
     (80, {"source__streaming": True}),
+    (60, {"source__binary": True}),  # binary mode must store exactly what text mode stores
 ]
 
 
