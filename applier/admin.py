@@ -24,7 +24,8 @@ from applier.source.base import SourceError
 from applier.source.walsender import WalSender
 
 
-def _source_conn(cfg: Config) -> psycopg.Connection[Any]:
+def source_connect(cfg: Config) -> psycopg.Connection[Any]:
+    """An autocommit connection to the source; ConfigError naming the DSN if it fails."""
     try:
         return psycopg.connect(cfg.source["dsn"], autocommit=True, connect_timeout=cfg.source["connect_timeout"])
     except psycopg.Error as exc:
@@ -34,7 +35,7 @@ def _source_conn(cfg: Config) -> psycopg.Connection[Any]:
 
 def check_source(cfg: Config, need_slot: bool = True) -> dict[str, Any]:
     """Source reachable, wal_level logical, publications exist, slot exists (if needed); returns facts."""
-    with _source_conn(cfg) as conn:
+    with source_connect(cfg) as conn:
         facts: dict[str, Any] = {"server_version": conn.info.server_version}
         wal_level = conn.execute("SHOW wal_level").fetchone()[0]
         if wal_level != "logical":
@@ -174,7 +175,7 @@ def status(cfg: Config) -> dict[str, Any]:
     """Slot position, applied position and lag (bytes and seconds)."""
     check_target(cfg)
     progress = read_progress(cfg)
-    with _source_conn(cfg) as conn:
+    with source_connect(cfg) as conn:
         row = conn.execute(
             "SELECT confirmed_flush_lsn::text, restart_lsn::text, active, pg_current_wal_lsn()::text "
             "FROM pg_replication_slots WHERE slot_name = %s", [cfg.source["slot"]]).fetchone()

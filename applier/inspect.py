@@ -49,11 +49,19 @@ def decode_stream(src: Source, limit: int | None = None, idle: float = 1.0) -> I
             n += 1
 
 
-def current_wal_insert_lsn(dsn: str) -> LSN:
-    """The source's WAL insert position now (covers asynchronously committed transactions)."""
+def current_wal_insert_lsn(dsn: str, flush: bool = False) -> LSN:
+    """The source's WAL insert position now (covers asynchronously committed transactions).
+
+    ``flush``: then commit a transaction that only takes an xid, so the WAL up to that position is
+    flushed and decodable now; otherwise the last page of a still-open transaction may wait for the
+    next WAL activity (the background writer's, up to 15 s on an idle server).
+    """
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            return LSN.parse(conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])
+            lsn = LSN.parse(conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])
+            if flush:
+                conn.execute("SELECT pg_current_xact_id()")
+            return lsn
     except psycopg.Error as exc:
         raise SourceError(f"cannot read the source's WAL position: {' '.join(str(exc).split())}") from None
 

@@ -55,8 +55,8 @@ from typing import Any
 import psycopg
 from psycopg import sql as psql
 
-from applier.admin import check_source, check_target
-from applier.config import Config, ConfigError, redact_dsn
+from applier.admin import check_source, check_target, source_connect
+from applier.config import Config, ConfigError
 from applier.lsn import LSN
 from applier.progress.migrate import migrate
 from applier.progress.store import PG_SQL, SQLITE_SQL
@@ -102,7 +102,6 @@ class SyncResult:
     tables: list[TableCopy] = field(default_factory=list)
     created: list[str] = field(default_factory=list)
     copy_seconds: float = 0.0
-    messages: list[str] = field(default_factory=list)
 
     @property
     def rows(self) -> int:
@@ -117,15 +116,6 @@ class SyncResult:
 
 def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-
-
-def source_connect(cfg: Config) -> psycopg.Connection[Any]:
-    """An autocommit connection to the source; ConfigError naming the DSN if it fails."""
-    try:
-        return psycopg.connect(cfg.source["dsn"], autocommit=True, connect_timeout=cfg.source["connect_timeout"])
-    except psycopg.Error as exc:
-        raise ConfigError(f"{cfg.where('source', 'dsn')}: cannot connect to the source "
-                          f"({redact_dsn(cfg.source['dsn'])}): {' '.join(str(exc).split())}") from None
 
 
 class TargetDb:
@@ -314,6 +304,13 @@ def sync(cfg: Config, *, force: bool = False, spark: Any = None, reporter: Any =
 
     say = say or (lambda line: None)
     reporter = reporter or Reporter()
+    try:
+        return _sync(cfg, force, spark, reporter, say, partitions)
+    finally:
+        reporter.close()
+
+
+def _sync(cfg: Config, force: bool, spark: Any, reporter: Any, say: Any, partitions: int | None) -> SyncResult:
     nparts = partitions or cfg.spark["partitions"]
     name, slot = cfg.apply["name"], cfg.source["slot"]
     check_spark_target(cfg)
@@ -403,7 +400,6 @@ def _copy_with_new_slot(cfg: Config, target: TargetDb, tables: list[SourceTable]
             f"{info.consistent_point}, `applier run` / `catchup` continue from there")
         return result
     finally:
-        reporter.close()
         ws.close()
 
 

@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     from applier.spark.session import spark_session
 
     sizes = {"orders": args.rows * 7 // 10, "wide": args.rows - args.rows * 7 // 10}
+    load_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="applier-bench-sync-"))
     with Cluster(install, name="bench-sync-src") as src, Cluster(install, name="bench-sync-dst") as tgt:
         print(f"PostgreSQL {install.version}; loading {args.rows:,} rows ({sizes}) …", file=sys.stderr)
@@ -191,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = sum(want.values())
     print(f"\ncopy of {rows:,} rows, {nbytes / 1e6:,.1f} MB of COPY text (PostgreSQL {install.version} -> "
-          f"PostgreSQL {install.version}, Spark {args.master}, {os.cpu_count()} CPUs)\n")
+          f"PostgreSQL {install.version}, Spark {args.master}, {os.cpu_count()} CPUs, load average "
+          f"{load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end)\n")
     print(f"{'':28} {'seconds':>8} {'rows/s':>10} {'MB/s':>7} {'ratio':>6}   whole sync")
     for name, r in results.items():
         r["rows_per_s"] = rows / r["seconds"]
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"pg_version": install.version, "rows": rows, "tables": sizes, "copy_bytes": nbytes,
            "master": args.master, "results": results, "python": platform.python_version(),
            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-           "load_average": os.getloadavg(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+           "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"\nwritten to {args.out}")

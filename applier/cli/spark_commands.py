@@ -36,10 +36,10 @@ def sync(
                                         "tables that hold rows (they are emptied first).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
 ) -> None:
-    """Initial copy: create the slot with a snapshot, create the target tables, copy every published table
-    with Spark, and record the slot's consistent point so that `run` / `catchup` continue right after it.
+    """Initial copy: slot with a snapshot, target tables, every published table copied with Spark.
 
-    A sync that was interrupted is restarted by running it again (it says so).
+    The slot's consistent point is recorded as the applied position, so that `run` / `catchup` continue
+    right after the copy. A sync that was interrupted is restarted by running it again (it says so).
 
     Examples:
 
@@ -52,7 +52,8 @@ def sync(
 
     def go() -> None:
         cfg = _config(config, dsn, slot, publication, target, master, partitions)
-        res = do_sync(cfg, force=force, reporter=open_reporter("copy", quiet), say=_say)
+        reporter = open_reporter("copy", quiet)
+        res = do_sync(cfg, force=force, reporter=reporter, say=reporter.say)
         for t in res.tables:
             rate = t.rows / t.seconds if t.seconds else 0.0
             typer.echo(f"{t.table}: {t.rows:,} rows, {t.nbytes / 1e6:,.1f} MB in {t.seconds:.1f}s "
@@ -70,8 +71,10 @@ def verify(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     keys: Annotated[int, typer.Option("--keys", min=0, help="Differing keys to show per table.")] = 10,
 ) -> None:
-    """Compare every replicated table, source against target, at one consistent point; exit 0 only if they agree
-    (1: they differ, 2: could not compare). Stop `applier run` first: verify applies up to its snapshot itself.
+    """Compare every replicated table, source against target; exit 0 only if they agree.
+
+    Exit 1: they differ; 2: could not compare. Stop `applier run` first: verify takes a source snapshot and
+    applies what is waiting up to exactly that point itself, then compares both sides at that point.
 
     Examples:
 

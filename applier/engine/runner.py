@@ -156,7 +156,7 @@ class Runner:
         """Apply until stopped (daemon) or caught up (catchup); returns the summary."""
         started = time.monotonic()
         if self.catchup:
-            self.goal = current_wal_insert_lsn(self.cfg.source["dsn"])
+            self.goal = current_wal_insert_lsn(self.cfg.source["dsn"], flush=True)
             self.summary.goal = self.goal
             log.info("catching up to the source's WAL insert position %s", self.goal)
         careful = False

@@ -31,7 +31,11 @@ def _eta(rows: int, total: int | None, rate: float) -> str:
 
 
 class Reporter:
-    """Does nothing (tests, --quiet)."""
+    """Progress goes nowhere (tests, --quiet); messages go to stderr."""
+
+    def say(self, line: str) -> None:
+        """A message for people, printed so that it does not tear a progress display."""
+        print(line, file=sys.stderr, flush=True)
 
     def start(self, table: str, total: int | None) -> None:
         """A table's copy starts."""
@@ -96,9 +100,13 @@ class RichReporter(Reporter):
             console=Console(stderr=True), refresh_per_second=4)
         self.tasks: dict[str, Any] = {}
         self.started: dict[str, float] = {}
-        self.progress.start()
+
+    def say(self, line: str) -> None:
+        self.progress.console.print(line, markup=False, highlight=False)
 
     def start(self, table: str, total: int | None) -> None:
+        if not self.progress.live.is_started:
+            self.progress.start()
         self.started[table] = time.monotonic()
         self.tasks[table] = self.progress.add_task(f"{self.verb} {table}", total=total or None, rows="0 rows",
                                                    nbytes="0 B", rate="", eta="-")

@@ -7,8 +7,12 @@ the usual Spark places (``$SPARK_CONF_DIR/spark-defaults.conf``,
 
 Local master (one machine, e.g. 2 cores and 24 GB): the Python workers run
 ``sys.executable`` (``PYSPARK_PYTHON`` if unset), the driver JVM gets 2 GB,
-shuffles use a few partitions, the web UI and Spark's console progress bar are
-off (applier draws its own), and Spark logs only errors.
+shuffles use a few partitions, the web UI is off.
+
+Any master: Spark's console progress bar is off (applier draws its own); the
+driver's log4j starts quiet (``SPARK_SUBMIT_OPTS``, unless it names a log4j
+config already) and Spark's log is then off (a failed job reaches the driver as
+an exception, reported as one line), or at WARN with ``applier -v``.
 
 Cluster master: the executors need Python 3.11 with ``psycopg`` and ``pyarrow``
 installed; applier itself is shipped to them as a zip (``addPyFile``) unless
@@ -39,9 +43,9 @@ appender.console.target = SYSTEM_ERR
 appender.console.layout.type = PatternLayout
 appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
 logger.utils.name = org.apache.spark.util.Utils
-logger.utils.level = error
+logger.utils.level = fatal
 logger.hadoop.name = org.apache.hadoop
-logger.hadoop.level = error
+logger.hadoop.level = fatal
 """
 
 LOCAL_CONF = {
@@ -86,11 +90,16 @@ def spark_session(master: str = "local[*]", app_name: str = "applier") -> Any:
     conf = dict(COMMON_CONF)
     if local:
         conf.update(LOCAL_CONF)
-        conf["spark.driver.extraJavaOptions"] = f"-Dlog4j2.configurationFile=file:{_log4j_file()}"
+    opts = os.environ.get("SPARK_SUBMIT_OPTS", "")
+    if "log4j2.configurationFile" not in opts and "log4j.configurationFile" not in opts:
+        # the driver JVM's options (read when this process starts it); a log4j2 config of the user's own
+        # in spark.driver.extraJavaOptions comes later on the command line and wins
+        os.environ["SPARK_SUBMIT_OPTS"] = f"{opts} -Dlog4j2.configurationFile=file:{_log4j_file()}".strip()
     for k, v in conf.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
+    # failures reach the driver as exceptions and are reported as one line; `applier -v` shows Spark's warnings
+    spark.sparkContext.setLogLevel("WARN" if logging.getLogger("applier").isEnabledFor(logging.DEBUG) else "OFF")
     register(spark)
     if not local and os.environ.get("APPLIER_SPARK_SHIP", "1") != "0":
         spark.sparkContext.addPyFile(_applier_zip())
@@ -117,14 +126,18 @@ def register(spark: Any) -> None:
     _REGISTERED.add(id(spark))
 
 
+_ZIP: list[str] = []
+
+
 def _applier_zip() -> str:
     """The applier package as a zip for the executors (built once per process)."""
-    import applier
+    if not _ZIP:
+        import applier
 
-    root = Path(applier.__file__).resolve().parent
-    out = Path(tempfile.gettempdir()) / f"applier-{os.getpid()}.zip"
-    if not out.exists():
-        with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zf:
-            for f in root.rglob("*.py"):
-                zf.write(f, Path("applier") / f.relative_to(root))
-    return str(out)
+        root = Path(applier.__file__).resolve().parent
+        fd, name = tempfile.mkstemp(prefix="applier-", suffix=".zip")
+        with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_DEFLATED) as zf:
+            for src in sorted(root.rglob("*.py")):
+                zf.write(src, Path("applier") / src.relative_to(root))
+        _ZIP.append(name)
+    return _ZIP[0]

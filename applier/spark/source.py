@@ -193,16 +193,14 @@ def read_pg_range(plan: dict[str, Any], index: int, lo: int | None, hi: int | No
 
 def _copy_chunks(cp: Any) -> Iterator[bytes]:
     """COPY data in pieces of about CHUNK_BYTES, each made of whole rows (libpq returns one row per read)."""
-    parts: list[bytes] = []
-    size = 0
-    for data in cp:
-        parts.append(data)
-        size += len(data)
-        if size >= CHUNK_BYTES:
-            yield b"".join(parts)
-            parts, size = [], 0
-    if parts:
-        yield b"".join(parts)
+    buf = bytearray()
+    for data in cp:  # a memoryview on libpq's buffer: copied at once so that libpq can free it
+        buf += data
+        if len(buf) >= CHUNK_BYTES:
+            yield bytes(buf)
+            buf.clear()
+    if buf:
+        yield bytes(buf)
 
 
 _CSV_PARSE = pacsv.ParseOptions(newlines_in_values=True, ignore_empty_lines=False)

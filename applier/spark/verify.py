@@ -113,6 +113,12 @@ class StopBefore:
         """Pass on."""
         self.inner.confirm(lsn)
 
+    def send_status(self, reply: bool = False) -> None:
+        """Pass on (asks the server for a keepalive, which may show that the point is passed)."""
+        ask = getattr(self.inner, "send_status", None)
+        if ask is not None and not self.exhausted:
+            ask(reply)
+
     def close(self) -> None:
         """Pass on."""
         self.inner.close()
@@ -179,8 +185,8 @@ class VerifyReport:
 
     def lines(self) -> list[str]:
         """For people: a summary line per table, then the first differing keys."""
-        out = [f"source snapshot at {self.snapshot_lsn}; target at {self.target_lsn} "
-               f"(applied {self.applied_transactions} transactions to get there)"]
+        out = [f"source snapshot at {self.snapshot_lsn}; target brought to it (applied {self.applied_transactions} "
+               f"transactions; its last applied commit ends at {self.target_lsn})"]
         for t in self.tables:
             name = t.table if t.target in (t.table, t.table.split(".", 1)[-1]) else f"{t.table} -> {t.target}"
             if t.error:
@@ -341,7 +347,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
             raise ConfigError(f"{cfg.where('source', 'slot')}: slot {cfg.source['slot']!r} is in use "
                               f"(pid {row[1]}) {when}; stop `applier run` while verifying")
 
-    slot_idle("")
+    slot_idle("now")
     try:
         ws = WalSender(cfg.source["dsn"], connect_timeout=cfg.source["connect_timeout"])
     except SourceError as exc:

@@ -37,9 +37,15 @@ _NO_EQUALITY = frozenset({"json", "xml", "point", "line", "lseg", "box", "path",
 
 
 def libpq_dsn(url: str) -> str:
-    """A SQLAlchemy postgresql URL as a libpq URI."""
-    u = make_url(url).set(drivername="postgresql")
-    return u.render_as_string(hide_password=False)
+    """A SQLAlchemy postgresql URL as a libpq conninfo (query values such as ``options`` kept as given)."""
+    from psycopg.conninfo import make_conninfo
+
+    u = make_url(url)
+    parts: dict[str, Any] = {"host": u.host, "port": u.port, "user": u.username, "password": u.password,
+                             "dbname": u.database}
+    for key, value in u.query.items():
+        parts[key] = value if isinstance(value, str) else value[-1]
+    return make_conninfo("", **{k: v for k, v in parts.items() if v is not None})
 
 
 def copy_data(rows: Iterable[Sequence[bytes | None]]) -> bytes:

@@ -1,0 +1,175 @@
+"""The pieces of sync and verify that need neither Spark nor a server.
+
+What they promise: page ranges cover a heap exactly once; PostgreSQL's CSV is
+parsed back into exactly the text values (NULL and empty string apart, quotes,
+newlines, one-column tables of NULLs); canonical values of the SQLite mapping
+agree between a converted source value and what SQLite returns; constant
+defaults are told from expressions; ``StopBefore`` stops the stream exactly
+before the first transaction committed at or after its point; a Spark error is
+reduced to its Python cause.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import struct
+
+import pytest
+
+pytest.importorskip("pyspark")
+
+from applier.decoder.framing import Keepalive, XLogData  # noqa: E402
+from applier.lsn import LSN  # noqa: E402
+from applier.schema import SourceColumn, SourceTable, default_is_constant, sqlite_affinity, sqlite_declared_types  # noqa: E402
+from applier.spark.canonical import canon, canonical_rows_batch, display, sqlite_source_canonicalizer  # noqa: E402
+from applier.spark.copy import spark_error_line  # noqa: E402
+from applier.spark.source import csv_batches, ctid_ranges  # noqa: E402
+from applier.spark.verify import StopBefore  # noqa: E402
+
+
+@pytest.mark.parametrize("pages,parts", [(0, 4), (1, 4), (15, 4), (16, 4), (100, 3), (1000, 4), (1000, 1)])
+def test_ctid_ranges_cover_every_page_once(pages: int, parts: int) -> None:
+    ranges = ctid_ranges(pages, parts)
+    assert 1 <= len(ranges) <= parts
+    assert ranges[0][0] is None and ranges[-1][1] is None  # open at both ends: later pages are read too
+    for (_, hi), (lo, _) in zip(ranges, ranges[1:]):
+        assert hi == lo
+    covered = [p for p in range(pages + 5) if sum((lo is None or p >= lo) and (hi is None or p < hi)
+                                                  for lo, hi in ranges) == 1]
+    assert covered == list(range(pages + 5))
+
+
+def test_csv_round_trip_of_postgres_values() -> None:
+    data = (b'1,"a,b",\n'
+            b'2,"",""\n'
+            b'3,"line1\nline2","say ""hi"""\n'
+            b'4,\\N,"\xc3\xa9\t"\n')
+    [batch] = list(csv_batches(iter([data]), ["c0", "c1", "c2"]))
+    assert batch.to_pydict() == {"c0": [b"1", b"2", b"3", b"4"], "c1": [b"a,b", b"", b"line1\nline2", b"\\N"],
+                                 "c2": [None, b"", b'say "hi"', "é\t".encode()]}
+
+
+def test_csv_single_column_nulls_are_rows() -> None:
+    batches = list(csv_batches(iter([b'\n""\nx\n\n']), ["c0"]))
+    assert [v for b in batches for v in b.column(0).to_pylist()] == [None, b"", b"x", None]
+
+
+def _table(*cols: tuple[str, int]) -> SourceTable:
+    return SourceTable("public", "t", 1, "r", "d",
+                       [SourceColumn(n, oid, -1, "x", "x", "pg_catalog", False, None, None) for n, oid in cols])
+
+
+def test_sqlite_declared_types_follow_the_engine_mapping() -> None:
+    t = _table(("i", 23), ("b", 20), ("f", 701), ("r", 700), ("n", 1700), ("bo", 16), ("by", 17), ("tx", 25),
+               ("ts", 1184), ("j", 3802))
+    assert sqlite_declared_types(t) == ["INTEGER", "INTEGER", "REAL", "REAL", "TEXT", "INTEGER", "BLOB", "TEXT",
+                                        "TEXT", "TEXT"]
+    assert [sqlite_affinity(d) for d in ("INTEGER", "REAL", "TEXT", "BLOB", "", "NUMERIC", "VARCHAR(3)", "DOUBLE")] \
+        == ["INTEGER", "REAL", "TEXT", "BLOB", "BLOB", "NUMERIC", "TEXT", "REAL"]
+
+
+def test_canonical_source_values_match_what_sqlite_returns(tmp_path) -> None:
+    import pyarrow as pa
+
+    oids = [23, 701, 1700, 16, 17, 25]
+    text = [b"-42", b"1e+15", b"1.50", b"t", b"\\x00ff", "é".encode()]
+    special = [b"0", b"NaN", b"0", b"f", b"\\x", b""]
+    batch = pa.RecordBatch.from_arrays([pa.array([a, b, None], pa.binary()) for a, b in zip(text, special)],
+                                       names=[f"c{i}" for i in range(6)])
+    src = sqlite_source_canonicalizer(oids)(batch)
+    db = sqlite3.connect(tmp_path / "c.db")
+    db.execute("CREATE TABLE t (a INTEGER, b REAL, c TEXT, d INTEGER, e BLOB, f TEXT)")
+    db.executemany("INSERT INTO t VALUES (?, ?, ?, ?, ?, ?)",
+                   [(-42, 1e15, "1.50", 1, b"\x00\xff", "é"), (0, "NaN", "0", 0, b"", ""), (None,) * 6])
+    tgt = canonical_rows_batch(db.execute("SELECT * FROM t ORDER BY rowid").fetchall(), [f"c{i}" for i in range(6)])
+    assert src.to_pydict() == tgt.to_pydict()
+    assert canon(1.5) != canon("1.5") != canon(b"1.5")  # the storage class counts
+    assert display(b"i7", "sqlite") == 7 and display(b"x00ff", "sqlite") == "\\x00ff" and display(b"7", "postgresql") == "7"
+
+
+@pytest.mark.parametrize("tree,constant", [
+    ("{CONST :consttype 23 :constlen 4 :constvalue 4 [ 5 0 0 0 0 0 0 0 ]}", True),
+    ("{FUNCEXPR :funcid 669 :funcresulttype 1043 :funcretset false :funcvariadic false :funcformat 2 "
+     ":funccollid 100 :inputcollid 100 :args ({CONST :consttype 1043})}", True),
+    ("{FUNCEXPR :funcid 1574 :funcresulttype 20 :funcretset false :funcvariadic false :funcformat 0 "
+     ":funccollid 0 :inputcollid 0 :args ({CONST :consttype 2205})}", False),  # nextval(…)
+    ("{FUNCEXPR :funcid 1299 :funcresulttype 1184 :funcretset false :funcvariadic false :funcformat 3 "
+     ":funccollid 0 :inputcollid 0 :args <>}", False),  # CURRENT_TIMESTAMP (16+)
+    ("{SQLVALUEFUNCTION :op 3 :type 1184 :typmod -1 :location 40}", False),
+    ("{OPEXPR :opno 551 :opfuncid 177 :args ({CONST} {CONST})}", False),
+])
+def test_constant_defaults(tree: str, constant: bool) -> None:
+    assert default_is_constant(tree) is constant
+
+
+class _Frames:
+    def __init__(self, frames: list) -> None:
+        self.frames = list(frames)
+        self.confirmed = LSN(0)
+        self.closed = False
+        self.asked = 0
+
+    def send_status(self, reply: bool = False) -> None:
+        self.asked += 1
+
+    def read(self, timeout: float):
+        return self.frames.pop(0) if self.frames else None
+
+    def confirm(self, lsn: LSN) -> None:
+        self.confirmed = lsn
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _x(payload: bytes) -> XLogData:
+    return XLogData(0, 0, 0, payload)
+
+
+def _begin(final: int) -> XLogData:
+    return _x(b"B" + struct.pack(">QqI", final, 0, 7))
+
+
+def _commit(end: int) -> XLogData:
+    return _x(b"C" + struct.pack(">BQQq", 0, end - 8, end, 0))
+
+
+def test_stop_before_withholds_the_first_transaction_at_or_after_the_point() -> None:
+    point = 1000
+    frames = [_begin(900), _x(b"I..."), _commit(950), _begin(1000), _x(b"I..."), _commit(1100)]
+    src = StopBefore(_Frames(frames), LSN(point))
+    got = [src.read(0) for _ in range(8)]
+    assert [f.payload[:1] if f else None for f in got] == [b"B", b"I", b"C", None, None, None, None, None]
+    assert src.exhausted and src.reached
+
+
+def test_stop_before_stops_on_a_keepalive_past_the_point_outside_a_transaction() -> None:
+    frames = [_begin(900), Keepalive(LSN(2000), 0, False), _commit(950), Keepalive(LSN(2000), 0, False),
+              _begin(960)]
+    src = StopBefore(_Frames(frames), LSN(1000))
+    got = [src.read(0) for _ in range(5)]
+    assert isinstance(got[1], Keepalive)  # inside the transaction: passed on, not the end
+    assert got[2].payload[:1] == b"C" and got[3] is None and src.reached
+    src.confirm(LSN(5))
+    src.send_status(True)  # exhausted: nothing to ask any more
+    src.close()
+    assert src.inner.confirmed == 5 and src.inner.closed and src.inner.asked == 0
+
+
+def test_stop_before_knows_streamed_and_prepared_commits() -> None:
+    stream_commit = _x(b"c" + struct.pack(">IBQQq", 5, 0, 1500, 1600, 0))
+    assert StopBefore.commit_position(stream_commit.payload) == 1500
+    commit_prepared = _x(b"K" + struct.pack(">BQQq", 0, 1200, 1300, 0) + b"\x00\x00\x00\x05gid\x00")
+    assert StopBefore.commit_position(commit_prepared.payload) == 1200
+    rollback_prepared = _x(b"r" + struct.pack(">BQQqq", 0, 800, 1001, 0, 0))
+    assert StopBefore.commit_position(rollback_prepared.payload) == 1000  # ends after 1000: at or after the point
+    assert StopBefore.commit_position(b"I\x00") is None
+
+
+def test_spark_error_line_finds_the_python_cause() -> None:
+    text = ("An error occurred while calling o123.save.\n: org.apache.spark.SparkException: Job aborted\n"
+            "Traceback (most recent call last):\n  File \"x.py\", line 1, in write\n"
+            "psycopg.errors.CheckViolation: new row for relation \"t\" violates check constraint \"c\"\n"
+            "\tat org.apache.spark.api.python.BasePythonRunner")
+    assert spark_error_line(RuntimeError(text)) == \
+        'CheckViolation: new row for relation "t" violates check constraint "c"'

@@ -1,0 +1,155 @@
+"""Sync's states: interrupted and restarted, slot made by ``init``, repeated, refused, mismatched.
+
+What a user relies on: a sync that failed half-way is restarted cleanly by the
+next one, which says so (no row twice, nothing missing); a partition written
+twice in one run is written once; a slot that exists without a completed copy
+is dropped and created again, with a message; a completed sync is not repeated
+by accident, and not into tables that hold rows; an incompatible target table
+is reported by table and column before anything is written.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import psycopg
+import pyarrow as pa
+import pytest
+
+from applier.admin import init, read_progress
+from applier.lsn import LSN
+from applier.schema import SchemaError
+from applier.spark.copy import PARTS_DDL, CopyError, write_pg_partition
+from applier.spark.verify import verify
+from applier.sync import SyncError, sync
+from tests.plugins.clusters import ScratchDb
+from tests.spark.conftest import make_config
+
+pytest.importorskip("pyspark")
+
+SOURCE = """
+CREATE TABLE a (id int PRIMARY KEY, v text);
+INSERT INTO a SELECT g, 'a' || g FROM generate_series(1, 20000) g;
+CREATE TABLE b (id int PRIMARY KEY, n int NOT NULL);
+INSERT INTO b SELECT g, g FROM generate_series(1, 20000) g;
+CREATE PUBLICATION pub FOR TABLE a, b;
+"""
+
+
+def _target_exec(url: str, sql: str) -> list[tuple]:
+    if url.startswith("sqlite"):
+        db = sqlite3.connect(url.removeprefix("sqlite:///"))
+        try:
+            rows = db.execute(sql).fetchall()
+            db.commit()
+            return rows
+        finally:
+            db.close()
+    from applier.target.postgres import libpq_dsn
+    with psycopg.connect(libpq_dsn(url), autocommit=True) as conn:
+        cur = conn.execute(sql)
+        return cur.fetchall() if cur.description else []
+
+
+def _slot(src: ScratchDb, name: str) -> tuple | None:
+    rows = src.cluster.execute("SELECT confirmed_flush_lsn::text, active FROM pg_replication_slots "
+                               "WHERE slot_name = %s", src.dbname, [name])
+    return rows[0] if rows else None
+
+
+def test_an_interrupted_sync_is_restarted_by_the_next(spark, src: ScratchDb, target_url: str, tmp_path: Path) -> None:
+    src.cluster.execute(SOURCE, src.dbname)
+    # b's copy fails half-way: the target refuses rows with n > 15000 (after a's copy is complete)
+    _target_exec(target_url, "CREATE TABLE b (id integer PRIMARY KEY, n integer NOT NULL CHECK (n <= 15000))")
+    cfg = make_config(src, target_url, tmp_path / "work", partitions=4)
+    said: list[str] = []
+    with pytest.raises(CopyError, match=r"copying public\.b failed: .*(check|CHECK)"):
+        sync(cfg, spark=spark, say=said.append)
+    assert any("retrying the table once, resuming:" in s and "partitions are already copied" in s for s in said), said
+    assert _target_exec(target_url, "SELECT count(*) FROM a")[0][0] == 20000
+    assert _target_exec(target_url, "SELECT state FROM applier_sync")[0][0] == "copying"
+    assert read_progress(cfg).lsn == LSN(0)  # run/catchup have nowhere to start from
+    first_slot = _slot(src, "applier")
+    assert first_slot is not None
+
+    src.cluster.execute("INSERT INTO a VALUES (20001, 'after the failure')", src.dbname)
+    if target_url.startswith("sqlite"):  # SQLite cannot drop a constraint: recreate the table
+        _target_exec(target_url, "DROP TABLE b")
+    else:
+        _target_exec(target_url, "ALTER TABLE b DROP CONSTRAINT b_n_check")
+    said.clear()
+    res = sync(cfg, spark=spark, say=said.append)
+    assert res.mode == "restart"
+    assert any(s.startswith("restarting the interrupted sync") for s in said), said
+    assert any("exists but no copy has completed" in s for s in said), said
+    assert {t.table: t.rows for t in res.tables} == {"public.a": 20001, "public.b": 20000}
+    assert _target_exec(target_url, "SELECT count(*), count(DISTINCT id) FROM a")[0] == (20001, 20001)
+    assert read_progress(cfg).lsn == res.consistent_point
+    assert LSN.parse(_slot(src, "applier")[0]) == res.consistent_point
+    assert verify(cfg, spark=spark).ok
+
+
+def test_a_partition_is_written_once(dst: ScratchDb) -> None:
+    dst.cluster.execute("CREATE TABLE t (id int, v text); " + PARTS_DDL, dst.dbname)
+    plan = {"where": dst.dsn, "table": '"t"', "columns": ['"id"', '"v"'], "name": "n", "run": "r", "tbl": "public.t"}
+    batch = pa.RecordBatch.from_arrays([pa.array([b"1", b"2"]), pa.array([b"x", None])], names=["c0", "c1"])
+    first = write_pg_partition(plan, 3, iter([batch]))
+    again = write_pg_partition(plan, 3, iter([batch]))
+    assert (first.rows, first.skipped, again.rows, again.skipped) == (2, False, 0, True)
+    assert dst.cluster.execute("SELECT id, v FROM t ORDER BY id", dst.dbname) == [(1, "x"), (2, None)]
+
+
+def test_a_slot_made_by_init_is_recreated_with_a_snapshot(spark, src: ScratchDb, dst: ScratchDb,
+                                                          tmp_path: Path) -> None:
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg = make_config(src, dst.url, tmp_path / "work")
+    init(cfg)
+    said: list[str] = []
+    res = sync(cfg, spark=spark, say=said.append)
+    assert res.mode == "fresh"
+    assert any("slot 'applier' exists but no copy has completed with it: dropping it" in s for s in said), said
+    assert LSN.parse(_slot(src, "applier")[0]) == res.consistent_point == read_progress(cfg).lsn
+
+
+def test_a_completed_sync_is_repeated_only_when_forced(spark, src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg = make_config(src, dst.url, tmp_path / "work")
+    first = sync(cfg, spark=spark)
+    with pytest.raises(SyncError, match="already completed at .*Use --force"):
+        sync(cfg, spark=spark)
+    said: list[str] = []
+    again = sync(cfg, spark=spark, force=True, say=said.append)
+    assert again.mode == "force" and again.consistent_point > first.consistent_point
+    assert any("copying everything again" in s for s in said)
+    assert dst.cluster.execute("SELECT count(*) FROM a", dst.dbname)[0][0] == 20000
+
+
+def test_a_fresh_sync_refuses_tables_with_rows(spark, src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
+    src.cluster.execute(SOURCE, src.dbname)
+    dst.cluster.execute("CREATE TABLE a (id int PRIMARY KEY, v text); INSERT INTO a VALUES (1, 'old')", dst.dbname)
+    cfg = make_config(src, dst.url, tmp_path / "work")
+    with pytest.raises(SyncError, match=r"target tables already hold rows: public\.a; .*--force"):
+        sync(cfg, spark=spark)
+    assert _slot(src, "applier") is None
+
+
+def test_mismatched_target_tables_are_reported_by_table_and_column(src: ScratchDb, target_url: str,
+                                                                   tmp_path: Path) -> None:
+    src.cluster.execute(SOURCE, src.dbname)
+    if target_url.startswith("sqlite"):
+        _target_exec(target_url, "CREATE TABLE a (id INTEGER PRIMARY KEY, v INTEGER)")
+        _target_exec(target_url, "CREATE TABLE b (id INTEGER PRIMARY KEY, extra TEXT NOT NULL)")
+        wrong = "column v: declared INTEGER (INTEGER affinity) would change the mapped TEXT values of source type text"
+    else:
+        _target_exec(target_url, "CREATE TABLE a (id integer PRIMARY KEY, v integer)")
+        _target_exec(target_url, "CREATE TABLE b (id integer PRIMARY KEY, extra text NOT NULL)")
+        wrong = "column v: source type text, target type integer"
+    cfg = make_config(src, target_url, tmp_path / "work")
+    with pytest.raises(SchemaError) as err:
+        sync(cfg, spark=None)
+    msg = str(err.value)
+    assert f"target table {'a' if target_url.startswith('sqlite') else 'public.a'} (source public.a), {wrong}" in msg
+    assert "(source public.b), column n: missing on the target" in msg
+    assert "(source public.b), column extra: NOT NULL on the target without a default" in msg
+    assert _slot(src, "applier") is None
