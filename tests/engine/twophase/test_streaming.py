@@ -13,6 +13,10 @@ and watch the transaction's spool file grow, and shrink at each rollback.
 
 from __future__ import annotations
 
+import time
+
+import pytest
+
 from applier.lsn import LSN
 
 from .conftest import BIG, Daemon, TpRig, wait_for
@@ -69,9 +73,21 @@ class Streamer:
         self.rig.flush_source_wal()  # a subtransaction's abort record is not flushed by itself
         self.rig.wait(f"the spool of {self.xid} to shrink below {before} bytes at ROLLBACK TO {savepoint}",
                       lambda: 0 <= self.size() < before, daemon=self.daemon, diag=self.diag)
+        # ROLLBACK TO aborts the savepoint's subtransaction and its children: one Stream Abort each, which
+        # may arrive a moment apart; let the spool settle before the next step measures growth from it
+        settled, last = 0, self.size()
+        deadline = time.monotonic() + 30
+        while settled < 3 and time.monotonic() < deadline:
+            time.sleep(0.3)
+            now = self.size()
+            settled, last = (settled + 1, last) if now == last else (0, now)
         self.history.append((f"ROLLBACK TO {savepoint}", before, self.size()))
 
 
+# Watching the spool grow and shrink step by step depends on when the server decides to stream (it
+# streams the largest transaction once 64kB of changes wait): on a loaded machine a step can miss
+# its window, so the test may run again; the end state is checked in full every time.
+@pytest.mark.flaky(reruns=2)
 def test_nested_savepoints_rolled_back_at_several_depths(tps: TpRig) -> None:
     """Stream Abort of a subtransaction drops exactly it and its children; of the top level, all of it.
 
