@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sqlite3
 import subprocess
 import sys
 import uuid
@@ -30,6 +29,7 @@ from applier.engine.runner import Runner, Summary
 from applier.inspect import decode_stream, open_peek_source
 from applier.lsn import LSN
 from tests.plugins.clusters import ClusterPool, ScratchDb
+from tests.plugins.target_side import TargetSide
 
 
 def applier_argv() -> list[str]:
@@ -73,7 +73,7 @@ def write_toml(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
     return path
 
 
-class Rig:
+class Rig(TargetSide):
     """A source database with a publication and slot, a target, and the config between them."""
 
     def __init__(self, source: ScratchDb, kind: str, target: ScratchDb | None, tmp: Path) -> None:
@@ -106,28 +106,6 @@ class Rig:
     def wal_lsn(self) -> LSN:
         """The source's current WAL write position."""
         return LSN.parse(self.src("SELECT pg_current_wal_lsn()::text")[0][0])
-
-    def tgt(self, query: str, params: Sequence[Any] | None = None) -> list[tuple[Any, ...]]:
-        """Run SQL on the target; its rows."""
-        if self.target is not None:
-            return self.target.cluster.execute(query, self.target.dbname, params)
-        conn = sqlite3.connect(self.sqlite_path, isolation_level=None)
-        try:
-            cur = conn.execute(query, params or ())
-            return cur.fetchall() if cur.description is not None else []
-        finally:
-            conn.close()
-
-    def tgt_script(self, script: str) -> None:
-        """Several ;-separated statements on the target (DDL)."""
-        if self.target is not None:
-            self.target.cluster.execute(script, self.target.dbname)
-            return
-        conn = sqlite3.connect(self.sqlite_path, isolation_level=None)
-        try:
-            conn.executescript(script)
-        finally:
-            conn.close()
 
     def both(self, ddl: str, sqlite_ddl: str | None = None) -> None:
         """The same table DDL on the source and the target (SQLite may get its own spelling)."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -41,6 +40,7 @@ from applier.inspect import stream_options
 from applier.lsn import LSN
 from applier.source.sql import SqlSlotSource
 from tests.plugins.clusters import ScratchDb
+from tests.plugins.target_side import TargetSide
 
 # Rows per chunk that certainly exceed logical_decoding_work_mem (64kB) on their own.
 BIG = 700
@@ -148,7 +148,7 @@ class Daemon:
             raise AssertionError(f"the daemon stopped: {self.failure[0]}") from self.failure[0]
 
 
-class TpRig:
+class TpRig(TargetSide):
     """A source with a two-phase slot and the standard tables, a target, and the config between them."""
 
     def __init__(self, source: ScratchDb, kind: str, target: ScratchDb | None, tmp: Path,
@@ -194,28 +194,6 @@ class TpRig:
         with psycopg.connect(self.source.dsn, autocommit=True) as c:
             for s in sqls:
                 c.execute(s)
-
-    def tgt(self, query: str, params: Sequence[Any] | None = None) -> list[tuple[Any, ...]]:
-        """Run one statement on the target; its rows."""
-        if self.target is not None:
-            return self.target.cluster.execute(query, self.target.dbname, params)
-        conn = sqlite3.connect(self.sqlite_path, isolation_level=None, timeout=30)
-        try:
-            cur = conn.execute(query, params or ())
-            return cur.fetchall() if cur.description is not None else []
-        finally:
-            conn.close()
-
-    def tgt_script(self, script: str) -> None:
-        """Several ;-separated statements on the target."""
-        if self.target is not None:
-            self.target.cluster.execute(script, self.target.dbname)
-            return
-        conn = sqlite3.connect(self.sqlite_path, isolation_level=None)
-        try:
-            conn.executescript(script)
-        finally:
-            conn.close()
 
     # -- setup ---------------------------------------------------------------------
 
