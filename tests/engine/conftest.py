@@ -7,9 +7,7 @@ temporary directory. The PostgreSQL database is only made when asked for.
 
 from __future__ import annotations
 
-import os
 import sqlite3
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ import pytest
 
 from applier.config import Config, load_config
 from applier.embedded import find_install
+from tests.plugins.cli import applier_script, clean_env  # noqa: F401 - re-exported to the tests
 from tests.plugins.clusters import ScratchDb
 
 NEWEST_PG = find_install().version
@@ -79,18 +78,3 @@ def make_cfg(source: ScratchDb, target: Target, work_dir: Path, **extra: Any) ->
     return load_config(None, overrides, env={})
 
 
-def applier_script() -> str:
-    """The installed ``applier`` console script of this interpreter."""
-    here = Path(sys.executable).parent / "applier"
-    if here.exists():
-        return str(here)
-    import shutil
-
-    found = shutil.which("applier")
-    assert found, "the applier script is not installed (pip install -e '.[test]')"
-    return found
-
-
-def clean_env() -> dict[str, str]:
-    """The environment for an applier subprocess, without APPLIER_* variables that would override the file."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_")}

@@ -49,6 +49,7 @@ from applier.embedded import Cluster, find_install
 from applier.lsn import LSN
 from tests.engine import workload as wl
 from tests.engine.conftest import NEWEST_PG, Target, applier_script, clean_env, make_cfg
+from tests.plugins.cli import toml_value
 from tests.plugins.clusters import ScratchDb
 
 pytestmark = pytest.mark.parametrize("pg_install", [NEWEST_PG], indirect=True, ids=lambda v: f"pg{v}")
@@ -71,19 +72,6 @@ def _seed() -> int:
 
 
 # -- set-up ------------------------------------------------------------------------------
-
-
-def toml_value(v: Any) -> str:
-    """A Python value as TOML."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    raise TypeError(v)
 
 
 def write_config(path: Path, source: ScratchDb, target: Target, work_dir: Path) -> Path:

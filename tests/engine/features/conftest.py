@@ -28,6 +28,7 @@ from applier.embedded import Cluster, find_install
 from applier.engine.runner import Runner, Summary
 from applier.inspect import decode_stream, open_peek_source
 from applier.lsn import LSN
+from tests.plugins.cli import toml_value
 from tests.plugins.clusters import ClusterPool, ScratchDb
 from tests.plugins.target_side import TargetSide
 
@@ -45,21 +46,6 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120)
     base = {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_")}
     return subprocess.run([*applier_argv(), *args], capture_output=True, text=True, timeout=timeout,
                           env={**base, **(env or {})}, stdin=subprocess.DEVNULL)
-
-
-def toml_value(v: Any) -> str:
-    """A Python value as TOML (strings, bools, numbers, lists, one-level dicts)."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{toml_value(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
-    raise TypeError(v)
 
 
 def write_toml(path: Path, sections: dict[str, dict[str, Any]]) -> Path:

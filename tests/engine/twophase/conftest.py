@@ -17,10 +17,7 @@ from being dropped and holds one of the cluster's ``max_prepared_transactions``.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,6 +36,7 @@ from applier.engine.runner import Runner, Summary
 from applier.inspect import stream_options
 from applier.lsn import LSN
 from applier.source.sql import SqlSlotSource
+from tests.plugins.cli import applier_script, clean_env, toml_value
 from tests.plugins.clusters import ScratchDb
 from tests.plugins.target_side import TargetSide
 
@@ -65,32 +63,6 @@ TABLES = ("t", "log", "acct", "t2")
 LOCK_TIMEOUT = "10s"       # of the applier's PostgreSQL target sessions
 CATCHUP_TIMEOUT = 120.0    # seconds an in-process catchup may take before the test fails
 ORDER = {"t": "id", "log": "k, v", "acct": "id", "t2": "id"}
-
-
-def applier_script() -> str:
-    """The installed ``applier`` script of this interpreter."""
-    beside = Path(sys.executable).parent / "applier"
-    script = str(beside) if beside.exists() else shutil.which("applier")
-    assert script, "the applier script is not installed"
-    return script
-
-
-def cli_env() -> dict[str, str]:
-    """The environment for the ``applier`` script: none of the test run's APPLIER_* variables."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_")}
-
-
-def toml_value(v: Any) -> str:
-    """A Python value as TOML (strings, bools, numbers, lists)."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    raise TypeError(v)
 
 
 def wait_for(what: str, cond: Callable[[], Any], timeout: float = 20.0, every: float = 0.05,
@@ -479,4 +451,4 @@ def tps(request: pytest.FixtureRequest, source_db: ScratchDb, tp_target: str, tm
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run the real ``applier`` script."""
     return subprocess.run([applier_script(), *args], capture_output=True, text=True, timeout=timeout,
-                          env=cli_env(), stdin=subprocess.DEVNULL)
+                          env=clean_env(), stdin=subprocess.DEVNULL)

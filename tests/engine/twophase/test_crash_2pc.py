@@ -35,7 +35,7 @@ import pytest
 
 from applier.embedded import find_installs
 
-from .conftest import TpRig, applier_script, cli_env, run_cli
+from .conftest import TpRig, applier_script, clean_env, run_cli
 
 NEWEST = max(i.version for i in find_installs())
 KILLS_EACH = 10          # kills required per kind of moment
@@ -319,7 +319,7 @@ def test_sigkill_daemon_during_streaming_and_two_phase(tp: TpRig, pg_install: An
         run_n += 1
         with open(logs / f"run-{run_n:03d}.log", "wb") as out:
             return subprocess.Popen([applier_script(), "run", "-c", str(config)], stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=cli_env())
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=clean_env())
 
     def tail(n: int) -> str:
         return (logs / f"run-{n:03d}.log").read_text(errors="replace")[-3000:]

@@ -1,0 +1,37 @@
+"""What tests need to run the installed ``applier`` script: its path, a clean environment, TOML values."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def applier_script() -> str:
+    """The installed ``applier`` console script of this interpreter."""
+    beside = Path(sys.executable).parent / "applier"
+    script = str(beside) if beside.exists() else shutil.which("applier")
+    assert script, "the applier script is not installed (pip install -e '.[test]')"
+    return script
+
+
+def clean_env() -> dict[str, str]:
+    """The environment for an applier subprocess, without APPLIER_* variables that would override the file."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_")}
+
+
+def toml_value(v: Any) -> str:
+    """A Python value as TOML (strings, bools, numbers, lists, one-level dicts)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{toml_value(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(v)
