@@ -41,6 +41,8 @@ class Keepalive(NamedTuple):
     reply_requested: bool
 
 
+_new_tuple = tuple.__new__  # XLogData without its Python-level __new__ (one per change)
+
 Frame = XLogData | Keepalive
 
 
@@ -54,7 +56,7 @@ def read_frame(data: bytes) -> Frame:
             raise DecodeError("XLogData", "header", 1, f"needs {_W.size} bytes, {len(data) - 1} left")
         start, end, ts = _W.unpack_from(data, 1)
         payload = data[25:]
-        return XLogData(start, end, ts, payload if type(payload) is bytes else bytes(payload))
+        return _new_tuple(XLogData, (start, end, ts, payload if type(payload) is bytes else bytes(payload)))
     if kind == 0x6B:  # 'k'
         if len(data) != 1 + _K.size:
             raise DecodeError("Primary keepalive", "length", 0, f"expected {1 + _K.size} bytes, got {len(data)}")

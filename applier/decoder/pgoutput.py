@@ -47,6 +47,7 @@ from applier.decoder.messages import (
 )
 from applier.lsn import LSN
 
+_new_tuple = tuple.__new__  # a NamedTuple without its Python-level __new__ (hot paths: one per change)
 _I16 = struct.Struct(">h")
 _U16 = struct.Struct(">H")
 _I32 = struct.Struct(">i")
@@ -149,6 +150,9 @@ class _Reader:
 
 def read_tuple(buf: bytes, pos: int, end: int, name: str, field: str) -> tuple[TupleData, int]:
     """Read TupleData at ``pos``: Int16 column count, then n/u/(t|b Int32 len, bytes) per column."""
+    fast = _read_text_tuple(buf, pos, end)
+    if fast is not None:
+        return fast
     if pos + 2 > end:
         raise DecodeError(name, f"{field} column count", pos, f"needs 2 bytes, {end - pos} left")
     ncols = _I16.unpack_from(buf, pos)[0]
@@ -176,7 +180,37 @@ def read_tuple(buf: bytes, pos: int, end: int, name: str, field: str) -> tuple[T
         elif kind != NULL and kind != UNCHANGED_TOAST:
             raise DecodeError(name, f"{field} column {i + 1} kind", pos - 1,
                               f"expected n, u, t or b, got {bytes([kind])!r}")
-    return TupleData(bytes(kinds), tuple(values)), pos
+    return _new_tuple(TupleData, (bytes(kinds), tuple(values))), pos
+
+
+def _read_text_tuple(buf: bytes, pos: int, end: int) -> tuple[TupleData, int] | None:
+    """The common tuple, every column 't', read without per-field checks; None: anything else or bad bytes."""
+    try:
+        ncols = _I16.unpack_from(buf, pos)[0]
+        pos += 2
+        values = []
+        append = values.append
+        unpack = _I32.unpack_from
+        for _ in range(ncols):
+            if buf[pos] != TEXT:
+                return None
+            n = unpack(buf, pos + 1)[0]
+            pos += 5
+            if n < 0:
+                return None
+            append(buf[pos : pos + n])
+            pos += n
+    except (IndexError, struct.error):
+        return None
+    if pos > end:
+        return None
+    kinds = _ALL_TEXT.get(ncols)
+    if kinds is None:
+        kinds = _ALL_TEXT[ncols] = b"t" * ncols
+    return _new_tuple(TupleData, (kinds, tuple(values))), pos
+
+
+_ALL_TEXT: dict[int, bytes] = {}  # column count -> its kinds when every column is 't'
 
 
 def _fast_insert(data: bytes) -> Insert | None:
@@ -187,7 +221,7 @@ def _fast_insert(data: bytes) -> Insert | None:
     t, pos = read_tuple(data, 6, end, "Insert", "new tuple")
     if pos != end:
         return None
-    return Insert(None, _U32.unpack_from(data, 1)[0], t)
+    return _new_tuple(Insert, (None, _U32.unpack_from(data, 1)[0], t))
 
 
 def _fast_update(data: bytes) -> Update | None:
@@ -199,14 +233,14 @@ def _fast_update(data: bytes) -> Update | None:
     oid = _U32.unpack_from(data, 1)[0]
     if part == 0x4E:
         t, pos = read_tuple(data, 6, end, "Update", "new tuple")
-        return Update(None, oid, None, None, t) if pos == end else None
+        return _new_tuple(Update, (None, oid, None, None, t)) if pos == end else None
     if part != 0x4B and part != 0x4F:  # 'K', 'O'
         return None
     old, pos = read_tuple(data, 6, end, "Update", "key tuple" if part == 0x4B else "old tuple")
     if pos >= end or data[pos] != 0x4E:
         return None
     t, pos = read_tuple(data, pos + 1, end, "Update", "new tuple")
-    return Update(None, oid, chr(part), old, t) if pos == end else None
+    return _new_tuple(Update, (None, oid, chr(part), old, t)) if pos == end else None
 
 
 def read_begin(r: _Reader, in_stream: bool) -> Begin:

@@ -52,7 +52,7 @@ from applier.decoder.pgoutput import decode_message
 from applier.engine.batch import Batch
 from applier.engine.spool import _HEAD, Spool, SpoolSet, records
 from applier.lsn import LSN
-from applier.target.base import ApplyError, Binding, source_name
+from applier.target.base import ApplyError, Binding, log_missing, source_name
 
 log = logging.getLogger("applier.engine")
 
@@ -389,14 +389,7 @@ class ApplyEngine:
             else:
                 missing = self.target.delete_rows(b, rows, lsn)
         if missing > 0:
-            what = "updated" if op == "UPDATE" else "deleted"
-            if len(rows) == 1:
-                t, idx, _ = b.locator(op, rows[0].old_kind, rows[0].old, getattr(rows[0], "new", None), lsn)
-                log.warning("row to be %s not found in table %s, key %s (transaction finished at %s): skipped",
-                            what, b.table, b.describe_key(t, idx), lsn)
-            else:
-                log.warning("%d rows to be %s not found in table %s (transactions from the one finished at %s): "
-                            "skipped", missing, what, b.table, lsn)
+            log_missing(op, b, missing, lsn, rows[0] if len(rows) == 1 else None)
 
     def _error(self, op: str, b: Binding, rows: list[Any], txn: SourceTxn | None, exc: BaseException) -> ApplyError:
         where = f"in transaction {txn.xid} finished at {txn.final_lsn}" if txn else ""

@@ -27,14 +27,19 @@ class Batch:
         self.op = op
         self.txn = txn
         self.rows: list[Any] = [row]
-        self.keys: dict[tuple[bytes | None, ...], int] = {}  # row key -> index in rows (foldable tables)
+        # row key -> index in rows (foldable tables); an insert batch builds it only once a change folds into it
+        self.keys: dict[tuple[bytes | None, ...], int] | None = None
         self.alone = False  # a key-changing update: apply it before anything joins
-        if b.foldable:
-            if op == "UPDATE":
-                key, self.alone = b.update_key(row)
-                self.keys[key] = 0
-            elif op == "INSERT":
-                self.keys[b.key_of(row)] = 0
+        if b.foldable and op == "UPDATE":
+            key, self.alone = b.update_key(row)
+            self.keys = {key: 0}
+
+    def _index(self) -> dict[tuple[bytes | None, ...], int]:
+        keys = self.keys
+        if keys is None:
+            key_of = self.b.key_of
+            keys = self.keys = {key_of(r): i for i, r in enumerate(self.rows) if r is not None}
+        return keys
 
     def add(self, op: str, row: Any) -> bool:
         """Take a change to the same table into the batch; False when the batch must be applied first."""
@@ -47,15 +52,17 @@ class Batch:
                 rows.append(row)
                 return True
             if op == "INSERT":
-                self.keys[b.key_of(row)] = len(rows)
+                if self.keys is not None:
+                    self.keys[b.key_of(row)] = len(rows)
                 rows.append(row)
                 return True
             key, moved = b.update_key(row)
             if moved:
                 return False
-            i = self.keys.get(key)
+            keys = self._index()
+            i = keys.get(key)
             if i is None:
-                self.keys[key] = len(rows)
+                keys[key] = len(rows)
                 rows.append(row)
             else:
                 prev = rows[i]
@@ -63,14 +70,15 @@ class Batch:
             return True
         if self.op == "INSERT" and b.foldable:
             key, moved = b.update_key(row) if op == "UPDATE" else (b.key_of(row.old), False)
-            i = self.keys.get(key)
+            keys = self._index()
+            i = keys.get(key)
             if i is None or moved:
                 return False
             if op == "UPDATE":
                 rows[i] = overlay(row.new, rows[i])
             else:
                 rows[i] = None
-                del self.keys[key]
+                del keys[key]
             return True
         return False
 

@@ -240,7 +240,7 @@ class Runner:
         keepalive_end = LSN(0)
         last_confirm = time.monotonic()
         # catching up: idle means the goal may lie in WAL that publishes nothing; ask the server where it is
-        idle_wait = 0.1 if goal is not None else 0.5
+        idle_wait = 0.02 if goal is not None else 0.5
         stopping_since: float | None = None
         group_delay = self.cfg.apply["group_commit_delay"]
         while True:

@@ -10,8 +10,9 @@ Invariants:
   from two threads at once; ``confirm`` and ``send_status`` only leave a note for it;
 - frames reach the apply thread in source order, in chunks, each frame with its
   decoded message (None for a keepalive);
-- at most ``max_chunks`` chunks wait, so a slow target holds the receiver back
-  instead of filling memory;
+- at most ``max_chunks`` chunks and about ``max_bytes`` of payload wait (a chunk
+  ends early at ``max_bytes / max_chunks``), so a slow target holds the receiver
+  back instead of filling memory, whatever the size of the rows;
 - an error on the receiver thread is raised on the apply thread at its next read.
 """
 
@@ -33,11 +34,13 @@ Item = tuple[Frame, Any]
 class Prefetch:
     """Runs ``source`` and a decoder on a receiver thread; see the module header."""
 
-    def __init__(self, source: Source, chunk: int = 512, max_chunks: int = 64) -> None:
+    def __init__(self, source: Source, chunk: int = 512, max_chunks: int = 64, max_bytes: int = 32 << 20) -> None:
         self.source = source
         self.chunk = chunk
         self.max_chunks = max_chunks
-        self._chunks: deque[list[Item] | BaseException] = deque()
+        self.max_bytes = max_bytes
+        self._chunks: deque[tuple[list[Item], int] | BaseException] = deque()
+        self._bytes = 0  # payload bytes in the waiting chunks
         self._cv = threading.Condition()
         self._stop = False
         self._confirm: LSN | None = None
@@ -55,6 +58,8 @@ class Prefetch:
         decode: Callable[[bytes], Any] = Decoder().decode
         src = self.source
         buf: list[Item] = []
+        size = 0
+        chunk_bytes = max(1, self.max_bytes // self.max_chunks)
         try:
             while not self._stop:
                 if self._confirm is not None:
@@ -65,29 +70,36 @@ class Prefetch:
                     ask = getattr(src, "send_status", None)
                     if ask is not None:
                         ask(True)
-                frame = src.read(0.0 if buf else 0.1)
+                frame = src.read(0.0 if buf else 0.02)  # short: a confirm or a status request waits no longer
                 if frame is None:
                     if buf:
-                        self._push(buf)
-                        buf = []
+                        self._push((buf, size))
+                        buf, size = [], 0
                     elif getattr(src, "exhausted", False):
                         self._done = True
                         return
                     continue
-                buf.append((frame, decode(frame.payload) if type(frame) is XLogData else None))
-                if len(buf) >= self.chunk:
-                    self._push(buf)
-                    buf = []
+                if type(frame) is XLogData:
+                    buf.append((frame, decode(frame.payload)))
+                    size += len(frame.payload)
+                else:
+                    buf.append((frame, None))
+                if len(buf) >= self.chunk or size >= chunk_bytes:
+                    self._push((buf, size))
+                    buf, size = [], 0
         except BaseException as exc:  # noqa: BLE001 - handed to the apply thread
             if buf:
-                self._push(buf)
+                self._push((buf, size))
             self._push(exc)
 
-    def _push(self, item: list[Item] | BaseException) -> None:
+    def _push(self, item: tuple[list[Item], int] | BaseException) -> None:
+        size = item[1] if isinstance(item, tuple) else 0
         with self._cv:
-            while len(self._chunks) >= self.max_chunks and not self._stop:
+            while (len(self._chunks) >= self.max_chunks or self._bytes + size > self.max_bytes) and self._chunks \
+                    and not self._stop:
                 self._cv.wait(0.1)
             self._chunks.append(item)
+            self._bytes += size
             self._cv.notify_all()
 
     def read_chunk(self, timeout: float) -> list[Item] | None:
@@ -98,10 +110,12 @@ class Prefetch:
             if not self._chunks:
                 return None
             item = self._chunks.popleft()
+            if not isinstance(item, BaseException):
+                self._bytes -= item[1]
             self._cv.notify_all()
         if isinstance(item, BaseException):
             raise item
-        return item
+        return item[0]
 
     def confirm(self, lsn: LSN) -> None:
         """Have the receiver confirm ``lsn`` to the source."""

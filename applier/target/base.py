@@ -47,7 +47,7 @@ class Binding:
     """One source relation mapped onto one target table; builds and caches statements."""
 
     __slots__ = ("rel", "table", "qtable", "names", "qnames", "convert", "key_idx", "dialect", "_sql",
-                 "text_compare", "keyed", "foldable", "set_based", "pg_types")
+                 "text_compare", "keyed", "foldable", "set_based", "pg_types", "plain_convert")
 
     def __init__(self, rel: Relation, table: str, qtable: str, convert: Sequence[Converter | None],
                  dialect: Dialect, text_compare: Sequence[bool] = ()) -> None:
@@ -57,6 +57,7 @@ class Binding:
         self.names = [c.name for c in rel.columns]
         self.qnames = [quote_ident(n) for n in self.names]
         self.convert = list(convert)
+        self.plain_convert = None not in self.convert  # every column has a converter
         self.key_idx = [i for i, c in enumerate(rel.columns) if c.is_key]
         self.dialect = dialect
         self.text_compare = list(text_compare) or [False] * len(self.names)
@@ -93,6 +94,8 @@ class Binding:
         """Driver parameters for the columns ``idx`` of tuple ``t``."""
         vals = t.values
         conv = self.convert
+        if len(idx) == len(vals) and self.plain_convert:
+            return [None if v is None else c(v) for c, v in zip(conv, vals)]  # type: ignore[misc]
         out = []
         for i in idx:
             v = vals[i]
@@ -186,6 +189,20 @@ class Binding:
         return nulls, self.values(t, [i for i, n in zip(idx, nulls, strict=True) if not n])
 
 
+def log_missing(op: str, b: Binding, missing: int, lsn: LSN, row: Any = None) -> None:
+    """Warn that ``missing`` rows an UPDATE/DELETE batch (or its one ``row``) looked for were not there."""
+    if missing <= 0:
+        return
+    what = "updated" if op == "UPDATE" else "deleted"
+    if row is not None:
+        t, idx, _ = b.locator(op, row.old_kind, row.old, getattr(row, "new", None), lsn)
+        log.warning("row to be %s not found in table %s, key %s (transaction finished at %s): skipped",
+                    what, b.table, b.describe_key(t, idx), lsn)
+    else:
+        log.warning("%d rows to be %s not found in table %s (transactions from the one finished at %s): "
+                    "skipped", missing, what, b.table, lsn)
+
+
 class Dialect:
     """The few places where PostgreSQL and SQLite SQL differ."""
 
@@ -216,7 +233,21 @@ def overlay(new: TupleData, base: TupleData) -> TupleData:
 
 def present_columns(t: TupleData) -> tuple[int, ...]:
     """Columns of a new tuple that carry a value (unchanged TOAST ones are left out)."""
-    return tuple(i for i, k in enumerate(t.kinds) if k != UNCHANGED_TOAST)
+    kinds = t.kinds
+    if UNCHANGED_TOAST not in kinds:
+        return _ALL_COLUMNS[len(kinds)]
+    return tuple(i for i, k in enumerate(kinds) if k != UNCHANGED_TOAST)
+
+
+class _AllColumns(dict[int, tuple[int, ...]]):
+    """n -> (0, …, n-1), made once per n."""
+
+    def __missing__(self, n: int) -> tuple[int, ...]:
+        cols = self[n] = tuple(range(n))
+        return cols
+
+
+_ALL_COLUMNS = _AllColumns()
 
 
 class TargetBase:
@@ -262,18 +293,30 @@ class TargetBase:
         run_sql = ""
         params: list[list[Any]] = []
         missing = 0
+        key = tuple(b.key_idx)
+        every = _ALL_COLUMNS[len(b.names)]
+        plain = (False,) * len(key)
         for m in rows:
-            if op == "UPDATE":
-                t, idx, full = b.locator(op, m.old_kind, m.old, m.new, lsn)
+            args = None
+            # the common shape first: an update found by a key without NULLs that sends every column
+            if op == "UPDATE" and b.keyed and m.old_kind is None and UNCHANGED_TOAST not in m.new.kinds:
+                args = b.values(m.new, every)
+                where_args = [args[i] for i in key]
+                if None in where_args:
+                    args = None
+                else:
+                    sql = b.update_sql(every, key, plain, False)
+                    args += where_args
+            if args is None:
+                t, idx, full = b.locator(op, m.old_kind, m.old, m.new if op == "UPDATE" else None, lsn)
                 nulls, where_args = b.row_args(t, idx)
-                setcols = present_columns(m.new)
-                sql = b.update_sql(setcols, idx, nulls, full)
-                args = b.values(m.new, setcols) + where_args
-            else:
-                t, idx, full = b.locator(op, m.old_kind, m.old, None, lsn)
-                nulls, where_args = b.row_args(t, idx)
-                sql = b.delete_sql(idx, nulls, full)
-                args = where_args
+                if op == "UPDATE":
+                    setcols = present_columns(m.new)
+                    sql = b.update_sql(setcols, idx, nulls, full)
+                    args = b.values(m.new, setcols) + where_args
+                else:
+                    sql = b.delete_sql(idx, nulls, full)
+                    args = where_args
             if sql is not run_sql and params:
                 missing += len(params) - self.run_many(run_sql, params)
                 params = []

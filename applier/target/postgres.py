@@ -2,7 +2,13 @@
 
 Text-mode values go to the server as they came from the source (psycopg sends
 a ``str`` as type unknown, so the server casts it with the column's input
-function); inserts go by COPY. The applied position is written by the engine
+function); inserts go by COPY. A COPY stays open while consecutive batches
+insert into the same table, so the server stores rows while the next ones are
+decoded. Likewise a batch's set-based UPDATE/DELETE is sent without waiting
+(``_send``), and its result is read just before the connection is next used.
+Anything done on the connection (``conn``/``cur``) first ends the open COPY or
+reads the statement in flight, so a row the server rejects fails that next
+step, inside the same transaction. The applied position is written by the engine
 inside the same transaction (``write_progress``) and, when the role may, the
 session carries a replication origin so the target's own changes can be told
 apart from replicated ones (``origin = none`` publications downstream).
@@ -21,14 +27,26 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import psycopg
+from psycopg import pq
 from psycopg import sql as psql
+from psycopg.errors import error_from_result
+from psycopg.generators import fetch_many
 from sqlalchemy import create_engine, inspect
 from sqlalchemy.engine import make_url
 
 from applier.decoder.messages import Relation, TupleData, Type
 from applier.lsn import LSN
 from applier.progress.store import PG_SQL
-from applier.target.base import POSTGRES, ApplyError, Binding, TargetBase, present_columns, quote_ident, source_name
+from applier.target.base import (
+    POSTGRES,
+    ApplyError,
+    Binding,
+    TargetBase,
+    log_missing,
+    present_columns,
+    quote_ident,
+    source_name,
+)
 
 log = logging.getLogger("applier.target")
 
@@ -89,8 +107,12 @@ class PostgresTarget(TargetBase):
         self.url = url
         self.name = name
         self.table_map = table_map or {}
+        self._copy: Any = None  # the open COPY (psycopg Copy context manager) and its binding
+        self._copy_b: Binding | None = None
+        self._copy_obj: Any = None  # what the open COPY's context manager gave: write() goes there
+        self._inflight: tuple[str, Binding, int, LSN] | None = None  # a statement sent, its result not read yet
         try:
-            self.conn = psycopg.connect(libpq_dsn(url), autocommit=True)
+            self._conn = psycopg.connect(libpq_dsn(url), autocommit=True)
         except psycopg.Error as exc:
             raise ApplyError(f"cannot connect to the target: {' '.join(str(exc).split())}") from None
         self.conn.execute(psql.SQL("SET synchronous_commit = {}").format(psql.Literal(synchronous_commit)))
@@ -104,7 +126,7 @@ class PostgresTarget(TargetBase):
         self.conn.execute("SET enable_mergejoin = off")
         self.conn.execute("SET enable_hashjoin = off")
         self.sync = synchronous_commit
-        self.cur = self.conn.cursor()
+        self._cur = self.conn.cursor()
         self.in_txn = False
         self.preparing = False  # the open transaction will be prepared: no temporary tables
         self._stages = 0
@@ -115,6 +137,48 @@ class PostgresTarget(TargetBase):
         self.native_prepare = two_phase_mode == "prepare" and max_prepared > 0
         self.origin = f"applier_{name}"
         self.has_origin = use_origin and self._setup_origin()
+
+    @property
+    def conn(self) -> psycopg.Connection[Any]:
+        """The connection, with no COPY open on it and no statement in flight."""
+        if self._copy is not None:
+            self._end_copy()
+        if self._inflight is not None:
+            self._collect()
+        return self._conn
+
+    @property
+    def cur(self) -> psycopg.Cursor[Any]:
+        """The cursor, with no COPY open on it and no statement in flight."""
+        if self._copy is not None:
+            self._end_copy()
+        if self._inflight is not None:
+            self._collect()
+        return self._cur
+
+    def _send(self, sql: str, op: str, b: Binding, rows: int, lsn: LSN) -> None:
+        """Send ``sql`` (``op`` of ``rows`` rows of ``b``) and return at once; ``_collect`` reads its result."""
+        self.cur  # noqa: B018 - nothing else may be in flight
+        self._conn.pgconn.send_query(sql.encode())
+        self._inflight = (op, b, rows, lsn)
+
+    def _collect(self) -> None:
+        """Wait for the statement in flight; rows it did not find are logged and skipped, errors raised."""
+        op, b, rows, lsn = self._inflight  # type: ignore[misc]
+        self._inflight = None
+        results = self._conn.wait(fetch_many(self._conn.pgconn))
+        for res in results:
+            if res.status == pq.ExecStatus.FATAL_ERROR:
+                raise error_from_result(res, encoding=self._conn.info.encoding)
+        log_missing(op, b, rows - int(results[-1].command_tuples or 0), lsn)
+
+    def _end_copy(self, failed: BaseException | None = None) -> None:
+        """Finish the open COPY (or abandon it after ``failed``); a row the server rejected raises here."""
+        cm, self._copy, self._copy_b, self._copy_obj = self._copy, None, None, None
+        if failed is None:
+            cm.__exit__(None, None, None)
+        else:
+            cm.__exit__(type(failed), failed, failed.__traceback__)
 
     def _setup_origin(self) -> bool:
         try:
@@ -196,7 +260,17 @@ class PostgresTarget(TargetBase):
 
     def rollback(self) -> None:
         """Roll back the open transaction, if any."""
-        if self.conn.closed:
+        if self._copy is not None:
+            try:
+                self._end_copy(ApplyError("rolled back"))
+            except psycopg.Error:
+                pass  # the COPY is abandoned either way; the ROLLBACK below ends the transaction
+        if self._inflight is not None:
+            try:
+                self._collect()
+            except psycopg.Error:
+                pass
+        if self._conn.closed:
             return
         self.cur.execute("ROLLBACK")
         self.in_txn = False
@@ -232,8 +306,13 @@ class PostgresTarget(TargetBase):
             self.cur.executemany(b.insert_sql(present), [[None if v is None else v.decode() for v in t.values]
                                                          for t in rows])
             return
-        with self.cur.copy(self._copy_sql(b)) as copy:
-            copy.write(copy_data(t.values for t in rows))
+        data = copy_data(t.values for t in rows)
+        if self._copy_b is not b:
+            cur = self.cur  # ends a COPY into another table
+            self._copy = cur.copy(self._copy_sql(b))
+            self._copy_b = b
+            self._copy_obj = self._copy.__enter__()
+        self._copy_obj.write(data)
 
     def _copy_sql(self, b: Binding) -> str:
         sql = b._sql.get("COPY")
@@ -248,9 +327,13 @@ class PostgresTarget(TargetBase):
             self._stages += 1
             name = b._sql[("STAGE", cols)] = f"applier_stage_{self._stages}"
         # IF NOT EXISTS: a rolled-back transaction takes the table it created with it
-        self.cur.execute(f"CREATE TEMP TABLE IF NOT EXISTS {name} ON COMMIT DELETE ROWS AS SELECT "
-                         f"{', '.join(b.qnames[i] for i in cols)} FROM {b.qtable} WITH NO DATA")
-        self.cur.execute(f"TRUNCATE {name}")
+        sql = b._sql.get(("STAGE-SQL", cols))
+        if sql is None:  # one round trip (simple query protocol: no parameters)
+            sql = b._sql[("STAGE-SQL", cols)] = (
+                f"SET LOCAL client_min_messages = warning; CREATE TEMP TABLE IF NOT EXISTS {name} ON COMMIT "
+                f"DELETE ROWS AS SELECT {', '.join(b.qnames[i] for i in cols)} FROM {b.qtable} WITH NO DATA; "
+                f"TRUNCATE {name}")
+        self.cur.execute(sql)
         with self.cur.copy(f"COPY {name} FROM STDIN") as copy:
             copy.write(copy_data(rows))
         return name
@@ -266,10 +349,12 @@ class PostgresTarget(TargetBase):
         shapes: dict[tuple[int, ...], list[Any]] = {}
         for m in rows:  # the batch holds each key once (no key changes), so the order between keys is free
             shapes.setdefault(present_columns(m.new), []).append(m)
-        missing = 0
         key = b.key_idx
         for cols, ms in shapes.items():
-            stage = self._stage(b, cols, [[m.new.values[i] for i in cols] for m in ms])
+            if len(cols) == len(b.names):
+                stage = self._stage(b, cols, [m.new.values for m in ms])
+            else:
+                stage = self._stage(b, cols, [[m.new.values[i] for i in cols] for m in ms])
             sql = b._sql.get(("UPDATE-FROM", cols))
             if sql is None:
                 sets = ", ".join(f"{b.qnames[i]} = s.{b.qnames[i]}" for i in cols if i not in key)
@@ -277,9 +362,8 @@ class PostgresTarget(TargetBase):
                 sql = b._sql[("UPDATE-FROM", cols)] = f"UPDATE {b.qtable} AS t SET {sets} FROM {stage} AS s WHERE {where}"
             if all(i in key for i in cols):  # nothing but the key: the rows only need to exist
                 sql = f"SELECT 1 FROM {b.qtable} AS t JOIN {stage} AS s USING ({', '.join(b.qnames[k] for k in key)})"
-            self.cur.execute(sql)
-            missing += len(ms) - self.cur.rowcount
-        return missing
+            self._send(sql, "UPDATE", b, len(ms), lsn)
+        return 0  # rows not found are logged when the result is read
 
     def delete_rows(self, b: Binding, rows: Sequence[Any], lsn: LSN) -> int:
         """Apply deletes; a batch of keyed ones is staged by COPY and applied by one DELETE."""
@@ -288,8 +372,8 @@ class PostgresTarget(TargetBase):
         key = b.key_idx
         stage = self._stage(b, tuple(key), [[m.old.values[k] for k in key] for m in rows])
         where = " AND ".join(f"t.{b.qnames[k]} = s.{b.qnames[k]}" for k in key)
-        self.cur.execute(f"DELETE FROM {b.qtable} AS t USING {stage} AS s WHERE {where}")
-        return len(rows) - self.cur.rowcount
+        self._send(f"DELETE FROM {b.qtable} AS t USING {stage} AS s WHERE {where}", "DELETE", b, len(rows), lsn)
+        return 0  # rows not found are logged when the result is read
 
     def truncate(self, bindings: Sequence[Binding], cascade: bool, restart_identity: bool) -> None:
         """TRUNCATE the tables, honouring CASCADE and RESTART IDENTITY."""
@@ -321,9 +405,9 @@ class PostgresTarget(TargetBase):
     def close(self) -> None:
         """Roll back anything open and close the connection."""
         try:
-            if self.in_txn and not self.conn.closed:
+            if self.in_txn and not self._conn.closed:
                 self.rollback()
         except psycopg.Error:
             pass
-        self.conn.close()
+        self._conn.close()
         self._engine.dispose()

@@ -139,6 +139,27 @@ def test_large_transactions_locate_rows_the_same_way(rig: Rig) -> None:
     assert rows_sorted(rig.tgt("SELECT a, b FROM f")) == rows_sorted([(1, "same")] * 13 + [(2, None), (2, "one")])
 
 
+def test_rows_missing_on_the_target_are_logged_and_skipped(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    """As the native subscriber's update_missing/delete_missing: the other rows apply, the missing ones are named."""
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, n int)")
+    rig.publish("t")
+    rig.init()
+    rig.src("INSERT INTO t SELECT g, 0 FROM generate_series(1, 100) g")
+    rig.catchup()
+    rig.tgt("DELETE FROM t WHERE id > 90 OR id = 5")  # 11 rows gone from the target only
+    rig.src("UPDATE t SET n = 1")  # a batch of 100, 11 of them missing
+    rig.src("DELETE FROM t WHERE id > 80")  # a batch of 20, 10 of them missing
+    rig.src("UPDATE t SET n = 2 WHERE id = 5")  # one row, missing
+    rig.src("INSERT INTO t VALUES (1000, 3)")
+    with caplog.at_level(logging.WARNING, logger="applier"):
+        rig.catchup()
+    logged = [r.getMessage() for r in caplog.records if "not found" in r.getMessage()]
+    assert any(m.startswith("11 rows to be updated not found in table") for m in logged), logged
+    assert any(m.startswith("10 rows to be deleted not found in table") for m in logged), logged
+    assert any("row to be updated not found" in m and "(id)=(5)" in m for m in logged), logged
+    assert rig.tgt("SELECT count(*), sum(n) FROM t") == [(80, 79 + 3)]
+
+
 def test_replica_identity_nothing_with_insert_only_publication(rig: Rig) -> None:
     """Identity NOTHING replicates inserts. Its updates and deletes cannot reach the applier at all:
     with publish='insert' they are not sent, and once the publication publishes updates the source
