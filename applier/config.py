@@ -14,9 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
-
 REQUIRED = object()
 
 # section -> key -> (type, default)
@@ -82,7 +79,9 @@ class Config:
     @property
     def target_dialect(self) -> str:
         """'postgresql' or 'sqlite'."""
-        return make_url(self.target["url"]).get_backend_name()
+        from applier.target.url import parse_target_url
+
+        return parse_target_url(self.target["url"]).backend
 
     def where(self, section: str, key: str) -> str:
         """Where a key's value came from, for error messages."""
@@ -177,9 +176,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if url is None:
         return Config(values["source"], values["target"], values["apply"], values["spark"],
                       Path(path) if path is not None else None, origin)
+    from applier.target.url import parse_target_url
+
     try:
-        backend = make_url(url).get_backend_name()
-    except ArgumentError:
+        backend = parse_target_url(url).backend
+    except ValueError:
         raise ConfigError(f"{origin.get('target.url', fname)}: target.url is not a database URL: "
                           f"expected postgresql+psycopg://… or sqlite:///…") from None
     if backend not in ("postgresql", "sqlite"):

@@ -314,14 +314,16 @@ class ApplyEngine:
             raise ApplyError(f"{op} for relation OID {oid} outside a transaction")
         if txn.skip:
             return
-        try:
-            b = self.binding(oid)
-        except ApplyError as exc:  # no target table or column: name the change as _error does
-            rel = self.relations.get(oid)
-            if rel is None:
-                raise
-            raise ApplyError(f"{op} on table {source_name(rel)} (key {_key_text(rel, op, row)}) in transaction "
-                             f"{txn.xid} finished at {txn.final_lsn}: {exc}") from exc
+        b = self.bindings.get(oid)
+        if b is None:
+            try:
+                b = self.binding(oid)
+            except ApplyError as exc:  # no target table or column: name the change as _error does
+                rel = self.relations.get(oid)
+                if rel is None:
+                    raise
+                raise ApplyError(f"{op} on table {source_name(rel)} (key {_key_text(rel, op, row)}) in transaction "
+                                 f"{txn.xid} finished at {txn.final_lsn}: {exc}") from exc
         self.stats.rows += 1
         self.group_rows_n += 1
         batches = self.batches

@@ -33,14 +33,13 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-import sqlalchemy.exc
 
 from applier.config import Config
 from applier.engine.apply import ApplyEngine, Stats
 from applier.inspect import current_wal_insert_lsn, stream_options
 from applier.lsn import LSN
 from applier.source.base import Source, SourceError
-from applier.source.prefetch import Prefetch
+from applier.source.chunks import ChunkReader
 from applier.source.sql import SqlSlotSource
 from applier.source.walsender import WalSender
 from applier.target.base import ApplyError
@@ -85,10 +84,10 @@ def open_target(cfg: Config, applying: bool = True) -> Any:
                           use_origin=applying, two_phase_mode=t["two_phase_mode"])
 
 
-def open_source(cfg: Config, start: LSN, wrap: Callable[[Source], Source] | None = None) -> Prefetch:
-    """The source of the config, started at ``start`` (0/0: the slot's confirmed position), on a receiver thread.
+def open_source(cfg: Config, start: LSN, wrap: Callable[[Source], Source] | None = None) -> ChunkReader:
+    """The source of the config, started at ``start`` (0/0: the slot's confirmed position), read in chunks.
 
-    ``wrap`` filters the frames on the receiver thread (``applier verify`` stops at a snapshot's LSN).
+    ``wrap`` filters the frames (``applier verify`` stops at a snapshot's LSN).
     """
     s = cfg.source
     src: Source
@@ -102,7 +101,7 @@ def open_source(cfg: Config, start: LSN, wrap: Callable[[Source], Source] | None
         except BaseException:
             ws.close()
             raise
-    return Prefetch(wrap(src) if wrap is not None else src)
+    return ChunkReader(wrap(src) if wrap is not None else src)
 
 
 def _session_dsn(dsn: str) -> str:
@@ -170,9 +169,7 @@ class Runner:
                     break
                 delay = self.cfg.apply["retry_initial"]
                 failures = 0
-            # SQLAlchemy errors: a PostgreSQL target reflects its tables through SQLAlchemy (bind), so a
-            # target that refuses connections then raises one (is_transient looks at its __cause__)
-            except (ApplyError, SourceError, psycopg.Error, sqlite3.Error, sqlalchemy.exc.SQLAlchemyError) as exc:
+            except (ApplyError, SourceError, psycopg.Error, sqlite3.Error) as exc:
                 msg = " ".join(str(exc).split())
                 if is_transient(exc):
                     failures += 1
@@ -200,7 +197,7 @@ class Runner:
         self.ended_careful = careful
         target = open_target(cfg)
         engine: ApplyEngine | None = None
-        source: Prefetch | None = None
+        source: ChunkReader | None = None
         try:
             progress = target.read_progress()
             engine = ApplyEngine(
@@ -233,7 +230,7 @@ class Runner:
         self.summary.rows += stats.rows
         self.summary.skipped += stats.skipped
 
-    def _loop(self, engine: ApplyEngine, source: Prefetch, target: Any, careful: bool, fail_point: LSN) -> bool:
+    def _loop(self, engine: ApplyEngine, source: ChunkReader, target: Any, careful: bool, fail_point: LSN) -> bool:
         handle = engine.handle
         goal = self.goal
         reached = LSN(0)

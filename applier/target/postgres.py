@@ -31,8 +31,6 @@ from psycopg import pq
 from psycopg import sql as psql
 from psycopg.errors import error_from_result
 from psycopg.generators import fetch_many
-from sqlalchemy import create_engine, inspect
-from sqlalchemy.engine import make_url
 
 from applier.decoder.messages import Relation, TupleData, Type
 from applier.lsn import LSN
@@ -47,6 +45,7 @@ from applier.target.base import (
     quote_ident,
     source_name,
 )
+from applier.target.url import parse_target_url
 
 log = logging.getLogger("applier.target")
 
@@ -55,14 +54,12 @@ _NO_EQUALITY = frozenset({"json", "xml", "point", "line", "lseg", "box", "path",
 
 
 def libpq_dsn(url: str) -> str:
-    """A SQLAlchemy postgresql URL as a libpq conninfo (query values such as ``options`` kept as given)."""
+    """A postgresql URL as a libpq conninfo (query values such as ``options`` kept as given)."""
     from psycopg.conninfo import make_conninfo
 
-    u = make_url(url)
+    u = parse_target_url(url)
     parts: dict[str, Any] = {"host": u.host, "port": u.port, "user": u.username, "password": u.password,
-                             "dbname": u.database}
-    for key, value in u.query.items():
-        parts[key] = value if isinstance(value, str) else value[-1]
+                             "dbname": u.database, **u.query}
     return make_conninfo("", **{k: v for k, v in parts.items() if v is not None})
 
 
@@ -73,12 +70,12 @@ def copy_data(rows: Iterable[Sequence[bytes | None]]) -> bytes:
     for vals in rows:
         if seps < 0:
             seps = len(vals) - 1
-        if None in vals:
+        nulls = None in vals
+        line = b"\t".join([b"" if v is None else v for v in vals] if nulls else vals)  # type: ignore[arg-type]
+        if line.count(b"\t") != seps or b"\\" in line or b"\n" in line or b"\r" in line:
             line = b"\t".join(b"\\N" if v is None else _copy_escape(v) for v in vals)
-        else:
-            line = b"\t".join(vals)  # type: ignore[arg-type]
-            if line.count(b"\t") != seps or b"\\" in line or b"\n" in line or b"\r" in line:
-                line = b"\t".join(_copy_escape(v) for v in vals)  # type: ignore[arg-type]
+        elif nulls:
+            line = b"\t".join([b"\\N" if v is None else v for v in vals])  # type: ignore[misc]
         lines.append(line)
     lines.append(b"")
     return b"\n".join(lines)
@@ -132,7 +129,6 @@ class PostgresTarget(TargetBase):
         self._stages = 0
         self._pending: deque[tuple[LSN, LSN]] = deque()  # (target WAL end of commit, source LSN)
         self._durable = LSN(0)
-        self._engine = create_engine(url)
         max_prepared = int(self.conn.execute("SHOW max_prepared_transactions").fetchone()[0])
         self.native_prepare = two_phase_mode == "prepare" and max_prepared > 0
         self.origin = f"applier_{name}"
@@ -203,22 +199,23 @@ class PostgresTarget(TargetBase):
         return rel.namespace or "public", rel.name
 
     def bind(self, rel: Relation, types: dict[int, Type], lsn: LSN, binary: bool = False) -> Binding:
-        """Reflect the target table and build the binding; errors name table, column and LSN."""
+        """Read the target table from the catalog and build the binding; errors name table, column and LSN."""
         schema, table = self.target_table(rel)
         shown = f"{schema}.{table}" if schema else table
-        insp = inspect(self._engine)
-        if not insp.has_table(table, schema=schema):
+        qtable = (quote_ident(schema) + "." if schema else "") + quote_ident(table)
+        if self.conn.execute("SELECT to_regclass(%s)", [qtable]).fetchone()[0] is None:
             raise ApplyError(f"target table {shown} (for source table {source_name(rel)}) does not exist (at LSN {lsn})")
-        tcols = {c["name"]: c for c in insp.get_columns(table, schema=schema)}
+        # each column's type as the target declares it, and its base type's name (an array's element type)
+        tcols = {name: (declared, base) for name, declared, base in self.conn.execute(
+            "SELECT a.attname, format_type(a.atttypid, a.atttypmod), coalesce(e.typname, t.typname) "
+            "FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
+            "LEFT JOIN pg_type e ON e.oid = t.typelem AND t.typcategory = 'A' "
+            "WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped", [qtable])}
         for c in rel.columns:
             if c.name not in tcols:
                 raise ApplyError(f"target table {shown} has no column {c.name!r} that source table "
                                  f"{source_name(rel)} sends (at LSN {lsn})")
-        text_compare = [str(tcols[c.name]["type"]).lower() in _NO_EQUALITY for c in rel.columns]
-        qtable = (quote_ident(schema) + "." if schema else "") + quote_ident(table)
-        target_types = dict(self.conn.execute(
-            "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
-            "WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped", [qtable]).fetchall())
+        text_compare = [tcols[c.name][1] in _NO_EQUALITY for c in rel.columns]
         uniques = self.conn.execute(
             "SELECT (SELECT array_agg(a.attname) FROM pg_attribute a WHERE a.attrelid = i.indrelid "
             "AND a.attnum = ANY(i.indkey)), 0 = ANY(i.indkey::int2[]) OR i.indexprs IS NOT NULL "
@@ -231,7 +228,7 @@ class PostgresTarget(TargetBase):
         else:
             convert = [bytes.decode] * len(rel.columns)
         b = Binding(rel, shown, qtable, convert, POSTGRES, text_compare)
-        b.pg_types = [target_types[c.name] for c in rel.columns]
+        b.pg_types = [tcols[c.name][0] for c in rel.columns]
         # one statement may apply a batch (rows found by key, no other unique index whose checks a
         # statement-at-once update could trip over, values as text)
         b.set_unique_indexes([None if expr else frozenset(cols) for cols, expr in uniques])
@@ -410,4 +407,3 @@ class PostgresTarget(TargetBase):
         except psycopg.Error:
             pass
         self._conn.close()
-        self._engine.dispose()

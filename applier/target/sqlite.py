@@ -13,18 +13,17 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy.engine import make_url
-
 from applier.decoder.messages import Relation, TupleData, Type
 from applier.lsn import LSN
 from applier.progress.store import SQLITE_SQL
 from applier.target.base import SQLITE, ApplyError, Binding, TargetBase, present_columns, quote_ident, source_name
+from applier.target.url import parse_target_url
 from applier.target.values import sqlite_text_converters
 
 
 def sqlite_path(url: str) -> str:
     """The database file of a sqlite:/// URL (':memory:' for sqlite://)."""
-    return make_url(url).database or ":memory:"
+    return parse_target_url(url).database or ":memory:"
 
 
 def sqlite_table_name(rel: Relation, table_map: dict[str, str]) -> str:

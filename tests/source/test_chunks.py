@@ -1,4 +1,4 @@
-"""The receiver thread: frames come out in order, and what waits for the apply thread stays bounded in bytes.
+"""Chunks of decoded frames: in source order, and never more than one chunk's bytes in hand.
 
 The source is a real recording on disk (``RecordedSource``) of Insert messages
 with 1 MB values, the shape of a wide-row workload; nothing is mocked.
@@ -7,12 +7,11 @@ with 1 MB values, the shape of a wide-row workload; nothing is mocked.
 from __future__ import annotations
 
 import struct
-import time
 
-from applier.decoder.framing import XLogData
+from applier.decoder.framing import Keepalive, XLogData
 from applier.decoder.messages import Insert
 from applier.lsn import LSN
-from applier.source.prefetch import Prefetch
+from applier.source.chunks import ChunkReader
 from applier.source.recorded import RecordedSource, RecordWriter
 
 VALUE = 1 << 20
@@ -24,28 +23,29 @@ def insert_payload(i: int) -> bytes:
     return b"I" + struct.pack(">I", 16384) + b"N" + struct.pack(">h", 1) + b"t" + struct.pack(">i", VALUE) + value
 
 
-def test_waiting_frames_stay_under_max_bytes_and_arrive_in_order(tmp_path) -> None:
+def test_chunks_are_bounded_in_bytes_and_frames_arrive_in_order(tmp_path) -> None:
     path = tmp_path / "wide.rec"
-    n = 120
+    n = 40
     with RecordWriter(path, {"slot": "s", "server_version": 150000, "options": {}}) as w:
         for i in range(n):
             w.write(XLogData(LSN(i + 1), LSN(i + 1), 0, insert_payload(i)))
-    pre = Prefetch(RecordedSource(path), chunk=512, max_chunks=64, max_bytes=16 << 20)
+            if i % 10 == 9:
+                w.write(Keepalive(LSN(i + 1), 0, False))
+    reader = ChunkReader(RecordedSource(path), chunk=512, chunk_bytes=8 << 20)
+    got, sizes = [], []
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # let the receiver fill the queue as far as it may
-            before = pre._bytes
-            time.sleep(0.2)
-            if pre._bytes == before and before > 0:
-                break
-        assert 8 << 20 < pre._bytes <= 16 << 20, pre._bytes  # bounded by bytes, not by the 64 x 512 frames
-        got = []
-        while not pre.exhausted:
-            chunk = pre.read_chunk(1.0)
-            for frame, msg in chunk or []:
+        while not reader.exhausted:
+            chunk = reader.read_chunk(0.1) or []
+            sizes.append(sum(len(f.payload) for f, _ in chunk if isinstance(f, XLogData)))
+            for frame, msg in chunk:
+                if isinstance(frame, Keepalive):
+                    assert msg is None and frame.wal_end == len(got)
+                    continue
                 assert isinstance(msg, Insert) and msg.new.values[0][:8] == len(got).to_bytes(8, "big")
                 assert frame.wal_end == len(got) + 1
                 got.append(frame)
-        assert len(got) == n
     finally:
-        pre.close()
+        reader.close()
+    assert len(got) == n
+    # 512 frames per chunk would be 512 MB here: a chunk ends at 8 MB (the frame that crosses it included)
+    assert max(sizes) <= (8 << 20) + insert_payload(0).__len__() and len([s for s in sizes if s]) >= 5

@@ -1,0 +1,79 @@
+"""Frames in chunks, each with its decoded message: what the apply loop reads.
+
+Receiving, decoding and applying run on one thread, in turn. Writes to the
+target do not wait for the server (an open COPY, set-based statements sent
+ahead: ``applier.target.postgres``), so the target's work already overlaps with
+decoding; a receiver thread would only add GIL hand-offs (measured slower on
+every bench/apply.py workload, see bench/README.md).
+
+Invariants:
+- frames come out in source order, each frame with its decoded message (None
+  for a keepalive);
+- a chunk holds at most ``chunk`` frames and ends once it carries ``chunk_bytes``
+  of payload, so wide rows cannot fill memory: at most one chunk is in hand;
+- ``read_chunk`` waits at most ``timeout`` seconds for a chunk's first frame,
+  never for the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from applier.decoder import Decoder, XLogData
+from applier.decoder.framing import Frame
+from applier.lsn import LSN
+from applier.source.base import Source
+
+Item = tuple[Frame, Any]
+
+
+class ChunkReader:
+    """Reads ``source`` and decodes what it gives, a chunk at a time; see the module header."""
+
+    def __init__(self, source: Source, chunk: int = 512, chunk_bytes: int = 8 << 20) -> None:
+        self.source = source
+        self.chunk = chunk
+        self.chunk_bytes = chunk_bytes
+        self._decode = Decoder().decode
+
+    @property
+    def exhausted(self) -> bool:
+        """A finite source is at its end."""
+        return bool(getattr(self.source, "exhausted", False))
+
+    def read_chunk(self, timeout: float) -> list[Item] | None:
+        """The next chunk of (frame, message) pairs, or None if no frame came within ``timeout`` seconds."""
+        read, decode = self.source.read, self._decode
+        frame = read(timeout)
+        if frame is None:
+            return None
+        buf: list[Item] = []
+        size = 0
+        limit, most = self.chunk_bytes, self.chunk
+        while frame is not None:
+            if type(frame) is XLogData:
+                payload = frame.payload
+                buf.append((frame, decode(payload)))
+                size += len(payload)
+                if size >= limit:
+                    break
+            else:
+                buf.append((frame, None))
+            if len(buf) >= most:
+                break
+            frame = read(0.0)
+        return buf
+
+    def confirm(self, lsn: LSN) -> None:
+        """Confirm ``lsn`` to the source."""
+        self.source.confirm(lsn)
+
+    def send_status(self, reply: bool = False) -> None:
+        """Send a status update now (``reply``: ask the server for a keepalive), if the source has them."""
+        send = getattr(self.source, "send_status", None)
+        if send is not None:
+            send(reply)
+
+    def close(self) -> None:
+        """Close the source."""
+        self.source.close()
