@@ -46,8 +46,8 @@ _new_tuple = tuple.__new__  # XLogData without its Python-level __new__ (one per
 Frame = XLogData | Keepalive
 
 
-def read_frame(data: bytes) -> Frame:
-    """Parse one CopyData payload from a walsender."""
+def read_frame(data: bytes | memoryview) -> Frame:
+    """Parse one CopyData payload from a walsender (a memoryview is read in place; the payload is copied out)."""
     if not data:
         raise DecodeError("CopyData", "kind", 0, "no bytes")
     kind = data[0]
@@ -64,7 +64,7 @@ def read_frame(data: bytes) -> Frame:
         if reply not in (0, 1):
             raise DecodeError("Primary keepalive", "reply", 17, f"expected 0 or 1, got {reply}")
         return Keepalive(LSN(end), ts, bool(reply))
-    raise DecodeError("CopyData", "kind", 0, f"unknown frame kind {data[:1]!r}")
+    raise DecodeError("CopyData", "kind", 0, f"unknown frame kind {bytes(data[:1])!r}")
 
 
 def now_pg_micros() -> int:

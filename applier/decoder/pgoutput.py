@@ -184,29 +184,39 @@ def read_tuple(buf: bytes, pos: int, end: int, name: str, field: str) -> tuple[T
 
 
 def _read_text_tuple(buf: bytes, pos: int, end: int) -> tuple[TupleData, int] | None:
-    """The common tuple, every column 't', read without per-field checks; None: anything else or bad bytes."""
+    """The common tuple, every column 't' or 'n', read without per-field checks; None: anything else or bad bytes."""
+    nulls = False
     try:
         ncols = _I16.unpack_from(buf, pos)[0]
         pos += 2
-        values = []
+        values: list[bytes | None] = []
         append = values.append
         unpack = _I32.unpack_from
         for _ in range(ncols):
-            if buf[pos] != TEXT:
+            kind = buf[pos]
+            if kind == TEXT:
+                n = unpack(buf, pos + 1)[0]
+                pos += 5
+                if n < 0:
+                    return None
+                append(buf[pos : pos + n])
+                pos += n
+            elif kind == NULL:
+                append(None)
+                pos += 1
+                nulls = True
+            else:
                 return None
-            n = unpack(buf, pos + 1)[0]
-            pos += 5
-            if n < 0:
-                return None
-            append(buf[pos : pos + n])
-            pos += n
     except (IndexError, struct.error):
         return None
     if pos > end:
         return None
-    kinds = _ALL_TEXT.get(ncols)
-    if kinds is None:
-        kinds = _ALL_TEXT[ncols] = b"t" * ncols
+    if nulls:
+        kinds = bytes([NULL if v is None else TEXT for v in values])
+    else:
+        kinds = _ALL_TEXT.get(ncols)
+        if kinds is None:
+            kinds = _ALL_TEXT[ncols] = b"t" * ncols
     return _new_tuple(TupleData, (kinds, tuple(values))), pos
 
 
@@ -218,10 +228,10 @@ def _fast_insert(data: bytes) -> Insert | None:
     end = len(data)
     if end < 8 or data[5] != 0x4E:  # 'N'
         return None
-    t, pos = read_tuple(data, 6, end, "Insert", "new tuple")
-    if pos != end:
+    got = _read_text_tuple(data, 6, end)
+    if got is None or got[1] != end:
         return None
-    return _new_tuple(Insert, (None, _U32.unpack_from(data, 1)[0], t))
+    return _new_tuple(Insert, (None, _U32.unpack_from(data, 1)[0], got[0]))
 
 
 def _fast_update(data: bytes) -> Update | None:
@@ -241,6 +251,18 @@ def _fast_update(data: bytes) -> Update | None:
         return None
     t, pos = read_tuple(data, pos + 1, end, "Update", "new tuple")
     return _new_tuple(Update, (None, oid, chr(part), old, t)) if pos == end else None
+
+
+def _fast_delete(data: bytes) -> Delete | None:
+    """Delete outside a stream without a cursor object; None: use the reader."""
+    end = len(data)
+    if end < 8:
+        return None
+    part = data[5]
+    if part != 0x4B and part != 0x4F:  # 'K', 'O'
+        return None
+    old, pos = read_tuple(data, 6, end, "Delete", "key tuple" if part == 0x4B else "old tuple")
+    return _new_tuple(Delete, (None, _U32.unpack_from(data, 1)[0], chr(part), old)) if pos == end else None
 
 
 def read_begin(r: _Reader, in_stream: bool) -> Begin:
@@ -426,7 +448,8 @@ def _fast_commit(data: bytes) -> Commit | None:
 
 
 _FAST: dict[int, Callable[[bytes], PgOutputMessage | None]] = {
-    ord("I"): _fast_insert, ord("U"): _fast_update, ord("B"): _fast_begin, ord("C"): _fast_commit,
+    ord("I"): _fast_insert, ord("U"): _fast_update, ord("D"): _fast_delete, ord("B"): _fast_begin,
+    ord("C"): _fast_commit,
 }
 
 
@@ -461,6 +484,12 @@ class Decoder:
 
     def decode(self, data: bytes) -> PgOutputMessage:
         """Decode one message of the sequence; Stream Start/Stop switch the streamed-xid mode."""
+        if not self.in_stream and data:  # the hot path: a change, Begin or Commit outside a stream
+            fast = _FAST.get(data[0])
+            if fast is not None:
+                msg = fast(data if type(data) is bytes else bytes(data))
+                if msg is not None:
+                    return msg
         msg = decode_message(data, self.in_stream)
         kind = data[0]
         if kind == 0x53:  # 'S'

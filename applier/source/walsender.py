@@ -135,12 +135,12 @@ class WalSender:
             raise SourceError(f"replication connection lost: {_one_line(exc)}") from None
 
     def _read(self, timeout: float) -> Frame | None:
-        deadline = time.monotonic() + timeout
+        deadline = -1.0  # set when first needed: a frame that is already here costs no clock read
         pgconn = self.pgconn
         while True:
             nbytes, data = pgconn.get_copy_data(1)
             if nbytes > 0:
-                frame = read_frame(bytes(data))
+                frame = read_frame(data)
                 if type(frame) is XLogData:
                     if frame.wal_end > self._received:
                         self._received = frame.wal_end
@@ -161,6 +161,8 @@ class WalSender:
             if nbytes < -1:
                 raise SourceError(f"replication connection failed: {_pg_error(pgconn)}")
             self._maybe_send_status()
+            if deadline < 0:
+                deadline = time.monotonic() + timeout
             remaining = max(0.0, deadline - time.monotonic())
             ready, _, _ = select.select([pgconn.socket], [], [], min(remaining, self.status_interval))
             if not ready and remaining <= 0:
