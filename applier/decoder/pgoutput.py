@@ -188,6 +188,8 @@ def _read_text_tuple(buf: bytes, pos: int, end: int) -> tuple[TupleData, int] | 
     nulls = False
     try:
         ncols = _I16.unpack_from(buf, pos)[0]
+        if ncols < 0:
+            return None
         pos += 2
         values: list[bytes | None] = []
         append = values.append
@@ -455,15 +457,19 @@ _FAST: dict[int, Callable[[bytes], PgOutputMessage | None]] = {
 
 def decode_message(data: bytes, in_stream: bool = False) -> PgOutputMessage:
     """Decode exactly one pgoutput message; ``in_stream`` when inside Stream Start … Stop."""
-    if not data:
-        raise DecodeError("(empty)", "kind", 0, "no bytes")
-    if not in_stream:
-        kind = data[0]
-        fast = _FAST.get(kind)
+    if data and not in_stream:
+        fast = _FAST.get(data[0])
         if fast is not None:
             msg = fast(bytes(data))
             if msg is not None:
                 return msg
+    return _read_message(data, in_stream)
+
+
+def _read_message(data: bytes, in_stream: bool) -> PgOutputMessage:
+    """Decode one message with the field-checking readers (every kind, every byte checked)."""
+    if not data:
+        raise DecodeError("(empty)", "kind", 0, "no bytes")
     entry = _READERS.get(data[0])
     if entry is None:
         raise DecodeError("(unknown)", "kind", 0, f"unknown message kind {data[:1]!r}")
@@ -490,7 +496,7 @@ class Decoder:
                 msg = fast(data if type(data) is bytes else bytes(data))
                 if msg is not None:
                     return msg
-        msg = decode_message(data, self.in_stream)
+        msg = _read_message(data, self.in_stream)
         kind = data[0]
         if kind == 0x53:  # 'S'
             if self.in_stream:

@@ -385,7 +385,7 @@ class ApplyEngine:
         missing = 0
         with rolled_back_on_error(self, lambda exc: self._error(op, b, rows, txn, exc)):
             if op == "INSERT":
-                self.target.insert(b, rows)
+                self.target.insert(b, rows, lsn)
             elif op == "UPDATE":
                 missing = self.target.update_rows(b, rows, lsn)
             else:

@@ -21,9 +21,10 @@ target has flushed, and only that may be confirmed to the source slot.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -31,6 +32,7 @@ from psycopg import pq
 from psycopg import sql as psql
 from psycopg.errors import error_from_result
 from psycopg.generators import fetch_many
+from psycopg.generators import send as psycopg_send
 
 from applier.decoder.messages import Relation, TupleData, Type
 from applier.lsn import LSN
@@ -93,6 +95,16 @@ def _copy_escape(v: bytes) -> bytes:
     return v
 
 
+@contextlib.contextmanager
+def _naming(op: str, b: Binding, lsn: LSN) -> Iterator[None]:
+    """A server error about work sent earlier, as an ApplyError naming that work (table, first transaction)."""
+    try:
+        yield
+    except psycopg.Error as exc:
+        raise ApplyError(f"{op} on table {source_name(b.rel)} (one of the rows sent for transactions from the one "
+                         f"finished at {lsn}): {' '.join(str(exc).split())}") from exc
+
+
 class PostgresTarget(TargetBase):
     """Applies changes to a PostgreSQL database; see the module header."""
 
@@ -104,9 +116,8 @@ class PostgresTarget(TargetBase):
         self.url = url
         self.name = name
         self.table_map = table_map or {}
-        self._copy: Any = None  # the open COPY (psycopg Copy context manager) and its binding
-        self._copy_b: Binding | None = None
-        self._copy_obj: Any = None  # what the open COPY's context manager gave: write() goes there
+        # work the server is doing while the engine goes on; settled (``_settle``) before the connection is next used
+        self._copy: tuple[Any, Any, Binding, LSN] | None = None  # open COPY: (context manager, Copy, binding, LSN)
         self._inflight: tuple[str, Binding, int, LSN] | None = None  # a statement sent, its result not read yet
         try:
             self._conn = psycopg.connect(libpq_dsn(url), autocommit=True)
@@ -137,40 +148,48 @@ class PostgresTarget(TargetBase):
     @property
     def conn(self) -> psycopg.Connection[Any]:
         """The connection, with no COPY open on it and no statement in flight."""
-        if self._copy is not None:
-            self._end_copy()
-        if self._inflight is not None:
-            self._collect()
+        self._settle()
         return self._conn
 
     @property
     def cur(self) -> psycopg.Cursor[Any]:
         """The cursor, with no COPY open on it and no statement in flight."""
-        if self._copy is not None:
-            self._end_copy()
-        if self._inflight is not None:
-            self._collect()
+        self._settle()
         return self._cur
+
+    def _settle(self) -> None:
+        """End the open COPY and read the result of the statement in flight; a failure names what it was doing."""
+        if self._copy is not None:
+            with _naming("INSERT", self._copy[2], self._copy[3]):
+                self._end_copy()
+        if self._inflight is not None:
+            op, b, _, lsn = self._inflight
+            with _naming(op, b, lsn):
+                self._collect()
 
     def _send(self, sql: str, op: str, b: Binding, rows: int, lsn: LSN) -> None:
         """Send ``sql`` (``op`` of ``rows`` rows of ``b``) and return at once; ``_collect`` reads its result."""
-        self.cur  # noqa: B018 - nothing else may be in flight
-        self._conn.pgconn.send_query(sql.encode())
+        self._settle()
+        pgconn = self._conn.pgconn
+        pgconn.send_query(sql.encode())
         self._inflight = (op, b, rows, lsn)
+        self._conn.wait(psycopg_send(pgconn))  # the whole statement goes out now, its result comes later
 
-    def _collect(self) -> None:
-        """Wait for the statement in flight; rows it did not find are logged and skipped, errors raised."""
+    def _collect(self, report: bool = True) -> None:
+        """Wait for the statement in flight; rows it did not find are logged (``report``) and skipped, errors raised."""
         op, b, rows, lsn = self._inflight  # type: ignore[misc]
         self._inflight = None
         results = self._conn.wait(fetch_many(self._conn.pgconn))
         for res in results:
-            if res.status == pq.ExecStatus.FATAL_ERROR:
+            if res.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
                 raise error_from_result(res, encoding=self._conn.info.encoding)
-        log_missing(op, b, rows - int(results[-1].command_tuples or 0), lsn)
+        if report:
+            log_missing(op, b, rows - int(results[-1].command_tuples or 0), lsn)
 
     def _end_copy(self, failed: BaseException | None = None) -> None:
         """Finish the open COPY (or abandon it after ``failed``); a row the server rejected raises here."""
-        cm, self._copy, self._copy_b, self._copy_obj = self._copy, None, None, None
+        cm = self._copy[0]  # type: ignore[index]
+        self._copy = None
         if failed is None:
             cm.__exit__(None, None, None)
         else:
@@ -257,16 +276,13 @@ class PostgresTarget(TargetBase):
 
     def rollback(self) -> None:
         """Roll back the open transaction, if any."""
+        # work in progress is abandoned (its errors and missing rows no longer matter): ROLLBACK ends it all
         if self._copy is not None:
-            try:
+            with contextlib.suppress(psycopg.Error):
                 self._end_copy(ApplyError("rolled back"))
-            except psycopg.Error:
-                pass  # the COPY is abandoned either way; the ROLLBACK below ends the transaction
         if self._inflight is not None:
-            try:
-                self._collect()
-            except psycopg.Error:
-                pass
+            with contextlib.suppress(psycopg.Error):
+                self._collect(report=False)
         if self._conn.closed:
             return
         self.cur.execute("ROLLBACK")
@@ -292,8 +308,8 @@ class PostgresTarget(TargetBase):
 
     # -- changes --------------------------------------------------------------
 
-    def insert(self, b: Binding, rows: Sequence[TupleData]) -> None:
-        """Insert rows with one COPY (text mode) or a pipelined executemany (binary mode)."""
+    def insert(self, b: Binding, rows: Sequence[TupleData], lsn: LSN) -> None:
+        """Insert rows (of transactions from the one finished at ``lsn``) by COPY, or a pipelined executemany."""
         if b.convert and b.convert[0] is not bytes.decode:
             present = tuple(range(len(b.names)))
             self.cur.executemany(b.insert_sql(present), [b.values(t, present) for t in rows])
@@ -304,12 +320,10 @@ class PostgresTarget(TargetBase):
                                                          for t in rows])
             return
         data = copy_data(t.values for t in rows)
-        if self._copy_b is not b:
-            cur = self.cur  # ends a COPY into another table
-            self._copy = cur.copy(self._copy_sql(b))
-            self._copy_b = b
-            self._copy_obj = self._copy.__enter__()
-        self._copy_obj.write(data)
+        if self._copy is None or self._copy[2] is not b:
+            cm = self.cur.copy(self._copy_sql(b))  # the cursor first settles a COPY into another table
+            self._copy = (cm, cm.__enter__(), b, lsn)
+        self._copy[1].write(data)
 
     def _copy_sql(self, b: Binding) -> str:
         sql = b._sql.get("COPY")

@@ -114,7 +114,7 @@ class SqliteTarget(TargetBase):
     def wait_durable(self) -> None:
         """Nothing to wait for: commits are durable when they return."""
 
-    def insert(self, b: Binding, rows: Sequence[TupleData]) -> None:
+    def insert(self, b: Binding, rows: Sequence[TupleData], lsn: LSN) -> None:
         """Insert rows, one executemany per run of rows with the same columns."""
         i = 0
         while i < len(rows):

@@ -23,6 +23,7 @@ import struct
 from datetime import timedelta
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -395,3 +396,19 @@ def test_keepalive_frames_round_trip_truncate_and_append(end: LSN, ts: int, repl
         assert "Primary keepalive" in str(exc) and "byte" in str(exc)
     else:
         raise AssertionError(f"keepalive with {extra!r} appended decoded to {got!r}")
+
+
+@pytest.mark.parametrize("data", [
+    b"I\0\0\0\x01N\xff\xff",  # Insert, new tuple of -1 columns
+    b"U\0\0\0\x01N\xff\xfe",  # Update, new tuple of -2 columns
+    b"D\0\0\0\x01K\x80\0",  # Delete, key tuple of -32768 columns
+    b"I\0\0\0\x01N\0\x01t\0\0\0\x05abc",  # a value 2 bytes short
+    b"I\0\0\0\x01N\0\x01t\0\0\0\x01ab",  # a byte after the tuple
+    b"D\0\0\0\x01K\0\x02nx",  # an unknown column kind
+])
+def test_the_fast_readers_reject_what_the_checking_readers_reject(data: bytes) -> None:
+    """Changes outside a stream take cursor-free fast paths; bad bytes still end in a DecodeError naming the field."""
+    with pytest.raises(DecodeError, match="byte"):
+        decode_message(data)
+    with pytest.raises(DecodeError, match="byte"):
+        Decoder().decode(data)

@@ -133,6 +133,28 @@ def test_unique_violation_in_process_names_operation_table_key_and_lsn(rig: Rig)
     assert rig.tgt("SELECT id, code FROM t ORDER BY id") == [(1, "x"), (2, "y")]
 
 
+def test_a_row_refused_inside_a_batch_is_named_and_nothing_is_half_applied(rig: Rig) -> None:
+    """Batches go by COPY and set-based UPDATE whose errors come back later; the error still names the row."""
+    rig.src("CREATE TABLE t (id int PRIMARY KEY, code text)")
+    rig.tgt_script("CREATE TABLE t (id int PRIMARY KEY, code text CHECK (code <> 'bad'))")
+    rig.publish("t")
+    rig.init()
+    rig.src("INSERT INTO t SELECT g, 'ok' FROM generate_series(1, 100) g")
+    rig.catchup()
+    rig.src("UPDATE t SET code = CASE WHEN id = 57 THEN 'bad' ELSE 'new' END")  # one batch of 100 updates
+    with pytest.raises(ApplyError) as err:
+        rig.catchup()
+    assert str(err.value).startswith("UPDATE on table public.t (key (id)=(57))"), err.value
+    assert rig.tgt("SELECT count(*), min(code), max(code) FROM t") == [(100, "ok", "ok")]
+    rig.src("DELETE FROM t")
+    rig.src("INSERT INTO t SELECT g, CASE WHEN g = 261 THEN 'bad' ELSE 'x' END FROM generate_series(201, 300) g")
+    admin.skip(rig.cfg(), LSN.parse(FINISHED_AT.search(str(err.value)).group(1)))
+    with pytest.raises(ApplyError) as err:
+        rig.catchup()
+    assert str(err.value).startswith("INSERT on table public.t (key (id)=(261))"), err.value
+    assert rig.tgt("SELECT count(*) FROM t WHERE id > 200") == [(0,)]
+
+
 def engine_for(rig: Rig, **kw) -> ApplyEngine:
     target = open_target(rig.cfg())
     return ApplyEngine(target, applied=target.read_progress().lsn, work_dir=rig.tmp / "spool", careful=True, **kw)
