@@ -242,12 +242,12 @@ class TargetDb:
 
         return {int(p): (int(r), int(b)) for p, r, b in self.execute(parts_sql(self.ph)[2], [name, run, tbl])}
 
-    def finish(self, name: str, lsn: LSN) -> None:
-        """Progress row to ``lsn``, pending skip cleared, sync row 'done': one durable transaction."""
+    def finish(self, name: str, lsn: LSN, source_system: str | None) -> None:
+        """Progress row to ``lsn`` of ``source_system``, pending skip cleared, sync row 'done': one durable transaction."""
         sql = SQLITE_SQL if self.dialect == "sqlite" else PG_SQL
         ph = self.ph
         self.transaction([
-            (sql.upsert, [name, str(lsn), None]),
+            (sql.upsert, [name, str(lsn), None, source_system]),
             (sql.clear_skip, [name]),
             (f"UPDATE applier_sync SET state = 'done', finished_at = {ph} WHERE name = {ph}", [_now(), name]),
             (f"DELETE FROM applier_sync_parts WHERE name = {ph}", [name]),
@@ -373,6 +373,7 @@ def _copy_with_new_slot(cfg: Config, target: TargetDb, tables: list[SourceTable]
         raise ConfigError(f"{cfg.where('source', 'dsn')}: {exc}") from None
     try:
         try:
+            system = ws.identify_system()["systemid"]
             info = ws.create_slot(slot, two_phase=cfg.source["two_phase"], snapshot="export")
         except SourceError as exc:
             raise SyncError(f"{cfg.where('source', 'slot')}: {exc}") from None
@@ -395,7 +396,7 @@ def _copy_with_new_slot(cfg: Config, target: TargetDb, tables: list[SourceTable]
                                                  reporter, say, poll))
         result.copy_seconds = time.monotonic() - started
         reporter.close()
-        target.finish(name, info.consistent_point)
+        target.finish(name, info.consistent_point, system)
         say(f"sync complete: {result.rows:,} rows in {len(result.tables)} tables; the target is at "
             f"{info.consistent_point}, `applier run` / `catchup` continue from there")
         return result

@@ -34,10 +34,11 @@ from typing import Any
 
 import psycopg
 
-from applier.config import Config
+from applier.config import Config, ConfigError
 from applier.engine.apply import ApplyEngine, Stats
 from applier.inspect import current_wal_insert_lsn, stream_options
 from applier.lsn import LSN
+from applier.progress.store import Progress
 from applier.source.base import Source, SourceError
 from applier.source.chunks import ChunkReader
 from applier.source.sql import SqlSlotSource
@@ -84,24 +85,43 @@ def open_target(cfg: Config, applying: bool = True) -> Any:
                           use_origin=applying, two_phase_mode=t["two_phase_mode"])
 
 
-def open_source(cfg: Config, start: LSN, wrap: Callable[[Source], Source] | None = None) -> ChunkReader:
-    """The source of the config, started at ``start`` (0/0: the slot's confirmed position), read in chunks.
+def open_source(cfg: Config, progress: Progress, wrap: Callable[[Source], Source] | None = None) -> ChunkReader:
+    """The source of the config, started at the recorded position (0/0: the slot's), read in chunks.
 
-    ``wrap`` filters the frames (``applier verify`` stops at a snapshot's LSN).
+    A replication connection first checks that the progress was recorded from this source cluster
+    (``check_source_system``). ``wrap`` filters the frames (``applier verify`` stops at a snapshot's LSN).
     """
     s = cfg.source
     src: Source
+    system = None
     if s["sql_interface"]:
         src = SqlSlotSource(s["dsn"], s["slot"], stream_options(cfg))
     else:
         src = ws = WalSender(_session_dsn(s["dsn"]), status_interval=s["status_interval"],
                              connect_timeout=s["connect_timeout"])
         try:
-            ws.start(s["slot"], start, stream_options(cfg))
+            system = ws.identify_system()["systemid"]
+            check_source_system(cfg, progress, system)
+            ws.start(s["slot"], progress.lsn, stream_options(cfg))
         except BaseException:
             ws.close()
             raise
-    return ChunkReader(wrap(src) if wrap is not None else src)
+    return ChunkReader(wrap(src) if wrap is not None else src, system_id=system)
+
+
+def check_source_system(cfg: Config, progress: Progress, system: str | None) -> None:
+    """The recorded position belongs to this source cluster; a ConfigError (no retry) if not.
+
+    LSNs are positions in one cluster's WAL: from another cluster (a source rebuilt from a dump,
+    the DSN pointed elsewhere) the recorded position would skip or repeat that cluster's
+    transactions silently. A progress row without a system (an older one) takes this one.
+    """
+    if system is not None and progress.source_system is not None and progress.source_system != system:
+        raise ConfigError(
+            f"{cfg.where('source', 'dsn')}: the source is PostgreSQL system {system}, but the target's progress "
+            f"for {cfg.apply['name']!r} (at {progress.lsn}) was recorded from system {progress.source_system}; its "
+            f"positions mean nothing on this source. Point source.dsn back at that cluster, or replicate into a "
+            f"fresh target (`applier init` + `applier sync`)")
 
 
 def _session_dsn(dsn: str) -> str:
@@ -205,10 +225,11 @@ class Runner:
                 name=cfg.apply["name"],
                 skip_origins=cfg.apply["skip_origins"], group_delay=cfg.apply["group_commit_delay"],
                 careful=careful, binary=cfg.source["binary"])
+            source = open_source(cfg, progress, self.wrap_source)  # first: is this the source of the progress?
+            target.source_system = source.system_id
             if self.catchup and self.goal is not None and goal_reached(progress.lsn, self.goal):
                 self.summary.applied = progress.lsn
                 return True
-            source = open_source(cfg, progress.lsn, self.wrap_source)
             return self._loop(engine, source, target, careful, self.fail_lsn)
         finally:
             if engine is not None:

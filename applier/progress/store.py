@@ -12,18 +12,20 @@ VERSION_TABLE = "applier_alembic_version"
 
 
 class Progress(NamedTuple):
-    """What the target has applied: end LSN of the last source transaction, and a pending skip."""
+    """What the target has applied: end LSN of the last source transaction, a pending skip, and the
+    source's system identifier (IDENTIFY_SYSTEM) the LSN belongs to (None: not recorded yet)."""
 
     lsn: LSN
     commit_time: int | None
     skip_lsn: LSN | None
+    source_system: str | None = None
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...] | None) -> Progress:
-        """From (lsn, commit_time, skip_lsn) text/ints, or the empty progress for no row."""
+        """From (lsn, commit_time, skip_lsn, source_system) text/ints, or the empty progress for no row."""
         if row is None:
             return cls(LSN(0), None, None)
-        return cls(LSN.parse(row[0]), row[1], LSN.parse(row[2]) if row[2] else None)
+        return cls(LSN.parse(row[0]), row[1], LSN.parse(row[2]) if row[2] else None, row[3])
 
 
 class ProgressSQL(NamedTuple):
@@ -42,9 +44,12 @@ class ProgressSQL(NamedTuple):
 def _sql(ph: str) -> ProgressSQL:
     now = "CURRENT_TIMESTAMP"
     return ProgressSQL(
-        select=f"SELECT lsn, commit_time, skip_lsn FROM applier_progress WHERE name = {ph}",
-        upsert=(f"INSERT INTO applier_progress (name, lsn, commit_time, updated_at) VALUES ({ph}, {ph}, {ph}, {now}) "
+        select=f"SELECT lsn, commit_time, skip_lsn, source_system FROM applier_progress WHERE name = {ph}",
+        # (name, lsn, commit_time, source_system): a NULL system keeps the one recorded
+        upsert=(f"INSERT INTO applier_progress (name, lsn, commit_time, source_system, updated_at) "
+                f"VALUES ({ph}, {ph}, {ph}, {ph}, {now}) "
                 f"ON CONFLICT (name) DO UPDATE SET lsn = excluded.lsn, commit_time = excluded.commit_time, "
+                f"source_system = coalesce(excluded.source_system, applier_progress.source_system), "
                 f"updated_at = excluded.updated_at"),
         set_skip=(f"INSERT INTO applier_progress (name, lsn, skip_lsn) VALUES ({ph}, '0/0', {ph}) "
                   f"ON CONFLICT (name) DO UPDATE SET skip_lsn = excluded.skip_lsn"),

@@ -30,8 +30,10 @@ Item = tuple[Frame, Any]
 class ChunkReader:
     """Reads ``source`` and decodes what it gives, a chunk at a time; see the module header."""
 
-    def __init__(self, source: Source, chunk: int = 512, chunk_bytes: int = 8 << 20) -> None:
+    def __init__(self, source: Source, chunk: int = 512, chunk_bytes: int = 8 << 20,
+                 system_id: str | None = None) -> None:
         self.source = source
+        self.system_id = system_id  # the source's IDENTIFY_SYSTEM systemid, when it has one
         self.chunk = chunk
         self.chunk_bytes = chunk_bytes
         self._decode = Decoder().decode

@@ -272,6 +272,7 @@ class TargetBase:
     # changes to different tables may be applied out of source order (neither triggers nor foreign
     # key checks run on the target session, so no table can observe another mid-transaction)
     reorder_tables = False
+    source_system: str | None = None  # the source's system identifier, recorded with each progress write
 
     def run_many(self, sql: str, params: list[list[Any]]) -> int:
         """Execute one statement for many parameter rows; total rows affected."""
@@ -334,7 +335,7 @@ class TargetBase:
 
     def write_progress(self, lsn: LSN, commit_time: int | None, clear_skip: bool = False) -> None:
         """Record ``lsn`` as applied, in the open transaction."""
-        self.cur.execute(self.sql.upsert, [self.name, str(lsn), commit_time])
+        self.cur.execute(self.sql.upsert, [self.name, str(lsn), commit_time, self.source_system])
         if clear_skip:
             self.cur.execute(self.sql.clear_skip, [self.name])
 

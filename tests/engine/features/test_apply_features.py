@@ -8,6 +8,7 @@ test reads the target's tables.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -18,11 +19,13 @@ from typing import Any
 import psycopg
 import pytest
 
+from applier.config import ConfigError
+from applier.embedded import Cluster
 from applier.engine.runner import Runner
 from applier.lsn import LSN
 from applier.target.base import ApplyError
 
-from .conftest import Rig, run_cli
+from .conftest import Rig, run_cli, scratch_db
 
 LSN_IN_TEXT = re.compile(r"\b([0-9A-F]{1,8}/[0-9A-F]{1,8})\b")
 
@@ -405,6 +408,31 @@ def test_logical_decoding_messages_are_logged_not_applied(rig: Rig, caplog: pyte
 
 
 # -- progress, status, init --------------------------------------------------------------------
+
+
+def test_a_source_of_another_cluster_is_refused_before_anything_is_applied(rig: Rig, pg_target: Cluster) -> None:
+    """LSNs belong to one cluster's WAL: progress recorded from one source means nothing on another."""
+    rig.both("CREATE TABLE t (id int PRIMARY KEY)")
+    rig.publish("t")
+    rig.init()
+    rig.src("INSERT INTO t VALUES (1)")
+    rig.catchup()
+    (system,), = rig.src("SELECT system_identifier::text FROM pg_control_system()")
+    with contextlib.contextmanager(scratch_db)(pg_target, "other") as other:  # another cluster, same names
+        other.cluster.execute("CREATE TABLE t (id int PRIMARY KEY); CREATE PUBLICATION pub FOR TABLE t", other.dbname)
+        rig.init(source_dsn=other.dsn)
+        other.cluster.execute("INSERT INTO t SELECT g FROM generate_series(2, 50) g", other.dbname)
+        (other_system,), = other.cluster.execute("SELECT system_identifier::text FROM pg_control_system()")
+        assert other_system != system
+        with pytest.raises(ConfigError) as err:
+            rig.catchup(source_dsn=other.dsn)
+        msg = str(err.value)
+        assert f"the source is PostgreSQL system {other_system}" in msg and f"recorded from system {system}" in msg
+        assert "\n" not in msg
+    assert rig.tgt("SELECT id FROM t") == [(1,)]
+    rig.src("INSERT INTO t VALUES (3)")  # the cluster the progress came from still applies
+    rig.catchup()
+    assert rig.tgt("SELECT id FROM t ORDER BY id") == [(1,), (3,)]
 
 
 def test_status_shows_applied_lsn_and_slot_confirms_no_further(cli_rig: Rig) -> None:
