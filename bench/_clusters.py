@@ -81,12 +81,17 @@ def run_client(cluster: Cluster, program: str, args: list[str], dbname: str, tim
     """Run a client program (pgbench, …) against ``dbname``; seconds it took. Raises on failure."""
     argv = [str(cluster.install.bin(program)), "-h", "127.0.0.1", "-p", str(cluster.port), "-U", "postgres",
             *args, dbname]
+    return timed_run(argv, f"{program} {' '.join(args)}", timeout)
+
+
+def timed_run(argv: list[str], what: str, timeout: float) -> float:
+    """Run a client program (no PG*/APPLIER_* variables); seconds it took. Raises, with its output, on failure."""
     t0 = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout,
                           env=client_env())
     elapsed = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"{program} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
     return elapsed
 
 
@@ -226,13 +231,7 @@ def time_pg_recvlogical(cluster: Cluster, dbname: str, slot: str, pairs: list[tu
             "--endpos", str(endpos), "--no-loop", "-f", "/dev/null"]
     for name, value in pairs:
         argv += ["-o", f"{name}={value}"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout,
-                          env=client_env())
-    elapsed = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"pg_recvlogical failed ({proc.returncode}): {proc.stderr.strip()}")
-    return elapsed
+    return timed_run(argv, "pg_recvlogical", timeout)
 
 
 # -- consumer: the native subscription --------------------------------------------------------------------------

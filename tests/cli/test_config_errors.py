@@ -18,7 +18,6 @@ import socket
 import sqlite3
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from typing import Any
 import pytest
 
 from applier.embedded import find_install
-from tests.plugins.clusters import ClusterPool, ScratchDb
+from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 
 SECRET = "sekret"
 
@@ -88,31 +87,22 @@ class World:
     slots_after: set[str]
 
 
-def _scratch(cluster: Any, prefix: str) -> Iterator[ScratchDb]:
-    name = f"{prefix}_{uuid.uuid4().hex[:16]}"
-    cluster.create_database(name)
-    try:
-        yield ScratchDb(cluster, name, cluster.dsn(name))
-    finally:
-        cluster.drop_database(name)
-
-
 @pytest.fixture(scope="module")
 def world(pg_clusters: ClusterPool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     """Set up the source, write one config per mistake, run every command (concurrently)."""
     install = find_install()
     tmp = tmp_path_factory.mktemp("config-errors")
-    for source in _scratch(pg_clusters.get(install, "source"), "src"):
-        for target in _scratch(pg_clusters.get(install, "target"), "tgt"):
-            c, db = source.cluster, source.dbname
-            c.execute("CREATE TABLE t (id int PRIMARY KEY); CREATE PUBLICATION pub FOR TABLE t", db)
-            c.execute("SELECT pg_create_logical_replication_slot('ready', 'pgoutput')", db)
-            c.execute("DO $$ BEGIN CREATE ROLE noreplication LOGIN; "
-                      "EXCEPTION WHEN duplicate_object THEN NULL; END $$")
-            try:
-                yield _run_world(source, target, tmp)
-            finally:
-                c.execute("DROP ROLE IF EXISTS noreplication")
+    with scratch_db(pg_clusters.get(install, "source"), "src") as source, \
+            scratch_db(pg_clusters.get(install, "target"), "tgt") as target:
+        c, db = source.cluster, source.dbname
+        c.execute("CREATE TABLE t (id int PRIMARY KEY); CREATE PUBLICATION pub FOR TABLE t", db)
+        c.execute("SELECT pg_create_logical_replication_slot('ready', 'pgoutput')", db)
+        c.execute("DO $$ BEGIN CREATE ROLE noreplication LOGIN; "
+                  "EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+        try:
+            yield _run_world(source, target, tmp)
+        finally:
+            c.execute("DROP ROLE IF EXISTS noreplication")
 
 
 def _run_world(source: ScratchDb, target: ScratchDb, tmp: Path) -> World:

@@ -11,6 +11,7 @@ afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -83,8 +84,9 @@ def pg_target(pg_clusters: ClusterPool, pg_install: PgInstall) -> Cluster:
     return pg_clusters.get(pg_install, "target")
 
 
-def _scratch_db(cluster: Cluster, prefix: str) -> Iterator[ScratchDb]:
-    """Create a uniquely named database, yield it, then drop it and its slots."""
+@contextlib.contextmanager
+def scratch_db(cluster: Cluster, prefix: str) -> Iterator[ScratchDb]:
+    """A uniquely named database on ``cluster``, dropped (with its slots) when the block ends."""
     dbname = f"{prefix}_{uuid.uuid4().hex[:16]}"
     cluster.create_database(dbname)
     try:
@@ -96,10 +98,12 @@ def _scratch_db(cluster: Cluster, prefix: str) -> Iterator[ScratchDb]:
 @pytest.fixture
 def source_db(pg_source: Cluster) -> Iterator[ScratchDb]:
     """A fresh database on the source cluster."""
-    yield from _scratch_db(pg_source, "src")
+    with scratch_db(pg_source, "src") as db:
+        yield db
 
 
 @pytest.fixture
 def target_db(pg_target: Cluster) -> Iterator[ScratchDb]:
     """A fresh database on the target cluster."""
-    yield from _scratch_db(pg_target, "tgt")
+    with scratch_db(pg_target, "tgt") as db:
+        yield db

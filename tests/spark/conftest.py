@@ -17,7 +17,7 @@ import pytest
 
 from applier.config import Config, load_config
 from applier.embedded import Cluster, find_install
-from tests.plugins.clusters import ClusterPool, ScratchDb, _scratch_db
+from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 
 
 @pytest.fixture(scope="session")
@@ -47,13 +47,15 @@ def newest_target(pg_clusters: ClusterPool) -> Cluster:
 @pytest.fixture
 def src(newest_source: Cluster) -> Iterator[ScratchDb]:
     """A fresh source database (newest PostgreSQL)."""
-    yield from _scratch_db(newest_source, "src")
+    with scratch_db(newest_source, "src") as db:
+        yield db
 
 
 @pytest.fixture
 def dst(newest_target: Cluster) -> Iterator[ScratchDb]:
     """A fresh target database (newest PostgreSQL)."""
-    yield from _scratch_db(newest_target, "tgt")
+    with scratch_db(newest_target, "tgt") as db:
+        yield db
 
 
 def make_config(src: ScratchDb, target_url: str, work: Path, slot: str = "applier", pub: str = "pub",
@@ -72,5 +74,5 @@ def target_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         yield f"sqlite:///{tmp_path / 'replica.db'}"
         return
     cluster = request.getfixturevalue("newest_target")
-    for db in _scratch_db(cluster, "tgt"):
+    with scratch_db(cluster, "tgt") as db:
         yield db.url

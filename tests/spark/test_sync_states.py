@@ -110,6 +110,8 @@ def test_a_slot_made_by_init_is_recreated_with_a_snapshot(spark, src: ScratchDb,
     assert res.mode == "fresh"
     assert any("slot 'applier' exists but no copy has completed with it: dropping it" in s for s in said), said
     assert LSN.parse(_slot(src, "applier")[0]) == res.consistent_point == read_progress(cfg).lsn
+    (system,), = src.cluster.execute("SELECT system_identifier::text FROM pg_control_system()", src.dbname)
+    assert read_progress(cfg).source_system == system  # run/catchup will check they stream from this cluster
 
 
 def test_a_completed_sync_is_repeated_only_when_forced(spark, src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:

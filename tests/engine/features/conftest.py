@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,12 +23,12 @@ import pytest
 
 from applier.admin import init, read_progress
 from applier.config import Config, load_config
-from applier.embedded import Cluster, find_install
+from applier.embedded import find_install
 from applier.engine.runner import Runner, Summary
 from applier.inspect import decode_stream, open_peek_source
 from applier.lsn import LSN
 from tests.plugins.cli import toml_value
-from tests.plugins.clusters import ClusterPool, ScratchDb
+from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 from tests.plugins.target_side import TargetSide
 
 
@@ -152,16 +151,6 @@ class Rig(TargetSide):
                                   [self.slot])[0][0])
 
 
-def scratch_db(cluster: Cluster, prefix: str) -> Iterator[ScratchDb]:
-    """A uniquely named database on ``cluster``, dropped (with its slots) afterwards."""
-    dbname = f"{prefix}_{uuid.uuid4().hex[:16]}"
-    cluster.create_database(dbname)
-    try:
-        yield ScratchDb(cluster, dbname, cluster.dsn(dbname))
-    finally:
-        cluster.drop_database(dbname)
-
-
 @pytest.fixture(params=["postgresql", "sqlite"])
 def target_kind(request: pytest.FixtureRequest) -> str:
     """The kind of target: a PostgreSQL database or a SQLite file."""
@@ -180,9 +169,9 @@ def cli_rig(pg_clusters: ClusterPool, target_kind: str, tmp_path: Path) -> Itera
     """Like ``rig``, on the newest PostgreSQL only: for tests that run the ``applier`` script
     several times (each start costs about a second)."""
     install = find_install()
-    for source in scratch_db(pg_clusters.get(install, "source"), "src"):
+    with scratch_db(pg_clusters.get(install, "source"), "src") as source:
         if target_kind == "sqlite":
             yield Rig(source, target_kind, None, tmp_path)
         else:
-            for target in scratch_db(pg_clusters.get(install, "target"), "tgt"):
+            with scratch_db(pg_clusters.get(install, "target"), "tgt") as target:
                 yield Rig(source, target_kind, target, tmp_path)

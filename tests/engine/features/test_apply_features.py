@@ -8,7 +8,6 @@ test reads the target's tables.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 import threading
@@ -24,8 +23,9 @@ from applier.embedded import Cluster
 from applier.engine.runner import Runner
 from applier.lsn import LSN
 from applier.target.base import ApplyError
+from tests.plugins.clusters import scratch_db
 
-from .conftest import Rig, run_cli, scratch_db
+from .conftest import Rig, run_cli
 
 LSN_IN_TEXT = re.compile(r"\b([0-9A-F]{1,8}/[0-9A-F]{1,8})\b")
 
@@ -418,7 +418,7 @@ def test_a_source_of_another_cluster_is_refused_before_anything_is_applied(rig: 
     rig.src("INSERT INTO t VALUES (1)")
     rig.catchup()
     (system,), = rig.src("SELECT system_identifier::text FROM pg_control_system()")
-    with contextlib.contextmanager(scratch_db)(pg_target, "other") as other:  # another cluster, same names
+    with scratch_db(pg_target, "other") as other:  # another cluster, same names
         other.cluster.execute("CREATE TABLE t (id int PRIMARY KEY); CREATE PUBLICATION pub FOR TABLE t", other.dbname)
         rig.init(source_dsn=other.dsn)
         other.cluster.execute("INSERT INTO t SELECT g FROM generate_series(2, 50) g", other.dbname)
