@@ -18,9 +18,12 @@ from typing import Any
 import psycopg
 
 from applier.config import Config, ConfigError, redact_dsn
+from applier.decoder.messages import Begin, StreamCommit, StreamStart, StreamStop, pg_timestamp
+from applier.decoder.pgoutput import decode_message
+from applier.engine.runner import open_target
 from applier.lsn import LSN
 from applier.progress.store import HEAD_REVISION, PG_SQL, SQLITE_SQL, VERSION_TABLE, Progress
-from applier.source.base import SourceError
+from applier.source.base import SourceError, StreamOptions
 from applier.source.walsender import WalSender
 
 
@@ -178,40 +181,125 @@ def read_progress(cfg: Config) -> Progress:
 
 
 def skip(cfg: Config, lsn: LSN) -> str:
-    """Ask the engine to skip the one transaction finished at ``lsn``; returns a line for the log."""
+    """Ask the engine to skip the one transaction finished at ``lsn``; returns a line for the log.
+
+    A transaction finished before the applied position was applied already: refused (nothing to skip).
+    """
     check_target(cfg)
+    applied = read_progress(cfg).lsn
+    if lsn < applied:
+        raise ConfigError(f"--lsn {lsn}: the target is already at {applied}, so the transaction finished at {lsn} "
+                          f"was applied (or skipped) before; only a transaction not yet applied can be skipped")
     with target_db(cfg) as conn:
         conn.execute(_progress_sql(cfg).set_skip, [cfg.apply["name"], str(lsn)])
     return f"the transaction finished at {lsn} will be skipped (once) by the next apply"
 
 
 def status(cfg: Config) -> dict[str, Any]:
-    """Slot position, applied position and lag (bytes and seconds)."""
+    """Where the replica stands, for people and scripts (``applier status``).
+
+    - ``applied_lsn``: the target's recorded position (before anything was applied: the slot's
+      confirmed position, where the stream starts);
+    - ``lag_bytes`` / ``lag_seconds``: 0 when every change the slot has sent is applied; otherwise
+      the WAL between the applied position and the source's, and the age of the oldest change not
+      yet applied (the first pending transaction's commit time, read without consuming the slot;
+      while an applier streams, the walsender's own flush lag);
+    - ``running``: who holds the target's progress row now (applier.target.claim), or null;
+    - the last error and when, prepared transactions waiting, a pending skip.
+    ``slot_exists`` False is what the CLI turns into a non-zero exit.
+    """
     check_target(cfg)
     progress = read_progress(cfg)
+    target = open_target(cfg, applying=False)
+    try:
+        running = target.holder()
+    finally:
+        target.close()
+    out: dict[str, Any] = {"name": cfg.apply["name"], "running": running, "slot": cfg.source["slot"],
+                           "applied_lsn": str(progress.lsn)}
     with source_connect(cfg) as conn:
         row = conn.execute(
-            "SELECT confirmed_flush_lsn::text, restart_lsn::text, active, pg_current_wal_lsn()::text "
-            "FROM pg_replication_slots WHERE slot_name = %s", [cfg.source["slot"]]).fetchone()
-    out: dict[str, Any] = {"slot": cfg.source["slot"], "applied_lsn": str(progress.lsn)}
-    if row is None:
-        out["slot_exists"] = False
-        return out
-    current = LSN.parse(row[3])
-    out.update(slot_exists=True, slot_confirmed_lsn=row[0], slot_restart_lsn=row[1], slot_active=row[2],
-               source_wal_lsn=str(current), lag_bytes=max(0, current - progress.lsn))
-    if progress.commit_time is not None:
-        out["last_commit_age_seconds"] = round(time.time() - (progress.commit_time / 1e6 + 946684800), 3)
-    if progress.skip_lsn is not None:
-        out["skip_lsn"] = str(progress.skip_lsn)
+            "SELECT s.confirmed_flush_lsn::text, s.restart_lsn::text, s.active, s.active_pid, "
+            "pg_current_wal_lsn()::text, r.sent_lsn::text, extract(epoch FROM r.flush_lag)::float8 "
+            "FROM pg_replication_slots s LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid "
+            "WHERE s.slot_name = %s", [cfg.source["slot"]]).fetchone()
+        if row is None:
+            out["slot_exists"] = False
+        else:
+            confirmed, restart, active, active_pid, current, sent, flush_lag = row
+            applied = progress.lsn if progress.lsn else LSN.parse(confirmed or "0/0")
+            out.update(applied_lsn=str(applied), slot_exists=True, slot_confirmed_lsn=confirmed,
+                       slot_restart_lsn=restart, slot_active=active, slot_active_pid=active_pid,
+                       source_wal_lsn=current)
+            if active:  # streaming: the walsender knows what it sent and how late the confirmations are
+                behind = sent is not None and LSN.parse(sent) > applied
+                out["lag_bytes"] = max(0, LSN.parse(current) - applied) if behind else 0
+                out["lag_seconds"] = round(flush_lag, 3) if behind and flush_lag is not None else 0.0
+            else:
+                pending = first_pending(cfg, conn, applied)
+                out["lag_bytes"] = 0 if pending is None else max(0, LSN.parse(current) - applied)
+                out["lag_seconds"] = (0.0 if pending is None else None if pending < 0
+                                      else round(max(0.0, time.time() - pg_timestamp(pending).timestamp()), 3))
+    out["last_applied_commit_time"] = (None if progress.commit_time is None
+                                       else pg_timestamp(progress.commit_time).isoformat(timespec="seconds"))
+    out["last_error"] = progress.last_error
+    out["last_error_at"] = progress.last_error_at
+    out["skip_lsn"] = None if progress.skip_lsn is None else str(progress.skip_lsn)
     out["prepared_waiting"] = list_prepared(cfg)
     return out
 
 
+PEEK_LIMITS = (1, 64, 4096)  # changes per peek: the first pending commit is usually in the first one
+
+
+def first_pending(cfg: Config, conn: psycopg.Connection[Any], applied: LSN) -> int | None:
+    """Commit time (µs since 2000) of the first published change not yet applied; None: nothing pending.
+
+    Peeks the idle slot (never consumes it) with streaming on, so a large transaction arrives in
+    chunks rather than whole, with growing limits. A transaction counts once it committed with a
+    change in it (a large transaction that published nothing still streams empty chunks). -1:
+    something may be pending but its commit was not within the limits (a long streamed
+    transaction, or thousands of transactions the target applied but the slot was not told of
+    yet), or the slot could not be peeked.
+    """
+    options = StreamOptions(tuple(cfg.source["publications"]), proto_version=2, streaming=True)
+    flat = [v for pair in options.as_pairs(conn.info.server_version) for v in pair]
+    sql = f"SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, %s{', %s' * len(flat)})"
+    for limit in PEEK_LIMITS:
+        try:
+            rows = conn.execute(sql, [cfg.source["slot"], limit, *flat]).fetchall()
+        except psycopg.Error:  # taken by an applier meanwhile, or not peekable here
+            return -1
+        begin: Begin | None = None  # the plain transaction in hand
+        streaming: int | None = None  # the xid of the stream block in hand
+        changed: set[int] = set()  # streamed transactions with a change in them
+        for (data,) in rows:
+            kind = bytes(data[:1])
+            if kind in _CHANGES:
+                if begin is not None and begin.final_lsn >= applied:
+                    return begin.commit_time
+                if streaming is not None:
+                    changed.add(streaming)
+            elif kind in b"BSEc":
+                msg = decode_message(bytes(data))
+                if isinstance(msg, Begin):
+                    begin = msg
+                elif isinstance(msg, StreamStart):
+                    streaming = msg.xid
+                elif isinstance(msg, StreamStop):
+                    streaming = None
+                elif isinstance(msg, StreamCommit) and msg.xid in changed and msg.commit_lsn >= applied:
+                    return msg.commit_time
+        if len(rows) < limit:  # the peek reached the end of the WAL: nothing committed is pending
+            return None
+    return -1
+
+
+_CHANGES = frozenset((b"I", b"U", b"D", b"T"))
+
+
 def list_prepared(cfg: Config) -> list[dict[str, str]]:
     """Prepared transactions applied up to PREPARE that wait for their COMMIT/ROLLBACK PREPARED."""
-    from applier.engine.runner import open_target
-
     target = open_target(cfg, applying=False)
     try:
         out = [{"gid": r[0], "xid": str(r[1]), "prepare_lsn": r[2], "end_lsn": r[3], "kept_in": "applier_prepared"}

@@ -45,7 +45,7 @@ SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
         "retry_initial": (float, 1.0),
         "retry_max": (float, 60.0),
         "group_commit_delay": (float, 0.2),
-        "text_types": (list, []),
+        "heartbeat_interval": (float, 60.0),
     },
     "spark": {
         "master": (str, "local[*]"),
@@ -58,6 +58,16 @@ _CHOICES = {
     ("source", "origin"): ("any", "none"),
     ("target", "two_phase_mode"): ("prepare", "table"),
     ("target", "synchronous_commit"): ("on", "off", "local", "remote_write", "remote_apply"),
+}
+
+
+_NON_NEGATIVE = {("apply", "heartbeat_interval")}
+
+
+# keys that existed once: why they are gone and what to do instead
+_REMOVED = {
+    ("apply", "text_types"): "pgoutput's binary mode covers every column of every table, so no type can be "
+                             "received as text; set source.binary = false to receive text",
 }
 
 
@@ -103,6 +113,8 @@ def _coerce(section: str, key: str, value: Any, where: str, from_text: bool = Tr
         raise ConfigError(f"{where}: {section}.{key} must be {names}, got {value!r}")
     if (section, key) in _CHOICES and value not in _CHOICES[(section, key)]:
         raise ConfigError(f"{where}: {section}.{key} must be one of {', '.join(_CHOICES[(section, key)])}, got {value!r}")
+    if (section, key) in _NON_NEGATIVE and value < 0:
+        raise ConfigError(f"{where}: {section}.{key} must be 0 or more, got {value!r}")
     if (section, key) == ("source", "streaming") and isinstance(value, str) and value not in ("on", "off", "parallel"):
         raise ConfigError(f"{where}: source.streaming must be true, false or 'parallel', got {value!r}")
     return value
@@ -149,6 +161,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if not isinstance(body, dict):
             raise ConfigError(f"{fname}: {section} must be a table")
         for key, value in body.items():
+            if (section, key) in _REMOVED:
+                raise ConfigError(f"{fname}: {section}.{key} is no longer a setting: {_REMOVED[(section, key)]}")
             if key not in SCHEMA[section]:
                 raise ConfigError(f"{fname}: unknown key {section}.{key} (known: {', '.join(SCHEMA[section])})")
             values[section][key] = _coerce(section, key, value, fname, from_text=False)

@@ -23,6 +23,14 @@ Created on SQLite: every published column with the declared type of the apply
 engine's documented mapping (``applier.target.values``: INTEGER, REAL, TEXT,
 BLOB, derived from ``sqlite_text_converters`` itself, so there is one mapping),
 NOT NULL, the primary key and the replica identity index as a unique index.
+A table that publishes no columns (all dropped or generated: PostgreSQL allows
+it, pgoutput publishes its rows) is created on PostgreSQL and refused on SQLite,
+which cannot hold it, in the list of problems.
+
+Rows: a published table's own rows (``SourceTable.only``), as PostgreSQL's
+table sync copies them; ``pg_publication_tables`` already lists inheritance
+children and partitions as the publication's ``publish_via_partition_root``
+wants them (the leaves, or the root with its partitions' rows).
 
 An existing target table is checked instead: every published column must exist
 with the same type (PostgreSQL: same type name, modifiers may differ; SQLite: a
@@ -81,6 +89,14 @@ class SourceTable:
     rowfilter: str | None = None
     pages: int = 0  # heap pages (the largest leaf's for a partitioned table)
     estimated_rows: int | None = None
+    unpublished: list[str] = field(default_factory=list)  # columns the column lists leave out
+
+    @property
+    def only(self) -> bool:
+        """Whether its rows are read ``FROM ONLY`` it, as PostgreSQL's table sync reads them: a publication
+        publishes an inheritance parent's own rows (its children are tables of their own); only a partitioned
+        table (published via its root) is read with its partitions' rows."""
+        return self.relkind != "p"
 
     @property
     def qualified(self) -> str:
@@ -172,6 +188,7 @@ def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
     else:
         rowfilter = distinct[0] if len(distinct) == 1 else " OR ".join(f"({f})" for f in distinct)
     cols = []
+    unpublished: list[str] = []
     for (attname, typid, typmod, type_sql, type_name, type_schema, notnull, adbin, adsrc, collname,
          default_coll) in conn.execute(
             "SELECT a.attname, a.atttypid::int, a.atttypmod, format_type(a.atttypid, a.atttypmod), "
@@ -184,6 +201,7 @@ def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
             "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' "
             "ORDER BY a.attnum", [oid]):
         if published is not None and attname not in published:
+            unpublished.append(attname)
             continue
         default = adsrc if adbin is not None and default_is_constant(adbin) else None
         collation = collname if collname and not default_coll else None
@@ -193,7 +211,8 @@ def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
     for idxname, primary, replident_idx, colnames in conn.execute(
             "SELECT ic.relname, i.indisprimary, i.indisreplident, "
             "array(SELECT a.attname FROM unnest(i.indkey) WITH ORDINALITY k(n, o) "
-            "      JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.n ORDER BY k.o) "
+            "      JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.n WHERE k.o <= i.indnkeyatts "
+            "      ORDER BY k.o) "  # key columns only: not those of INCLUDE (…)
             "FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid "
             "WHERE i.indrelid = %s AND (i.indisprimary OR i.indisreplident)", [oid]):
         if primary:
@@ -210,7 +229,7 @@ def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
         pages = conn.execute("SELECT pg_relation_size(%s) / current_setting('block_size')::int", [oid]).fetchone()[0]
         estimated = reltuples if reltuples is not None and reltuples >= 0 else None
     return SourceTable(schema, name, oid, relkind, replident, cols, pk, ident, rowfilter, int(pages or 0),
-                       None if estimated is None else int(estimated))
+                       None if estimated is None else int(estimated), unpublished)
 
 
 # -- target names ------------------------------------------------------------------
@@ -409,6 +428,10 @@ def prepare_sqlite_tables(conn: sqlite3.Connection, tables: list[SourceTable], t
     out = Prepared()
     for t in tables:
         name = sqlite_table_name(t.relation(), table_map)
+        if not t.columns:
+            problems.append(f"source table {t.qualified} publishes no columns (all dropped or generated): a SQLite "
+                            f"table needs one; leave it out of the publication or add a column to it")
+            continue
         found = check_sqlite_table(conn, t, name)
         if found is None:
             missing.append((t, name))

@@ -15,7 +15,10 @@ the very next source transaction:
    transactions committed before C. The connection stays open, idle, until the
    copy is over (the snapshot lives as long as it does);
 5. every published table copied as a Spark job reading in that snapshot
-   (``applier.spark.copy``), with its column list and row filter;
+   (``applier.spark.copy``), with its column list and row filter, its own rows
+   only (``SourceTable.only``); a table without columns as its row count. A
+   table that cannot be copied does not stop the others: sync then fails
+   listing every failed table with its cause;
 6. in one durable target transaction: the progress row of ``apply.name`` set to
    C (and any pending skip cleared), the sync row set to ``done``.
 
@@ -29,12 +32,16 @@ Interruptions (resume or restart):
   written before the failure are recorded in ``applier_sync_parts`` in the same
   transaction as their rows, so the retry *resumes*: it writes only the missing
   partitions (same snapshot, still open). The message says so.
+- A sync that fails (after the retry, or for any other reason) drops the slot
+  it created and says so: without a completed copy the slot is useless (its
+  snapshot is gone) and would only hold WAL. If dropping fails, it says that
+  the slot is kept, that it holds WAL, and the statement that drops it.
 - Across runs an exported snapshot cannot be recovered, so a sync row left at
   ``copying`` means the next ``sync`` *restarts*: it says "restarting the
   interrupted sync", empties the published target tables, drops the slot and
   creates it again with a new snapshot, and copies everything.
 - A slot that exists when no copy has completed (made by ``applier init``, or
-  left by an interrupted run) is dropped and created again, with a message.
+  left by a killed run) is dropped and created again, with a message.
 - A completed sync is not repeated unless ``force``; a fresh sync refuses
   target tables that already hold rows unless ``force`` (which empties them).
 
@@ -44,10 +51,12 @@ target (they would start streaming before the copy is complete).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import sqlite3
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +80,7 @@ from applier.schema import (
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
 from applier.target.base import quote_ident
+from applier.target.claim import FileClaim, pg_claim, sqlite_claim_path
 
 STATE_DDL = ("CREATE TABLE IF NOT EXISTS applier_sync (name TEXT PRIMARY KEY, state TEXT NOT NULL, run TEXT NOT NULL, "
              "slot TEXT, consistent_point TEXT, started_at TEXT, finished_at TEXT)")
@@ -125,6 +135,7 @@ class TargetDb:
         self.cfg = cfg
         self.dialect = cfg.target_dialect
         self.table_map = cfg.target["tables"]
+        self._claim: FileClaim | None = None
         if self.dialect == "sqlite":
             from applier.target.sqlite import sqlite_path
 
@@ -139,9 +150,20 @@ class TargetDb:
             self.conn = psycopg.connect(self.where, autocommit=True)
             self.ph = "%s"
 
+    def claim(self, command: str) -> None:
+        """Hold ``apply.name``'s progress row until ``close`` (see applier.target.claim); InUseError if taken."""
+        name = self.cfg.apply["name"]
+        if self.dialect == "sqlite":
+            self._claim = FileClaim(sqlite_claim_path(self.where, name))
+            self._claim.acquire(name, command)
+        else:
+            pg_claim(self.conn, name, command)
+
     def close(self) -> None:
-        """Close the connection."""
+        """Close the connection (and give up the claim)."""
         self.conn.close()
+        if self._claim is not None:
+            self._claim.release()
 
     def execute(self, sql: str, params: list[Any] | tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         """Run one statement (autocommit); its rows."""
@@ -192,12 +214,58 @@ class TargetDb:
         return bool(self.execute(f"SELECT 1 FROM {self.name_of(table)[1]} LIMIT 1"))
 
     def empty_tables(self, tables: list[SourceTable]) -> None:
-        """Delete every row of these target tables (TRUNCATE on PostgreSQL), in one transaction."""
+        """Delete every row of these target tables (TRUNCATE on PostgreSQL), in one transaction.
+
+        PostgreSQL truncates only tables that no other table references: tables outside ``tables`` that refer
+        to them (also through others) are truncated with them when they are empty, else SyncError naming the
+        reference (their rows would lose what they refer to; nothing is emptied).
+        """
         names = [self.name_of(t)[1] for t in tables]
-        if self.dialect == "sqlite":
+        if self.dialect == "sqlite":  # foreign keys are not enforced on this connection
             self.transaction([(f"DELETE FROM {n}", []) for n in names])
-        else:
-            self.transaction([("TRUNCATE " + ", ".join(names), [])])
+            return
+        with self.conn.transaction():
+            oids = [r[0] for n in names for r in self.execute("SELECT to_regclass(%s)::oid", [n])]
+            outside: list[int] = []
+            while True:
+                refs = self.execute(
+                    "SELECT conrelid::int, conrelid::regclass::text, conname, confrelid::regclass::text "
+                    "FROM pg_constraint WHERE contype = 'f' AND confrelid = ANY(%s) AND NOT conrelid = ANY(%s) "
+                    "ORDER BY 2, 3", [oids + outside, oids + outside])
+                if not refs:
+                    break
+                for oid, referencing, constraint, referenced in refs:
+                    if oid in outside:
+                        continue
+                    self.execute(f"LOCK TABLE {referencing} IN SHARE MODE")
+                    if self.execute(f"SELECT 1 FROM {referencing} LIMIT 1"):
+                        raise SyncError(f"cannot empty target table {referenced} for the copy: target table "
+                                        f"{referencing}, which is not published, references it (foreign key "
+                                        f"{constraint}) and holds rows; empty {referencing} or drop {constraint}, "
+                                        f"then run `applier sync` again")
+                    outside.append(oid)
+            others = [r[0] for r in self.execute("SELECT oid::regclass::text FROM pg_class WHERE oid = ANY(%s)",
+                                                 [outside])]
+            self.execute("TRUNCATE " + ", ".join(names + others))
+
+    def partitioned(self, table: SourceTable) -> bool:
+        """Whether the PostgreSQL target table is partitioned (its rows are its partitions')."""
+        return bool(self.execute("SELECT 1 FROM pg_class WHERE oid = to_regclass(%s) AND relkind = 'p'",
+                                 [self.name_of(table)[1]]))
+
+    def columns_without_default(self, table: SourceTable) -> list[str]:
+        """Columns of the target table that have no default (nor identity or generation expression)."""
+        shown, qname = self.name_of(table)
+        if self.dialect == "sqlite":
+            return [r[1] for r in self.execute(f"PRAGMA table_info({quote_ident(shown)})") if r[4] is None]
+        return [r[0] for r in self.execute(
+            "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped "
+            "AND NOT atthasdef AND attidentity = '' AND attgenerated = ''", [qname])]
+
+    def count(self, table: SourceTable) -> int:
+        """Rows of the target table (``ONLY`` it on PostgreSQL, unless partitioned)."""
+        only = "" if self.dialect == "sqlite" or self.partitioned(table) else "ONLY "
+        return int(self.execute(f"SELECT count(*) FROM {only}{self.name_of(table)[1]}")[0][0])
 
     def pages(self, table: SourceTable) -> int:
         """Heap pages of a PostgreSQL target table."""
@@ -242,12 +310,13 @@ class TargetDb:
 
         return {int(p): (int(r), int(b)) for p, r, b in self.execute(parts_sql(self.ph)[2], [name, run, tbl])}
 
-    def finish(self, name: str, lsn: LSN, source_system: str | None) -> None:
-        """Progress row to ``lsn`` of ``source_system``, pending skip cleared, sync row 'done': one durable transaction."""
+    def finish(self, name: str, lsn: LSN, source_system: str | None, slot: str) -> None:
+        """Progress row to ``lsn`` of ``source_system`` and ``slot``, pending skip cleared, sync row 'done': one durable
+        transaction."""
         sql = SQLITE_SQL if self.dialect == "sqlite" else PG_SQL
         ph = self.ph
         self.transaction([
-            (sql.upsert, [name, str(lsn), None, source_system]),
+            (sql.upsert, [name, str(lsn), None, source_system, slot]),
             (sql.clear_skip, [name]),
             (f"UPDATE applier_sync SET state = 'done', finished_at = {ph} WHERE name = {ph}", [_now(), name]),
             (f"DELETE FROM applier_sync_parts WHERE name = {ph}", [name]),
@@ -271,17 +340,34 @@ def _signature(tables: list[SourceTable]) -> list[tuple[Any, ...]]:
     return [(t.qualified, tuple((c.name, c.type_sql) for c in t.columns), t.rowfilter) for t in tables]
 
 
-def read_tables_in_snapshot(cfg: Config, snapshot: str | None) -> list[SourceTable]:
-    """The published tables as the exported snapshot sees them (now, without a snapshot)."""
+@contextlib.contextmanager
+def _in_snapshot(cfg: Config, snapshot: str | None) -> Iterator[psycopg.Connection[Any]]:
+    """A source connection that sees the exported snapshot (sees now, without a snapshot)."""
     with source_connect(cfg) as conn:
         if snapshot is None:
-            return read_source_tables(conn, cfg.source["publications"])
+            yield conn
+            return
         conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         conn.execute(psql.SQL("SET TRANSACTION SNAPSHOT {}").format(psql.Literal(snapshot)))
         try:
-            return read_source_tables(conn, cfg.source["publications"])
+            yield conn
         finally:
             conn.execute("ROLLBACK")
+
+
+def read_tables_in_snapshot(cfg: Config, snapshot: str | None) -> list[SourceTable]:
+    """The published tables as the exported snapshot sees them (now, without a snapshot)."""
+    with _in_snapshot(cfg, snapshot) as conn:
+        return read_source_tables(conn, cfg.source["publications"])
+
+
+def count_in_snapshot(cfg: Config, snapshot: str | None, table: SourceTable) -> int:
+    """The published rows of a source table (its own, or a partitioned root's, row filter applied) in the snapshot."""
+    sql = f"SELECT count(*) FROM {'ONLY ' if table.only else ''}{table.qname}"
+    if table.rowfilter:
+        sql += f" WHERE ({table.rowfilter})"
+    with _in_snapshot(cfg, snapshot) as conn:
+        return int(conn.execute(sql).fetchone()[0])
 
 
 def check_spark_target(cfg: Config) -> None:
@@ -321,6 +407,7 @@ def _sync(cfg: Config, force: bool, spark: Any, reporter: Any, say: Any, partiti
         say(f"control tables: {'created at' if before is None else 'upgraded from ' + before + ' to'} {after}")
     target = TargetDb(cfg)
     try:
+        target.claim("sync")  # no applier may write the progress row while the copy makes it
         target.ensure_sync_tables()
         tables = read_tables_in_snapshot(cfg, None)
         if not tables:
@@ -371,12 +458,14 @@ def _copy_with_new_slot(cfg: Config, target: TargetDb, tables: list[SourceTable]
         ws = WalSender(cfg.source["dsn"], connect_timeout=cfg.source["connect_timeout"])
     except SourceError as exc:
         raise ConfigError(f"{cfg.where('source', 'dsn')}: {exc}") from None
+    incomplete = False  # this run's slot exists and no copy has completed with it
     try:
         try:
             system = ws.identify_system()["systemid"]
             info = ws.create_slot(slot, two_phase=cfg.source["two_phase"], snapshot="export")
         except SourceError as exc:
             raise SyncError(f"{cfg.where('source', 'slot')}: {exc}") from None
+        incomplete = True
         say(f"slot {slot!r} created; consistent point {info.consistent_point}, snapshot {info.snapshot_name}")
         target.set_consistent_point(name, info.consistent_point)
         in_snapshot = read_tables_in_snapshot(cfg, info.snapshot_name)
@@ -390,18 +479,47 @@ def _copy_with_new_slot(cfg: Config, target: TargetDb, tables: list[SourceTable]
 
             spark = spark_for(cfg)
         started = time.monotonic()
+        from applier.spark.copy import CopyError  # with pyspark: imported when copying (start-up time)
+
+        failed: list[str] = []
         with source_connect(cfg) as poll:
             for i, table in enumerate(in_snapshot):
-                result.tables.append(_copy_table(cfg, target, table, i, run, info.snapshot_name, nparts, spark,
-                                                 reporter, say, poll))
+                try:
+                    result.tables.append(_copy_table(cfg, target, table, i, run, info.snapshot_name, nparts, spark,
+                                                     reporter, say, poll))
+                except CopyError as exc:  # the other tables are still copied, every failure is reported
+                    failed.append(str(exc))
+                    say(f"{exc}; going on with the other tables")
+        if failed:
+            raise SyncError(f"{len(failed)} of {len(in_snapshot)} tables could not be copied (the others were); "
+                            f"fix the cause and run `applier sync` again (it copies everything again):\n  "
+                            + "\n  ".join(failed))
         result.copy_seconds = time.monotonic() - started
         reporter.close()
-        target.finish(name, info.consistent_point, system)
+        target.finish(name, info.consistent_point, system, slot)
+        incomplete = False
         say(f"sync complete: {result.rows:,} rows in {len(result.tables)} tables; the target is at "
             f"{info.consistent_point}, `applier run` / `catchup` continue from there")
         return result
+    except BaseException:
+        if incomplete:
+            ws.close()  # ends the exported snapshot; the slot is free to drop
+            _drop_incomplete_slot(cfg, say)
+        raise
     finally:
         ws.close()
+
+
+def _drop_incomplete_slot(cfg: Config, say: Any) -> None:
+    """Drop the slot of a failed copy (useless: its snapshot is gone; it would only hold WAL), or say it is kept."""
+    slot = cfg.source["slot"]
+    try:
+        _drop_slot(cfg)
+    except (ConfigError, psycopg.Error) as exc:
+        say(f"slot {slot!r} is kept ({' '.join(str(exc).split())}); it holds WAL on the source until dropped: "
+            f"SELECT pg_drop_replication_slot('{slot}')")
+        return
+    say(f"slot {slot!r} dropped: the copy did not complete; `applier sync` creates it again")
 
 
 def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, run: str, snapshot: str | None,
@@ -415,13 +533,15 @@ def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, r
     cols = [quote_ident(c.name) for c in table.columns]
     app = f"applier-sync {run[:8]} t{index}"
     src = pg_plan(cfg.source["dsn"], table.qname, cols, pages=table.pages, partitions=nparts, snapshot=snapshot,
-                  where=table.rowfilter, app=app)
+                  where=table.rowfilter, app=app, only=table.only)
     nranges = len(ctid_ranges(table.pages, nparts))
     dst = target_plan(dialect=target.dialect, where=target.where, table=qtarget, columns=cols,
                       types=[c.type_oid for c in table.columns], name=name, run=run, tbl=table.qualified)
     reporter.start(label, table.estimated_rows)
     started = time.monotonic()
-    for attempt in (1, 2):
+    if not table.columns:
+        _copy_rowless(cfg, target, table, run, snapshot, label)
+    for attempt in (1, 2) if table.columns else ():
         watcher = CopyWatcher(lambda: target.parts(name, run, table.qualified), lambda: running_copies(poll, app),
                               lambda rows, nbytes: reporter.update(label, rows, nbytes))
         try:
@@ -439,3 +559,20 @@ def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, r
     seconds = time.monotonic() - started
     reporter.finish(label, rows, nbytes, seconds)
     return TableCopy(table.qualified, shown, rows, nbytes, seconds, nranges)
+
+
+def _copy_rowless(cfg: Config, target: TargetDb, table: SourceTable, run: str, snapshot: str | None,
+                  label: str) -> None:
+    """Copy a table that publishes no columns (a PostgreSQL target; SQLite refuses it): as many rows as the
+    source has in the snapshot, recorded as its partition 0 in the same transaction (written once)."""
+    from applier.spark.copy import CopyError, parts_sql
+
+    name = cfg.apply["name"]
+    if target.parts(name, run, table.qualified):
+        return
+    rows = count_in_snapshot(cfg, snapshot, table)
+    try:
+        target.transaction([(f"INSERT INTO {target.name_of(table)[1]} SELECT FROM generate_series(1, {rows})", []),
+                            (parts_sql(target.ph)[1], [name, run, table.qualified, 0, rows, 0])])
+    except psycopg.Error as exc:
+        raise CopyError(f"copying {label} failed: {type(exc).__name__}: {' '.join(str(exc).split())}") from None

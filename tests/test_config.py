@@ -100,6 +100,7 @@ def test_environment_list_may_not_be_empty() -> None:
     ("APPLIER_APPLY_RETRY_MAX", "1m", ["apply.retry_max", "float"]),
     ("APPLIER_APPLY_ON_ERROR", "ignore", ["apply.on_error", "retry, stop"]),
     ("APPLIER_SOURCE_STREAMING", "sometimes", ["source.streaming"]),
+    ("APPLIER_APPLY_HEARTBEAT_INTERVAL", "-1", ["apply.heartbeat_interval", "0 or more"]),
 ])
 def test_bad_environment_value_names_the_variable(var: str, text: str, words: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
@@ -129,6 +130,7 @@ def test_missing_required_key_names_key_and_variable(tmp_path: Path) -> None:
     ('[source]\ndsn = "x"\nconnect_timeout = 2.5\n', ["source.connect_timeout must be int"]),
     ('[target]\nurl = "sqlite:////tmp/x.db"\ntables = "a=b"\n', ["target.tables must be dict"]),
     ('[apply]\non_error = "later"\n', ["apply.on_error must be one of retry, stop"]),
+    ('[apply]\ntext_types = ["money"]\n', ["apply.text_types is no longer a setting", "source.binary = false"]),
     ('[source]\ndsn = "x"\n[target]\nurl = "replica.db"\n', ["target.url is not a database URL"]),
     ('[source]\ndsn = "x"\n[target]\nurl = "mysql://root:sekret@h/db"\n', ["must be a postgresql or sqlite URL, got mysql"]),
     ('[source]\ndsn = "x"\nsource = 1\n[target\n', ["not valid TOML"]),

@@ -6,13 +6,25 @@ import gc
 import json
 import logging
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from applier.cli.main import ConfigOpt, DsnOpt, PubOpt, SlotOpt, TargetOpt, UserError, app, make_config, run_guarded
+from applier.cli.main import (
+    ConfigOpt,
+    DsnOpt,
+    PubOpt,
+    SlotOpt,
+    TargetOpt,
+    UserError,
+    app,
+    fail,
+    make_config,
+    run_guarded,
+)
 from applier.lsn import LSN
 
 log = logging.getLogger("applier")
@@ -41,6 +53,7 @@ def init(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, pub
 def _apply(catchup: bool, config: Path | None, dsn: str | None, slot: str | None, publication: list[str] | None,
            target: str | None) -> None:
     from applier.admin import check_source, check_target
+    from applier.engine.heartbeat import Bar, Heartbeat
     from applier.engine.runner import Runner
 
     cfg = make_config(config, dsn, slot, publication, target)
@@ -51,7 +64,17 @@ def _apply(catchup: bool, config: Path | None, dsn: str | None, slot: str | None
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     tune_gc()
-    summary = Runner(cfg, catchup=catchup, stop=stop).run()
+    # catchup on a terminal: a bar instead of progress lines (the runner logs lines otherwise)
+    bar = Bar() if catchup and cfg.apply["heartbeat_interval"] > 0 and sys.stderr.isatty() else None
+    runner = Runner(cfg, catchup=catchup, stop=stop,
+                    heartbeat=Heartbeat(Bar.EVERY, bar.show) if bar is not None else None)
+    complete = False
+    try:
+        summary = runner.run()
+        complete = True
+    finally:
+        if bar is not None:
+            bar.close(complete)
     typer.echo(summary.line())
 
 
@@ -98,7 +121,8 @@ def run(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publ
 @app.command()
 def status(config: ConfigOpt = None, as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
            dsn: DsnOpt = None, slot: SlotOpt = None, target: TargetOpt = None) -> None:
-    """Slot position, applied position, lag in bytes and seconds.
+    """Where the replica stands: applied position, lag (bytes, seconds), whether an applier runs now, the last
+    error, prepared transactions waiting. Exits 2 when the slot is missing.
 
     Examples:
 
@@ -109,12 +133,16 @@ def status(config: ConfigOpt = None, as_json: Annotated[bool, typer.Option("--js
     from applier.admin import status as do_status
 
     def go() -> None:
-        info = do_status(make_config(config, dsn, slot, None, target))
+        cfg = make_config(config, dsn, slot, None, target)
+        info = do_status(cfg)
         if as_json:
             typer.echo(json.dumps(info))
         else:
             for k, v in info.items():
-                typer.echo(f"{k}: {v}")
+                typer.echo(f"{k}: {'-' if v is None or v == [] else v}")
+        if not info["slot_exists"]:
+            fail(f"{cfg.where('source', 'slot')}: replication slot {info['slot']!r} does not exist on the source; "
+                 f"nothing is replicated (run `applier init`, or `applier sync` to copy and follow)")
 
     run_guarded(go)
 

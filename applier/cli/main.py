@@ -17,6 +17,7 @@ import typer
 
 from applier.config import Config, ConfigError, load_config
 from applier.decoder import DecodeError
+from applier.errors import InUseError
 from applier.lsn import LSN
 from applier.source.base import SourceError
 from applier.target.base import ApplyError
@@ -55,10 +56,11 @@ def make_config(config: Path | None, dsn: str | None = None, slot: str | None = 
 
 
 def run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call a library function, turning known errors into one line and exit 2."""
+    """Call a library function, turning known errors into one line and exit 2 (and, with -v, the traceback)."""
     try:
         return fn(*args, **kwargs)
-    except (ConfigError, SourceError, DecodeError, UserError, ApplyError) as exc:
+    except (ConfigError, SourceError, DecodeError, UserError, ApplyError, InUseError) as exc:
+        logging.getLogger("applier.cli").debug("the command failed:", exc_info=exc)
         fail(str(exc))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None

@@ -97,4 +97,4 @@ def verify(
         for line in report.lines():
             typer.echo(line)
     sys.stdout.flush()
-    raise typer.Exit(0 if report.ok else 1)
+    raise typer.Exit(report.status)

@@ -52,7 +52,7 @@ from applier.decoder.pgoutput import decode_message
 from applier.engine.batch import Batch
 from applier.engine.spool import _HEAD, Spool, SpoolSet, records
 from applier.lsn import LSN
-from applier.target.base import ApplyError, Binding, log_missing, source_name
+from applier.target.base import ApplyError, Binding, describe_values, log_missing, source_name
 
 log = logging.getLogger("applier.engine")
 
@@ -322,7 +322,8 @@ class ApplyEngine:
                 rel = self.relations.get(oid)
                 if rel is None:
                     raise
-                raise ApplyError(f"{op} on table {source_name(rel)} (key {_key_text(rel, op, row)}) in transaction "
+                key = _key_text(rel, op, row, self.types if self.binary else None)
+                raise ApplyError(f"{op} on table {source_name(rel)} (key {key}) in transaction "
                                  f"{txn.xid} finished at {txn.final_lsn}: {exc}") from exc
         self.stats.rows += 1
         self.group_rows_n += 1
@@ -634,9 +635,15 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def _key_text(rel: Relation, op: str, row: Any) -> str:
-    """'(a)=(1)'-style key of a queued change before its table is bound (as ``Binding.describe_key``)."""
+def _key_text(rel: Relation, op: str, row: Any, types: dict[int, Type] | None) -> str:
+    """'(a)=(1)'-style key of a queued change before its table is bound (as ``Binding.describe_key``);
+    ``types``: the Type messages of a binary-mode stream (its values shown as ``value_texts`` reads them)."""
     t = row if op == "INSERT" else (row.old if row.old is not None else row.new)
     idx = [i for i, c in enumerate(rel.columns) if c.is_key] or range(len(rel.columns))
-    shown = ["NULL" if t.values[i] is None else t.values[i].decode(errors="replace")[:60] for i in idx]
-    return f"({', '.join(rel.columns[i].name for i in idx)})=({', '.join(shown)})"
+    if types is None:
+        show: list[Callable[[bytes], str]] = [bytes.decode] * len(rel.columns)
+    else:
+        from applier.target.binary import value_texts  # local, as the targets do: binary mode only (start-up time)
+
+        show = value_texts(rel, types)
+    return describe_values([c.name for c in rel.columns], show, t, idx)

@@ -7,6 +7,10 @@ and the next session starts again from the target's recorded position, so a
 retry can neither lose nor repeat a transaction.
 
 - Connection failures (source or target) are retried with exponential backoff.
+  The backoff (and ``catchup``'s count of retries) starts over once a session has
+  applied something: each outage is waited out on its own.
+- A full ``apply.work_dir`` (a streamed transaction's spool): ``run`` retries with
+  backoff, since room may come back; ``catchup`` stops with the message.
 - An apply error is first retried at once in *careful* mode (one row per
   statement, one source transaction per target transaction), which pinpoints
   the failing row and lets the transactions before it land; if it fails again,
@@ -35,15 +39,18 @@ from typing import Any
 import psycopg
 
 from applier.config import Config, ConfigError
-from applier.engine.apply import ApplyEngine, Stats
+from applier.engine.apply import ApplyEngine
+from applier.engine.heartbeat import CATCHUP_EVERY, Heartbeat
+from applier.engine.spool import SpoolFull
 from applier.inspect import current_wal_insert_lsn, stream_options
 from applier.lsn import LSN
 from applier.progress.store import Progress
-from applier.source.base import Source, SourceError
+from applier.source.base import SlotInUseError, Source, SourceError
 from applier.source.chunks import ChunkReader
 from applier.source.sql import SqlSlotSource
 from applier.source.walsender import WalSender
 from applier.target.base import ApplyError
+from applier.target.binary import MONEY_PROBE, money_of_probe
 
 log = logging.getLogger("applier.runner")
 
@@ -61,7 +68,7 @@ class Summary:
     transactions: int = 0
     rows: int = 0
     skipped: int = 0
-    applied: LSN = LSN(0)
+    applied: LSN | None = None  # the target's recorded position when the run ended; None if it was never read
     goal: LSN | None = None
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
@@ -70,7 +77,8 @@ class Summary:
         """One line for people."""
         rate = self.rows / self.seconds if self.seconds > 0 else 0.0
         return (f"applied {self.transactions} transactions, {self.rows} rows ({rate:,.0f} rows/s), "
-                f"skipped {self.skipped}; target at {self.applied}"
+                f"skipped {self.skipped}; "
+                + (f"target at {self.applied}" if self.applied is not None else "target position never read")
                 + (f" (goal {self.goal})" if self.goal is not None else "") + f" in {self.seconds:.1f}s")
 
 
@@ -88,34 +96,49 @@ def open_target(cfg: Config, applying: bool = True) -> Any:
 def open_source(cfg: Config, progress: Progress, wrap: Callable[[Source], Source] | None = None) -> ChunkReader:
     """The source of the config, started at the recorded position (0/0: the slot's), read in chunks.
 
-    A replication connection first checks that the progress was recorded from this source cluster
-    (``check_source_system``). ``wrap`` filters the frames (``applier verify`` stops at a snapshot's LSN).
+    First checks that the progress was recorded from this source cluster and slot (``check_progress_owner``). ``wrap`` filters the frames (``applier verify`` stops at a snapshot's LSN).
     """
     s = cfg.source
     src: Source
     system = None
+    money = None  # binary mode: how the session that decodes prints money (applier.target.binary.MONEY_PROBE)
     if s["sql_interface"]:
+        check_progress_owner(cfg, progress, None)
         src = SqlSlotSource(s["dsn"], s["slot"], stream_options(cfg))
+        if s["binary"]:
+            money = money_of_probe(src.conn.execute(MONEY_PROBE).fetchone())
     else:
         src = ws = WalSender(_session_dsn(s["dsn"]), status_interval=s["status_interval"],
                              connect_timeout=s["connect_timeout"])
         try:
             system = ws.identify_system()["systemid"]
-            check_source_system(cfg, progress, system)
+            check_progress_owner(cfg, progress, system)
+            if s["binary"]:
+                money = money_of_probe(ws.command(MONEY_PROBE)[0])
             ws.start(s["slot"], progress.lsn, stream_options(cfg))
         except BaseException:
             ws.close()
             raise
-    return ChunkReader(wrap(src) if wrap is not None else src, system_id=system)
+    reader = ChunkReader(wrap(src) if wrap is not None else src, system_id=system)
+    reader.money_text = money
+    return reader
 
 
-def check_source_system(cfg: Config, progress: Progress, system: str | None) -> None:
-    """The recorded position belongs to this source cluster; a ConfigError (no retry) if not.
+def check_progress_owner(cfg: Config, progress: Progress, system: str | None) -> None:
+    """The recorded position belongs to this source cluster and this slot; a ConfigError (no retry) if not.
 
     LSNs are positions in one cluster's WAL: from another cluster (a source rebuilt from a dump,
     the DSN pointed elsewhere) the recorded position would skip or repeat that cluster's
-    transactions silently. A progress row without a system (an older one) takes this one.
+    transactions silently. Another slot of the same cluster has its own position: two slots
+    feeding one progress row would each deliver every transaction. A progress row without a
+    system or slot (an older one, or one that `applier skip` made) takes this one.
     """
+    slot = cfg.source["slot"]
+    if progress.slot is not None and progress.slot != slot:
+        raise ConfigError(
+            f"{cfg.where('source', 'slot')}: the target's progress for {cfg.apply['name']!r} (at {progress.lsn}) "
+            f"follows slot {progress.slot!r}, not {slot!r}; each slot delivers every transaction, so two slots "
+            f"must not feed one progress row. Use slot {progress.slot!r}, or give this stream its own apply.name")
     if system is not None and progress.source_system is not None and progress.source_system != system:
         raise ConfigError(
             f"{cfg.where('source', 'dsn')}: the source is PostgreSQL system {system}, but the target's progress "
@@ -159,14 +182,18 @@ class Runner:
     """Runs sessions until done; see the module header."""
 
     def __init__(self, cfg: Config, *, catchup: bool, stop: threading.Event | None = None,
-                 max_connect_retries: int | None = None, wrap_source: Any = None) -> None:
+                 max_connect_retries: int | None = None, wrap_source: Any = None,
+                 heartbeat: Heartbeat | None = None) -> None:
         self.cfg = cfg
+        self.command = "catchup" if catchup else "run"  # how this process names itself to a second one (claim)
         self.wrap_source = wrap_source  # Source -> Source, applied to each session's source (applier verify)
         self.catchup = catchup
         self.stop = stop or threading.Event()
         self.max_connect_retries = max_connect_retries if max_connect_retries is not None else (5 if catchup else None)
         self.goal: LSN | None = None
         self.summary = Summary()
+        every = cfg.apply["heartbeat_interval"]  # catchup: at least every few seconds
+        self.heartbeat = heartbeat or Heartbeat(min(every, CATCHUP_EVERY) if catchup and every > 0 else every)
         self.work_dir = Path(cfg.apply["work_dir"])
         self.fail_lsn = LSN(0)  # where the last session stopped; careful mode lasts until past it
         self.ended_careful = False  # whether the last session was still in careful mode when it ended
@@ -182,6 +209,7 @@ class Runner:
         delay = self.cfg.apply["retry_initial"]
         failures = 0
         while True:
+            applied_before = self.summary.applied
             try:
                 done = self.session(careful)
                 careful = False
@@ -191,7 +219,18 @@ class Runner:
                 failures = 0
             except (ApplyError, SourceError, psycopg.Error, sqlite3.Error) as exc:
                 msg = " ".join(str(exc).split())
-                if is_transient(exc):
+                if applied_before is not None and self.summary.applied is not None \
+                        and self.summary.applied > applied_before:  # the session applied some: a new outage
+                    delay, failures = self.cfg.apply["retry_initial"], 0
+                if isinstance(exc, SlotInUseError):  # another consumer: `run` waits for the slot, others end
+                    if self.catchup:
+                        raise
+                    log.warning("%s; waiting %.1fs for it", msg, delay)
+                elif isinstance(exc, SpoolFull):  # room may come back: `run` waits for it, `catchup` ends
+                    if self.catchup:
+                        raise
+                    log.warning("%s; retrying in %.1fs", msg, delay)
+                elif is_transient(exc):
                     failures += 1
                     if self.max_connect_retries is not None and failures > self.max_connect_retries:
                         raise
@@ -218,7 +257,9 @@ class Runner:
         target = open_target(cfg)
         engine: ApplyEngine | None = None
         source: ChunkReader | None = None
+        failure: BaseException | None = None
         try:
+            target.claim(self.command)  # before anything is read or applied: one applier per progress row
             progress = target.read_progress()
             engine = ApplyEngine(
                 target, applied=progress.lsn, skip_lsn=progress.skip_lsn, work_dir=self.work_dir / "spool",
@@ -227,16 +268,26 @@ class Runner:
                 careful=careful, binary=cfg.source["binary"])
             source = open_source(cfg, progress, self.wrap_source)  # first: is this the source of the progress?
             target.source_system = source.system_id
+            target.money_text = source.money_text
+            target.slot = cfg.source["slot"]
             if self.catchup and self.goal is not None and goal_reached(progress.lsn, self.goal):
                 self.summary.applied = progress.lsn
                 return True
             return self._loop(engine, source, target, careful, self.fail_lsn)
+        except (ApplyError, SourceError, psycopg.Error, sqlite3.Error) as exc:
+            failure = exc
+            raise
         finally:
             if engine is not None:
-                self._account(engine.stats)
+                self._account(engine)
                 self.fail_lsn = engine.txn.final_lsn if engine.txn is not None else engine.last_commit_end
                 self.ended_careful = engine.careful
                 engine.close()
+            if failure is not None:  # for `applier status`; the target may be the thing that failed
+                try:
+                    target.record_error(" ".join(str(failure).split()))
+                except Exception as exc:  # noqa: BLE001 - best effort: the error is raised and logged anyway
+                    log.debug("could not record the error on the target: %s", exc)
             if source is not None:
                 try:
                     target.wait_durable()
@@ -246,7 +297,10 @@ class Runner:
                 source.close()
             target.close()
 
-    def _account(self, stats: Stats) -> None:
+    def _account(self, engine: ApplyEngine) -> None:
+        """Add a session's counts to the summary; the target's recorded position is the engine's."""
+        stats = engine.stats
+        self.summary.applied = engine.applied
         self.summary.transactions += stats.transactions
         self.summary.rows += stats.rows
         self.summary.skipped += stats.skipped
@@ -261,6 +315,8 @@ class Runner:
         idle_wait = 0.02 if goal is not None else 0.5
         stopping_since: float | None = None
         group_delay = self.cfg.apply["group_commit_delay"]
+        heartbeat = self.heartbeat
+        heartbeat.begin(engine.applied, last_confirm)
         while True:
             if self.stop.is_set():
                 if not engine.in_transaction:
@@ -286,7 +342,10 @@ class Runner:
                     # Nothing published for a while, everything received is applied: record the server's
                     # WAL end as applied, so the slot stops holding back WAL for a quiet publication.
                     engine.advance(keepalive_end)
-                if time.monotonic() - last_confirm >= CONFIRM_EVERY:
+                now = time.monotonic()
+                if now >= heartbeat.due:
+                    heartbeat.beat(now, engine.applied, reached, goal, self.summary.rows + engine.stats.rows)
+                if now - last_confirm >= CONFIRM_EVERY:
                     source.confirm(target.durable_lsn())
                     last_confirm = time.monotonic()
                 continue
@@ -311,9 +370,11 @@ class Runner:
                     break
             if done:
                 break
-            if not engine.group_open and time.monotonic() - last_confirm >= CONFIRM_EVERY:
+            now = time.monotonic()  # once a chunk: the clock is read here, never per message
+            if now >= heartbeat.due:
+                heartbeat.beat(now, engine.applied, reached, goal, self.summary.rows + engine.stats.rows)
+            if not engine.group_open and now - last_confirm >= CONFIRM_EVERY:
                 source.confirm(target.durable_lsn())
                 last_confirm = time.monotonic()
         engine.flush_group()
-        self.summary.applied = engine.applied
         return True

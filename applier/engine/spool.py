@@ -15,15 +15,24 @@ subtransaction and every later change (its children, which can only come
 after it). A first segment (``StreamStart.first_segment``) for an xid that
 already has a file means the server is sending the transaction again after a
 restart: the stale file is replaced.
+
+A write that fails (a full disk above all) raises ``SpoolError`` naming the
+file; ``remove`` deletes the file even when its buffered bytes cannot be
+written, so a full work directory is emptied, not kept full.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+from applier.target.base import ApplyError
+from applier.units import human_bytes
 
 _HEAD = struct.Struct(">BI")
 
@@ -38,6 +47,17 @@ def records(data: bytes) -> Iterator[tuple[bool, bytes]]:
         pos += n
 
 
+class SpoolError(ApplyError):
+    """A spool file could not be written; the message names the file and the work directory."""
+
+
+class SpoolFull(SpoolError):
+    """The work directory has no room for a streamed transaction (ENOSPC, EDQUOT).
+
+    Not a change the target refuses: once there is room the transaction applies as it is.
+    """
+
+
 class Spool:
     """One streamed transaction's changes on disk."""
 
@@ -46,31 +66,60 @@ class Spool:
     def __init__(self, directory: Path, xid: int, fresh: bool) -> None:
         self.xid = xid
         self.path = directory / f"stream-{xid}.spool"
-        self._f: BinaryIO = open(self.path, "wb" if fresh or not self.path.exists() else "ab")  # noqa: SIM115
+        try:
+            self._f: BinaryIO = open(self.path, "wb" if fresh or not self.path.exists() else "ab")  # noqa: SIM115
+        except OSError as exc:
+            raise self._failed(exc) from exc
         self.first_offset: dict[int, int] = {}
         self.count = 0
 
     def append(self, subxid: int, data: bytes, in_stream: bool = True) -> None:
         """Append one message of (sub)transaction ``subxid``."""
+        f = self._f
         if subxid not in self.first_offset:
-            self.first_offset[subxid] = self._f.tell()
-        self._f.write(_HEAD.pack(in_stream, len(data)))
-        self._f.write(data)
+            self.first_offset[subxid] = f.tell()
+        try:
+            f.write(_HEAD.pack(in_stream, len(data)))
+            f.write(data)
+        except OSError as exc:
+            raise self._failed(exc) from exc
         self.count += 1
+
+    def _flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as exc:
+            raise self._failed(exc) from exc
+
+    def _failed(self, exc: OSError) -> SpoolError:
+        """The error for a failed write: for a full disk, how far the spool got and the room it needs."""
+        where = self.path.parent
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return SpoolError(f"cannot write spool file {self.path} of streamed transaction {self.xid} in "
+                              f"apply.work_dir ({where}): {exc.strerror or exc}")
+        try:
+            size = self.path.stat().st_size
+            free = shutil.disk_usage(where).free
+        except OSError:
+            size = free = 0
+        return SpoolFull(
+            f"no space left for spool file {self.path} of streamed transaction {self.xid}: apply.work_dir ({where}) "
+            f"has {human_bytes(free)} free, and this transaction needs more than the {human_bytes(size)} spooled "
+            f"so far; the spool file is removed: make room there or point apply.work_dir at a bigger disk")
 
     def abort_sub(self, subxid: int) -> None:
         """Drop the changes of ``subxid`` and of everything spooled after its first change."""
         off = self.first_offset.get(subxid)
         if off is None:
             return
-        self._f.flush()
+        self._flush()
         self._f.truncate(off)
         self._f.seek(off)
         self.first_offset = {x: o for x, o in self.first_offset.items() if o < off}
 
     def messages(self) -> Iterator[tuple[bool, bytes]]:
         """The spooled (in_stream, message) pairs in order, read from disk as they are used."""
-        self._f.flush()
+        self._flush()
         with open(self.path, "rb") as f:
             while True:
                 head = f.read(_HEAD.size)
@@ -81,12 +130,15 @@ class Spool:
 
     def read_all(self) -> bytes:
         """The whole spool as bytes (records as ``records`` reads them)."""
-        self._f.flush()
+        self._flush()
         return self.path.read_bytes()
 
     def remove(self) -> None:
-        """Close and delete the file."""
-        self._f.close()
+        """Close and delete the file; never fails for bytes that no longer fit (a full disk)."""
+        try:
+            self._f.close()  # closes the file even when flushing its buffer fails
+        except OSError:
+            pass  # the file goes anyway: what could not be written is not wanted
         try:
             os.unlink(self.path)
         except FileNotFoundError:

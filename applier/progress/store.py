@@ -7,25 +7,29 @@ from typing import Any, NamedTuple
 from applier.lsn import LSN
 
 # The newest alembic revision of the control tables (tests check it against migrations/).
-HEAD_REVISION = "0001"
+HEAD_REVISION = "0002"
 VERSION_TABLE = "applier_alembic_version"
 
 
 class Progress(NamedTuple):
-    """What the target has applied: end LSN of the last source transaction, a pending skip, and the
-    source's system identifier (IDENTIFY_SYSTEM) the LSN belongs to (None: not recorded yet)."""
+    """What the target has applied: end LSN of the last source transaction, a pending skip, the source's
+    system identifier (IDENTIFY_SYSTEM) and the slot the LSN belongs to (None: not recorded yet), and
+    the last error an applier met (one line) with its time (ISO 8601, UTC)."""
 
     lsn: LSN
     commit_time: int | None
     skip_lsn: LSN | None
     source_system: str | None = None
+    slot: str | None = None
+    last_error: str | None = None
+    last_error_at: str | None = None
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...] | None) -> Progress:
-        """From (lsn, commit_time, skip_lsn, source_system) text/ints, or the empty progress for no row."""
+        """From a ``ProgressSQL.select`` row, or the empty progress for no row."""
         if row is None:
             return cls(LSN(0), None, None)
-        return cls(LSN.parse(row[0]), row[1], LSN.parse(row[2]) if row[2] else None, row[3])
+        return cls(LSN.parse(row[0]), row[1], LSN.parse(row[2]) if row[2] else None, *row[3:])
 
 
 class ProgressSQL(NamedTuple):
@@ -34,6 +38,7 @@ class ProgressSQL(NamedTuple):
     select: str
     upsert: str
     set_skip: str
+    record_error: str
     clear_skip: str
     store_prepared: str
     load_prepared: str
@@ -44,13 +49,18 @@ class ProgressSQL(NamedTuple):
 def _sql(ph: str) -> ProgressSQL:
     now = "CURRENT_TIMESTAMP"
     return ProgressSQL(
-        select=f"SELECT lsn, commit_time, skip_lsn, source_system FROM applier_progress WHERE name = {ph}",
-        # (name, lsn, commit_time, source_system): a NULL system keeps the one recorded
-        upsert=(f"INSERT INTO applier_progress (name, lsn, commit_time, source_system, updated_at) "
-                f"VALUES ({ph}, {ph}, {ph}, {ph}, {now}) "
+        select=(f"SELECT lsn, commit_time, skip_lsn, source_system, slot, last_error, last_error_at "
+                f"FROM applier_progress WHERE name = {ph}"),
+        # (name, lsn, commit_time, source_system, slot): a NULL system or slot keeps the one recorded
+        upsert=(f"INSERT INTO applier_progress (name, lsn, commit_time, source_system, slot, updated_at) "
+                f"VALUES ({ph}, {ph}, {ph}, {ph}, {ph}, {now}) "
                 f"ON CONFLICT (name) DO UPDATE SET lsn = excluded.lsn, commit_time = excluded.commit_time, "
                 f"source_system = coalesce(excluded.source_system, applier_progress.source_system), "
-                f"updated_at = excluded.updated_at"),
+                f"slot = coalesce(excluded.slot, applier_progress.slot), updated_at = excluded.updated_at"),
+        # (name, error, at): the row may not exist yet (nothing applied)
+        record_error=(f"INSERT INTO applier_progress (name, lsn, last_error, last_error_at) "
+                      f"VALUES ({ph}, '0/0', {ph}, {ph}) ON CONFLICT (name) DO UPDATE SET "
+                      f"last_error = excluded.last_error, last_error_at = excluded.last_error_at"),
         set_skip=(f"INSERT INTO applier_progress (name, lsn, skip_lsn) VALUES ({ph}, '0/0', {ph}) "
                   f"ON CONFLICT (name) DO UPDATE SET skip_lsn = excluded.skip_lsn"),
         clear_skip=f"UPDATE applier_progress SET skip_lsn = NULL WHERE name = {ph}",

@@ -14,15 +14,28 @@ Contract every source keeps:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from applier.decoder.framing import Frame
+from applier.errors import InUseError
 from applier.lsn import LSN
 
 
 class SourceError(RuntimeError):
     """The source failed (connection lost, server error, bad file)."""
+
+
+class SlotInUseError(SourceError, InUseError):
+    """The replication slot is streaming to another process; the message names its PID."""
+
+
+def slot_in_use(slot: str, server_message: str) -> SlotInUseError:
+    """The error for a slot another process streams from (SQLSTATE 55006, "… is active for PID n")."""
+    pid = re.search(r"PID (\d+)", server_message)
+    return SlotInUseError(f"replication slot {slot!r} is in use: active for PID {pid[1] if pid else '?'} on the "
+                          f"source (another applier or subscriber is streaming from it)")
 
 
 @dataclass(frozen=True)

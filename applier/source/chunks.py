@@ -34,6 +34,7 @@ class ChunkReader:
                  system_id: str | None = None) -> None:
         self.source = source
         self.system_id = system_id  # the source's IDENTIFY_SYSTEM systemid, when it has one
+        self.money_text: Any = None  # binary mode: how the source session prints money (target.binary.money_text)
         self.chunk = chunk
         self.chunk_bytes = chunk_bytes
         self._decode = Decoder().decode

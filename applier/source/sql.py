@@ -23,7 +23,7 @@ import psycopg
 
 from applier.decoder.framing import Frame, XLogData
 from applier.lsn import LSN
-from applier.source.base import SourceError, StreamOptions
+from applier.source.base import SourceError, StreamOptions, slot_in_use
 
 # Rows whose LSN is the end of their WAL record (Commit, Prepare, Commit/Rollback
 # Prepared, Stream Commit/Prepare); other rows carry the start of theirs.
@@ -58,6 +58,8 @@ class SqlSlotSource:
             try:
                 rows = self.conn.execute(sql, [self.slot, limit, *flat]).fetchall()
             except psycopg.Error as exc:
+                if exc.sqlstate == "55006":
+                    raise slot_in_use(self.slot, str(exc)) from None
                 raise SourceError(f"cannot peek slot {self.slot!r}: {' '.join(str(exc).split())}") from None
             out: list[XLogData] = []
             unit: list[XLogData] = []

@@ -28,7 +28,7 @@ from psycopg import pq
 
 from applier.decoder.framing import Frame, Keepalive, XLogData, encode_standby_status, read_frame
 from applier.lsn import LSN
-from applier.source.base import SlotInfo, SourceError, StreamOptions
+from applier.source.base import SlotInfo, SourceError, StreamOptions, slot_in_use
 
 
 def quote_ident(name: str) -> str:
@@ -117,6 +117,8 @@ class WalSender:
         res = self._exec(sql)
         if res.status != pq.ExecStatus.COPY_BOTH:
             msg = _one_line((res.error_message or b"").decode(errors="replace"))
+            if res.error_field(pq.DiagnosticField.SQLSTATE) == b"55006":  # object_in_use: "… is active for PID n"
+                raise slot_in_use(slot, msg)
             raise SourceError(f"source refused START_REPLICATION on slot {slot!r}: {msg}")
         self.streaming = True
         self._started = True

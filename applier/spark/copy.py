@@ -190,12 +190,25 @@ def write_sqlite_partition(plan: dict[str, Any], part: int, batches: Iterator[pa
 # -- driver side -------------------------------------------------------------------------------
 
 _PY_ERROR = re.compile(r"^\s*((?:[A-Za-z_][\w.]*)?(?:Error|Exception|Violation|Failure)): (.+)$")
+_PY_RAISED = re.compile(r"^([A-Za-z_][\w.]*): (.+)$")  # the line ending a Python traceback: 'module.Class: message'
+_PY_WORKER = re.compile(r"Error from python worker:\s*(.*?)\s*PYTHONPATH was:", re.S)  # it died before running
 
 
 def spark_error_line(exc: BaseException) -> str:
     """The Python error at the bottom of a failed Spark job's message, else its first line."""
     text = str(exc)
-    for line in reversed(text.splitlines()):
+    lines = text.splitlines()
+    m = _PY_WORKER.search(text)
+    if m:
+        return (f"the workers' Python failed: {' '.join(m.group(1).split())[:300]} (point spark.pyspark.python or "
+                f"PYSPARK_PYTHON at a Python 3.11 with pyspark, psycopg and pyarrow)")
+    starts = [i for i, line in enumerate(lines) if line.rstrip().endswith("Traceback (most recent call last):")]
+    if starts:  # a Python traceback: its exception is the first line after it that is not indented
+        raised = next((line for line in lines[starts[-1] + 1:] if line and not line[0].isspace()), "")
+        m = _PY_RAISED.match(raised)
+        if m:
+            return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2).strip()}"
+    for line in reversed(lines):
         m = _PY_ERROR.match(line)
         if m and not m.group(1).startswith(("py4j", "org.apache", "java.")):
             return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2).strip()}"

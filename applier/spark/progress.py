@@ -13,14 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-
-def human_bytes(n: float) -> str:
-    """1234567 -> '1.2 MB' (powers of 1000)."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
+from applier.units import human_bytes
 
 
 def _eta(rows: int, total: int | None, rate: float) -> str:

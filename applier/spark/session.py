@@ -5,8 +5,14 @@ Master: ``spark.master`` of the config (``local[*]`` by default; ``spark://…``
 the usual Spark places (``$SPARK_CONF_DIR/spark-defaults.conf``,
 ``PYSPARK_SUBMIT_ARGS``), which this module leaves alone.
 
-Local master (one machine, e.g. 2 cores and 24 GB): the Python workers run
-``sys.executable`` (``PYSPARK_PYTHON`` if unset), the driver JVM gets 2 GB,
+Python of the workers (any master): ``spark.pyspark.python`` if set (in
+``spark-defaults.conf`` or ``PYSPARK_SUBMIT_ARGS``), else ``PYSPARK_PYTHON``, else
+the driver's own ``sys.executable``, which is right whenever the executors share
+the machine or the installation (same path, same packages). Spark itself would
+run ``python3`` from the executors' PATH, and read ``spark.pyspark.python`` only
+under ``spark-submit``.
+
+Local master (one machine, e.g. 2 cores and 24 GB): the driver JVM gets 2 GB,
 shuffles use a few partitions, the web UI is off.
 
 Any master: Spark's console progress bar is off (applier draws its own); the
@@ -14,10 +20,12 @@ driver's log4j starts quiet (``SPARK_SUBMIT_OPTS``, unless it names a log4j
 config already) and Spark's log is then off (a failed job reaches the driver as
 an exception, reported as one line), or at WARN with ``applier -v``.
 
-Cluster master: the executors need Python 3.11 with ``psycopg`` and ``pyarrow``
-installed; applier itself is shipped to them as a zip (``addPyFile``) unless
-``APPLIER_SPARK_SHIP=0``. The executors must reach the source and the target
-over the network; a SQLite target needs a local master (see ``applier.sync``).
+Cluster master: the executors' Python (above) needs 3.11 with ``pyspark``,
+``psycopg`` and ``pyarrow``; applier itself is shipped to them as a zip
+(``addPyFile``, before the data sources are registered: a source registered
+earlier does not find it) unless ``APPLIER_SPARK_SHIP=0``. The executors must
+reach the source and the target over the network; a SQLite target needs a
+local master (see ``applier.sync``).
 
 The session also registers applier's data sources (``applier.spark.source``,
 ``applier.spark.copy``); ``getOrCreate`` returns an existing session as is
@@ -82,8 +90,6 @@ def spark_session(master: str = "local[*]", app_name: str = "applier") -> Any:
     """The SparkSession for ``master``, with applier's data sources registered; see the module header."""
     local = is_local(master)
     logging.getLogger("py4j").setLevel(logging.WARNING)
-    if local:
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder.master(master).appName(app_name)
@@ -98,12 +104,20 @@ def spark_session(master: str = "local[*]", app_name: str = "applier") -> Any:
     for k, v in conf.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
+    sc = spark.sparkContext
+    # every Python function (and data source) wrapped from now on names this interpreter to the workers
+    sc.pythonExec = worker_python(sc.getConf().get("spark.pyspark.python"))
     # failures reach the driver as exceptions and are reported as one line; `applier -v` shows Spark's warnings
-    spark.sparkContext.setLogLevel("WARN" if logging.getLogger("applier").isEnabledFor(logging.DEBUG) else "OFF")
-    register(spark)
+    sc.setLogLevel("WARN" if logging.getLogger("applier").isEnabledFor(logging.DEBUG) else "OFF")
     if not local and os.environ.get("APPLIER_SPARK_SHIP", "1") != "0":
-        spark.sparkContext.addPyFile(_applier_zip())
+        sc.addPyFile(_applier_zip())
+    register(spark)
     return spark
+
+
+def worker_python(configured: str | None) -> str:
+    """The Python the workers run: ``spark.pyspark.python``, else ``PYSPARK_PYTHON``, else the driver's."""
+    return configured or os.environ.get("PYSPARK_PYTHON") or sys.executable
 
 
 def spark_for(cfg: Any) -> Any:

@@ -16,11 +16,14 @@ PostgreSQL reading, per partition: a connection with the walsender's output
 settings pinned (ISO dates, UTC, ``extra_float_digits = 3``) plus hex bytea and
 UTF-8; ``BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY`` and, when the plan
 has one, ``SET TRANSACTION SNAPSHOT '<exported snapshot>'`` so that every
-partition sees the same snapshot; then ``COPY (SELECT … WHERE ctid >= '(lo,0)'
-AND ctid < '(hi,0)' AND (row filter)) TO STDOUT (FORMAT csv)``, parsed by
+partition sees the same snapshot; then ``COPY (SELECT … FROM [ONLY] t WHERE ctid >=
+'(lo,0)' AND ctid < '(hi,0)' AND (row filter)) TO STDOUT (FORMAT csv)``, parsed by
 pyarrow into record batches. The page ranges split ``[0, pages)``; the last one
 is open-ended, so rows in pages added after the plan was made are still read.
-A TID range scan (PostgreSQL 14+) reads only its pages. The connection's
+A TID range scan (PostgreSQL 14+) reads only its pages. ``only`` reads the
+table without its inheritance children (what a publication publishes of a
+table; a partitioned table published via its root is read with its
+partitions, without ``only``). The connection's
 ``application_name`` (``<app> p<partition>``) lets the driver follow the copy
 in ``pg_stat_progress_copy``.
 
@@ -75,11 +78,13 @@ def schema_of(ncols: int) -> StructType:
 
 
 def pg_plan(dsn: str, table: str, columns: list[str], *, pages: int, partitions: int, snapshot: str | None = None,
-            where: str | None = None, app: str = "applier", canonical_types: list[int] | None = None) -> str:
-    """The ``plan`` option of ``applier_pg``: quoted table and column names, filter, ranges, snapshot."""
+            where: str | None = None, app: str = "applier", canonical_types: list[int] | None = None,
+            only: bool = True) -> str:
+    """The ``plan`` option of ``applier_pg``: quoted table and column names (or SQL expressions), filter, ranges,
+    snapshot, ``only`` (the table without its inheritance children)."""
     return json.dumps({
         "dsn": dsn, "table": table, "columns": columns, "where": where, "snapshot": snapshot, "app": app,
-        "ranges": ctid_ranges(pages, partitions), "canonical": canonical_types,
+        "ranges": ctid_ranges(pages, partitions), "canonical": canonical_types, "only": only,
     })
 
 
@@ -166,7 +171,7 @@ def range_query(plan: dict[str, Any], lo: int | None, hi: int | None) -> str:
         conds.append(f"ctid < '({int(hi)},0)'::tid")
     if plan.get("where"):
         conds.append(f"({plan['where']})")
-    q = f"SELECT {', '.join(plan['columns'])} FROM {plan['table']}"
+    q = f"SELECT {', '.join(plan['columns'])} FROM {'ONLY ' if plan.get('only', True) else ''}{plan['table']}"
     return q + (" WHERE " + " AND ".join(conds) if conds else "")
 
 

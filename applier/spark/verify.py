@@ -22,7 +22,9 @@ Consistency: both sides must show the same moment.
    partitions read the target as it is (nothing writes to it now).
 
 Comparison, per published table (same column lists and row filters as the
-copy), in Spark:
+copy, the table's own rows as ``SourceTable.only`` says: an inheritance
+parent without its children, a partitioned root published via the root with
+its partitions'; the target's own rows likewise), in Spark:
 
 - each row becomes its canonical column values (``applier.spark.canonical``),
   its *key* (primary key, else replica identity index, else the whole row:
@@ -37,7 +39,14 @@ copy), in Spark:
   target, extra on the target, or changed, with the first ``max_keys`` (in
   key order) shown with both sides' values.
 
-Exit status of the command: 0 only when every table agrees.
+A target column that a column list leaves out (it exists on the source) and
+that has no default must be NULL, as the copy and the stream leave it: it is
+compared with NULL. A table without columns compares its row counts.
+
+Exit status of the command: 0 only when every table agrees; 1 when they
+differ; 2 when some table could not be compared (its Spark job failed, its
+target table is missing): ``TableResult.error`` names the cause, and such a
+report never says the two sides differ (``VerifyReport.status``).
 """
 
 from __future__ import annotations
@@ -155,7 +164,7 @@ class TableResult:
     extra_on_target: int = 0
     changed: int = 0
     first: list[dict[str, Any]] = field(default_factory=list)
-    error: str | None = None
+    error: str | None = None  # could not compare: why (then nothing else here means anything)
 
     @property
     def ok(self) -> bool:
@@ -177,9 +186,19 @@ class VerifyReport:
         """Every table agrees."""
         return all(t.ok for t in self.tables)
 
+    @property
+    def not_compared(self) -> list[TableResult]:
+        """The tables that could not be compared."""
+        return [t for t in self.tables if t.error is not None]
+
+    @property
+    def status(self) -> int:
+        """Exit status: 0 every table agrees, 1 some differ, 2 some could not be compared."""
+        return 2 if self.not_compared else 0 if self.ok else 1
+
     def as_json(self) -> dict[str, Any]:
         """For --json."""
-        return {"ok": self.ok, "snapshot_lsn": self.snapshot_lsn, "target_lsn": self.target_lsn,
+        return {"ok": self.ok, "status": self.status, "snapshot_lsn": self.snapshot_lsn, "target_lsn": self.target_lsn,
                 "applied_transactions": self.applied_transactions,
                 "tables": [{**asdict(t), "ok": t.ok} for t in self.tables]}
 
@@ -189,8 +208,8 @@ class VerifyReport:
                f"transactions; its last applied commit ends at {self.target_lsn})"]
         for t in self.tables:
             name = t.table if t.target in (t.table, t.table.split(".", 1)[-1]) else f"{t.table} -> {t.target}"
-            if t.error:
-                out.append(f"{name}: ERROR {t.error}")
+            if t.error is not None:
+                out.append(f"{name}: could not compare: {t.error}")
                 continue
             if t.ok:
                 out.append(f"{name}: OK, {t.source_rows:,} rows, {t.ranges} key ranges agree")
@@ -201,7 +220,12 @@ class VerifyReport:
                        f"{t.changed:,} changed)")
             for d in t.first:
                 out.append("  " + _describe(d))
-        out.append("verify: the source and the target agree" if self.ok else "verify: the source and the target DIFFER")
+        if self.not_compared:
+            out.append(f"verify: could not compare {', '.join(t.table for t in self.not_compared)} "
+                       f"(of {len(self.tables)} tables): no verdict")
+        else:
+            out.append("verify: the source and the target agree" if self.ok
+                       else "verify: the source and the target DIFFER")
         return out
 
 
@@ -333,7 +357,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
     from applier.admin import check_source, check_target, read_progress
     from applier.source.walsender import WalSender
     from applier.spark.source import pg_plan, sqlite_plan, sqlite_rowid_ranges
-    from applier.sync import TargetDb, _slot_row, check_spark_target, read_tables_in_snapshot
+    from applier.sync import TargetDb, _slot_row, check_spark_target, count_in_snapshot, read_tables_in_snapshot
 
     say = say or (lambda line: None)
     nparts = partitions or cfg.spark["partitions"]
@@ -377,24 +401,35 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                     report.tables.append(TableResult(res_name, shown, t.key_columns,
                                                      error=f"target table {shown} does not exist"))
                     continue
+                if not t.columns:  # nothing but a row count (only a PostgreSQL target can hold such a table)
+                    say(f"comparing {t.qualified} (no columns: row counts)")
+                    n, m = count_in_snapshot(cfg, info.snapshot_name, t), target.count(t)
+                    report.tables.append(TableResult(res_name, shown, [], n, m, 1, int(n != m)))
+                    continue
+                # a column the column lists leave out holds what the copy and the stream leave in it: NULL
+                nulls = [c for c in target.columns_without_default(t) if c in t.unpublished]
                 qcols = [quote_ident(c) for c in cols]
                 sqlite = target.dialect == "sqlite"
-                src_plan = pg_plan(cfg.source["dsn"], t.qname, qcols, pages=t.pages, partitions=nparts,
-                                   snapshot=info.snapshot_name, where=t.rowfilter, app="applier-verify source",
-                                   canonical_types=[c.type_oid for c in t.columns] if sqlite else None)
+                src_plan = pg_plan(cfg.source["dsn"], t.qname, qcols + ["NULL"] * len(nulls), pages=t.pages,
+                                   partitions=nparts, snapshot=info.snapshot_name, where=t.rowfilter,
+                                   app="applier-verify source", only=t.only,
+                                   canonical_types=[c.type_oid for c in t.columns] + [25] * len(nulls)
+                                   if sqlite else None)
+                qcols += [quote_ident(c) for c in nulls]
                 if sqlite:
                     tgt_plan = sqlite_plan(target.where, qtarget, qcols, sqlite_rowid_ranges(target.conn, qtarget, nparts))
                     fmt = "applier_sqlite"
                 else:
                     tgt_plan = pg_plan(target.where, qtarget, qcols, pages=target.pages(t), partitions=nparts,
-                                       app="applier-verify target")
+                                       app="applier-verify target", only=not target.partitioned(t))
                     fmt = "applier_pg"
                 say(f"comparing {t.qualified}")
                 try:
-                    res = compare(spark, src_plan, tgt_plan, fmt, cols, t.key_columns, target.dialect, max_keys,
-                                  t.qualified)
+                    res = compare(spark, src_plan, tgt_plan, fmt, cols + nulls, t.key_columns, target.dialect,
+                                  max_keys, t.qualified)
                 except Exception as exc:  # noqa: BLE001 - one table's failure is reported, the others go on
                     from applier.spark.copy import spark_error_line
+                    log.debug("comparing %s failed", t.qualified, exc_info=exc)
                     res = TableResult(res_name, shown, t.key_columns, error=spark_error_line(exc))
                 res.table, res.target = res_name, shown
                 report.tables.append(res)

@@ -12,10 +12,21 @@ Row location, as PostgreSQL's own subscriber does it:
 - neither: the key columns of the new tuple.
 An update or delete that finds no row is logged and skipped (the subscriber's
 ``update_missing`` / ``delete_missing``).
+
+Identity columns ``GENERATED ALWAYS`` on a PostgreSQL target (``always``): the
+subscriber writes the source's values into them, and so does the binding. An
+INSERT says ``OVERRIDING SYSTEM VALUE``; an UPDATE may not set such a column to
+anything but DEFAULT, so it leaves out the ones whose value it found the row by
+(they cannot change), and an update that may change one (a key change, a non-key
+identity column) replaces the row in one statement: its DELETE … RETURNING feeds
+an INSERT … OVERRIDING SYSTEM VALUE of the new values, the row's unsent (unchanged
+TOAST) columns and the target's own columns (``carry``). Generated target columns
+are never written: the target computes them.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,7 +58,8 @@ class Binding:
     """One source relation mapped onto one target table; builds and caches statements."""
 
     __slots__ = ("rel", "table", "qtable", "names", "qnames", "convert", "key_idx", "dialect", "_sql",
-                 "text_compare", "keyed", "foldable", "set_based", "pg_types", "plain_convert")
+                 "text_compare", "keyed", "foldable", "set_based", "pg_types", "plain_convert", "always",
+                 "carry", "show")
 
     def __init__(self, rel: Relation, table: str, qtable: str, convert: Sequence[Converter | None],
                  dialect: Dialect, text_compare: Sequence[bool] = ()) -> None:
@@ -69,6 +81,12 @@ class Binding:
         self.foldable = False
         self.set_based = False  # the target may apply a batch of keyed changes in one statement
         self.pg_types: list[str] = []  # PostgreSQL target: each column's type on the target
+        # PostgreSQL target: the columns that are identity GENERATED ALWAYS there, and the target's own
+        # (not sent, not generated) columns, quoted: both for ``replace_sql`` (see the module header)
+        self.always: frozenset[int] = frozenset()
+        self.carry: list[str] = []
+        # each column's value as text for messages (binary mode: see ``applier.target.binary.value_text``)
+        self.show: Sequence[Callable[[bytes], str]] = [_text] * len(self.names)
 
     def set_unique_indexes(self, indexes: Sequence[frozenset[str] | None]) -> None:
         """Tell the target table's unique indexes (column names; None: an expression index)."""
@@ -109,11 +127,7 @@ class Binding:
         """'(a)=(1)'-style text of a tuple's key, for error messages."""
         if t is None or not idx:
             return "(no key)"
-        shown = []
-        for i in idx:
-            v = t.values[i] if i < len(t.values) else None
-            shown.append("NULL" if v is None else v.decode(errors="replace")[:60])
-        return f"({', '.join(self.names[i] for i in idx)})=({', '.join(shown)})"
+        return describe_values(self.names, self.show, t, idx)
 
     # -- statements -------------------------------------------------------------
 
@@ -124,7 +138,9 @@ class Binding:
         if sql is None:
             ph = self.dialect.placeholder
             cols = ", ".join(self.qnames[i] for i in present)
-            sql = f"INSERT INTO {self.qtable} ({cols}) VALUES ({', '.join([ph] * len(present))})"
+            over = " OVERRIDING SYSTEM VALUE" if self.always.intersection(present) else ""
+            sql = (f"INSERT INTO {self.qtable} ({cols}){over} VALUES ({', '.join([ph] * len(present))})" if present
+                   else f"INSERT INTO {self.qtable} DEFAULT VALUES")  # a table without columns (all dropped)
             self._sql[key] = sql
         return sql
 
@@ -153,6 +169,30 @@ class Binding:
             ph = self.dialect.placeholder
             sets = ", ".join(f"{self.qnames[i]} = {ph}" for i in setcols)
             sql = f"UPDATE {self.qtable} SET {sets} WHERE {self.where(locate, nulls, full)}"
+            self._sql[key] = sql
+        return sql
+
+    def keeps_always(self, new: TupleData, t: TupleData, locate: tuple[int, ...]) -> bool:
+        """Whether an update to ``new`` of the row found by ``locate`` of ``t`` leaves every ALWAYS column as is."""
+        kinds = new.kinds
+        return all(i in locate and new.values[i] == t.values[i] for i in self.always if kinds[i] != UNCHANGED_TOAST)
+
+    def replace_sql(self, setcols: tuple[int, ...], locate: tuple[int, ...], nulls: tuple[bool, ...], full: bool) -> str:
+        """An update that may change an ALWAYS column: the row deleted and inserted anew, in one statement.
+
+        Parameters as ``update_sql``'s: the values of ``setcols``, then those locating the row.
+        """
+        key = ("R", setcols, locate, nulls, full)
+        sql = self._sql.get(key)
+        if sql is None:
+            ph = self.dialect.placeholder
+            q = self.qnames
+            given = ", ".join(f"{ph}::{self.pg_types[i]} AS {q[i]}" for i in setcols)
+            kept = [f"d.{q[i]}" for i in range(len(q)) if i not in setcols] + [f"d.{c}" for c in self.carry]
+            cols = [q[i] for i in setcols] + [q[i] for i in range(len(q)) if i not in setcols] + self.carry
+            sql = (f"WITH v AS (SELECT {given}), d AS (DELETE FROM {self.qtable} WHERE "
+                   f"{self.where(locate, nulls, full)} RETURNING *) INSERT INTO {self.qtable} ({', '.join(cols)}) "
+                   f"OVERRIDING SYSTEM VALUE SELECT {', '.join([f'v.{q[i]}' for i in setcols] + kept)} FROM v, d")
             self._sql[key] = sql
         return sql
 
@@ -187,6 +227,32 @@ class Binding:
         kinds = t.kinds
         nulls = tuple(kinds[i] == NULL for i in idx)
         return nulls, self.values(t, [i for i, n in zip(idx, nulls, strict=True) if not n])
+
+
+def utc_now() -> str:
+    """The time now as ISO 8601 UTC, as the control tables keep times."""
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _text(v: bytes) -> str:
+    return v.decode(errors="replace")
+
+
+def describe_values(names: Sequence[str], show: Sequence[Callable[[bytes], str]], t: TupleData,
+                    idx: Sequence[int]) -> str:
+    """'(a, b)=(1, x)': columns ``idx`` of ``t`` as readable text (``show``: each column's text form)."""
+    shown = []
+    for i in idx:
+        v = t.values[i] if i < len(t.values) else None
+        if v is None:
+            shown.append("NULL")
+            continue
+        try:
+            text = show[i](v)
+        except Exception:  # noqa: BLE001 - a message must not fail: an unreadable value is shown as hex
+            text = "\\x" + v.hex()
+        shown.append(text[:60])
+    return f"({', '.join(names[i] for i in idx)})=({', '.join(shown)})"
 
 
 def log_missing(op: str, b: Binding, missing: int, lsn: LSN, row: Any = None) -> None:
@@ -273,6 +339,9 @@ class TargetBase:
     # key checks run on the target session, so no table can observe another mid-transaction)
     reorder_tables = False
     source_system: str | None = None  # the source's system identifier, recorded with each progress write
+    slot: str | None = None  # the replication slot the applied LSNs come from, recorded likewise
+    # binary mode: money as the source session prints it (``applier.target.binary.money_text``), if known
+    money_text: Converter | None = None
 
     def run_many(self, sql: str, params: list[list[Any]]) -> int:
         """Execute one statement for many parameter rows; total rows affected."""
@@ -300,7 +369,9 @@ class TargetBase:
         for m in rows:
             args = None
             # the common shape first: an update found by a key without NULLs that sends every column
-            if op == "UPDATE" and b.keyed and m.old_kind is None and UNCHANGED_TOAST not in m.new.kinds:
+            # (and, on a table with ALWAYS identity columns, found by them: ``keeps_always``)
+            if (op == "UPDATE" and b.keyed and m.old_kind is None and UNCHANGED_TOAST not in m.new.kinds
+                    and not b.always):
                 args = b.values(m.new, every)
                 where_args = [args[i] for i in key]
                 if None in where_args:
@@ -313,7 +384,13 @@ class TargetBase:
                 nulls, where_args = b.row_args(t, idx)
                 if op == "UPDATE":
                     setcols = present_columns(m.new)
-                    sql = b.update_sql(setcols, idx, nulls, full)
+                    if not b.always:
+                        sql = b.update_sql(setcols, idx, nulls, full)
+                    elif b.keeps_always(m.new, t, idx):
+                        setcols = tuple([i for i in setcols if i not in b.always])
+                        sql = b.update_sql(setcols, idx, nulls, full)
+                    else:
+                        sql = b.replace_sql(setcols, idx, nulls, full)
                     args = b.values(m.new, setcols) + where_args
                 else:
                     sql = b.delete_sql(idx, nulls, full)
@@ -335,9 +412,19 @@ class TargetBase:
 
     def write_progress(self, lsn: LSN, commit_time: int | None, clear_skip: bool = False) -> None:
         """Record ``lsn`` as applied, in the open transaction."""
-        self.cur.execute(self.sql.upsert, [self.name, str(lsn), commit_time, self.source_system])
+        self.cur.execute(self.sql.upsert, [self.name, str(lsn), commit_time, self.source_system, self.slot])
         if clear_skip:
             self.cur.execute(self.sql.clear_skip, [self.name])
+
+    def record_error(self, message: str) -> None:
+        """Keep ``message`` as the last error, with the time, in a transaction of its own (none may be open)."""
+        self.begin()
+        try:
+            self.cur.execute(self.sql.record_error, [self.name, message[:2000], utc_now()])
+        except BaseException:
+            self.rollback()
+            raise
+        self.commit(LSN(0))
 
     def store_prepared(self, gid: str, xid: int, prepare_lsn: LSN, end_lsn: LSN, when: int, changes: bytes) -> None:
         """Keep a prepared transaction's changes, in the open transaction."""

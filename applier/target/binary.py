@@ -44,8 +44,14 @@ quoting are PostgreSQL's), so these are formatted from the binary integers the
 way PostgreSQL's output functions do. float4 is printed as its shortest
 round-trip decimal, as PostgreSQL does, so that the REAL equals text mode's.
 
+money is an integer count of the smallest currency unit; its text depends on
+the source session's ``lc_monetary``. The runner asks the source once per
+session how it prints money (``MONEY_PROBE``, on the replication connection
+itself) and ``money_text`` prints every value the same way.
+
 What cannot be read, and the way out: for SQLite, a built-in type with no
-converter here (money, tsvector, tsquery, the reg* types, …) is an ``ApplyError``
+converter here (tsvector, tsquery, the reg* types, …; money when the source
+could not be asked) is an ``ApplyError``
 at bind time naming the type, table and column; a user type whose binary value
 is not text-like (composite, range, extension types) is one at apply time. For
 either the fallback is ``source.binary = false``: pgoutput's binary mode covers
@@ -769,12 +775,67 @@ class _UserType:
             f"form is not text; replicate with source.binary = false (binary mode covers every column)")
 
 
+# -- money ----------------------------------------------------------------------------------------
+
+MONEY = 790
+# How the source session prints money: the scale of its lc_monetary, a positive and a negative amount
+# (all 18 digits, so that the grouping shows whatever the scale).
+MONEY_PROBE = ("SELECT s, (123456789012345678 / 10::numeric ^ s)::money::text, "
+               "(-123456789012345678 / 10::numeric ^ s)::money::text FROM (SELECT scale(0::money::numeric) AS s) f")
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def _money_shape(text: str, scale: int) -> tuple[str, str, str, str, int]:
+    """(prefix, suffix, decimal point, group separator, group size) of a probe's amount (see ``MONEY_PROBE``)."""
+    runs = list(_DIGITS.finditer(text))
+    if "".join(r.group() for r in runs) != "123456789012345678":
+        raise ValueError(f"unexpected money output {text!r}")
+    prefix, suffix = text[:runs[0].start()], text[runs[-1].end():]
+    point = ""
+    if scale:
+        if len(runs) < 2 or len(runs[-1].group()) != scale:
+            raise ValueError(f"unexpected money output {text!r}")
+        point = text[runs[-2].end():runs[-1].start()]
+        runs = runs[:-1]
+    seps = {text[a.end():b.start()] for a, b in zip(runs, runs[1:])}
+    sizes = {len(r.group()) for r in runs[1:]}
+    if len(seps) > 1 or len(sizes) > 1:
+        raise ValueError(f"unexpected money output {text!r}")
+    return prefix, suffix, point, seps.pop() if seps else "", sizes.pop() if sizes else 0
+
+
+def money_text(scale: int, positive: str, negative: str) -> Converter:
+    """A binary money value as the probed session prints it (PostgreSQL's ``cash_out``): the amount's digits,
+    at least one before the decimal point, grouped; the currency symbol and sign around them as probed."""
+    pos, neg = _money_shape(positive, scale), _money_shape(negative, scale)
+
+    def conv(v: bytes) -> str:
+        (units,) = _I64.unpack(v)
+        prefix, suffix, point, sep, size = pos if units >= 0 else neg
+        digits = str(abs(units)).rjust(scale + 1, "0")
+        whole, frac = digits[:len(digits) - scale], digits[len(digits) - scale:]
+        if size and sep:
+            head = len(whole) % size or size
+            whole = sep.join([whole[:head]] + [whole[i:i + size] for i in range(head, len(whole), size)])
+        return prefix + whole + (point + frac if scale else "") + suffix
+    return conv
+
+
+def money_of_probe(row: tuple[Any, ...]) -> Converter | None:
+    """``money_text`` from the row ``MONEY_PROBE`` gave; None if the source prints money in a way not understood."""
+    try:
+        return money_text(int(row[0]), str(row[1]), str(row[2]))
+    except ValueError:
+        return None
+
+
 # -- the entry point -----------------------------------------------------------------------------
 
 
 def binary_loader(type_oid: int, types: Mapping[int, Type], dialect: str, rel: Relation,
-                  column: str) -> Converter:
-    """The converter of one column's binary values for a target dialect ('postgresql' or 'sqlite')."""
+                  column: str, money: Converter | None = None) -> Converter:
+    """The converter of one column's binary values for a target dialect ('postgresql' or 'sqlite');
+    ``money``: the source session's money text (``money_text``), if known."""
     base, name = _resolve(type_oid, types)
     where = f"column {column!r} of {source_name(rel)}"
     if dialect == "postgresql":
@@ -789,7 +850,7 @@ def binary_loader(type_oid: int, types: Mapping[int, Type], dialect: str, rel: R
         return SQLITE_NATIVE[type_oid]
     if base is None:
         return _UserType(name, where, postgres=False)
-    conv = TEXT_OF.get(base)
+    conv = money if base == MONEY else TEXT_OF.get(base)
     if conv is None:
         raise ApplyError(
             f"binary mode cannot read type {name} ({where}) for a SQLite target: there is no converter for its "
@@ -797,7 +858,25 @@ def binary_loader(type_oid: int, types: Mapping[int, Type], dialect: str, rel: R
     return conv
 
 
+def value_text(type_oid: int, types: Mapping[int, Type]) -> Callable[[bytes], str]:
+    """A column's binary values as readable text, for messages: PostgreSQL's text form where a converter
+    knows it, else the value itself when it is text-like (an enum label), else ``\\x`` and its bytes in hex."""
+    base, _ = _resolve(type_oid, types)
+    conv = TEXT_OF.get(base) if base is not None else None
+    return conv if conv is not None else _readable
+
+
+def _readable(v: bytes) -> str:
+    text = _as_text(v)
+    return text if text is not None else _bytea_text(v)
+
+
+def value_texts(rel: Relation, types: Mapping[int, Type]) -> list[Callable[[bytes], str]]:
+    """``value_text`` of each column of a relation."""
+    return [value_text(c.type_oid, types) for c in rel.columns]
+
+
 __all__ = [
     "ARRAY_ELEMENT", "FIRST_USER_OID", "PgBinary", "PgBinaryDumper", "SQLITE_NATIVE", "TEXT_OF", "TEXT_SENT",
-    "binary_loader", "float8_text", "register_pg_binary",
+    "MONEY_PROBE", "binary_loader", "float8_text", "money_of_probe", "money_text", "register_pg_binary", "value_text", "value_texts",
 ]

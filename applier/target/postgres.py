@@ -47,6 +47,7 @@ from applier.target.base import (
     quote_ident,
     source_name,
 )
+from applier.target.claim import pg_claim, pg_holder
 from applier.target.url import parse_target_url
 
 log = logging.getLogger("applier.target")
@@ -224,9 +225,11 @@ class PostgresTarget(TargetBase):
         qtable = (quote_ident(schema) + "." if schema else "") + quote_ident(table)
         if self.conn.execute("SELECT to_regclass(%s)", [qtable]).fetchone()[0] is None:
             raise ApplyError(f"target table {shown} (for source table {source_name(rel)}) does not exist (at LSN {lsn})")
-        # each column's type as the target declares it, and its base type's name (an array's element type)
-        tcols = {name: (declared, base) for name, declared, base in self.conn.execute(
-            "SELECT a.attname, format_type(a.atttypid, a.atttypmod), coalesce(e.typname, t.typname) "
+        # each column's type as the target declares it, its base type's name (an array's element type),
+        # whether it is an identity column and which kind ('a': ALWAYS), and whether it is generated
+        tcols = {row[0]: row[1:] for row in self.conn.execute(
+            "SELECT a.attname, format_type(a.atttypid, a.atttypmod), coalesce(e.typname, t.typname), "
+            "a.attidentity, a.attgenerated <> '' "
             "FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
             "LEFT JOIN pg_type e ON e.oid = t.typelem AND t.typcategory = 'A' "
             "WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped", [qtable])}
@@ -234,24 +237,36 @@ class PostgresTarget(TargetBase):
             if c.name not in tcols:
                 raise ApplyError(f"target table {shown} has no column {c.name!r} that source table "
                                  f"{source_name(rel)} sends (at LSN {lsn})")
+            if tcols[c.name][3]:
+                raise ApplyError(f"target table {shown} computes column {c.name!r} (GENERATED ALWAYS AS …), "
+                                 f"but source table {source_name(rel)} sends its values (at LSN {lsn}); publish "
+                                 f"without generated columns (publish_generated_columns = none) or make the "
+                                 f"target column a plain one")
         text_compare = [tcols[c.name][1] in _NO_EQUALITY for c in rel.columns]
         uniques = self.conn.execute(
             "SELECT (SELECT array_agg(a.attname) FROM pg_attribute a WHERE a.attrelid = i.indrelid "
             "AND a.attnum = ANY(i.indkey)), 0 = ANY(i.indkey::int2[]) OR i.indexprs IS NOT NULL "
             "FROM pg_index i WHERE i.indrelid = %s::regclass AND i.indisunique", [qtable]).fetchall()
         if binary:
-            from applier.target.binary import register_pg_binary
+            from applier.target.binary import register_pg_binary, value_texts
             from applier.target.values import binary_converters
             register_pg_binary(self.cur)
             convert: list[Any] = binary_converters(rel, types, "postgresql")
         else:
             convert = [bytes.decode] * len(rel.columns)
         b = Binding(rel, shown, qtable, convert, POSTGRES, text_compare)
+        if binary:
+            b.show = value_texts(rel, types)
         b.pg_types = [tcols[c.name][0] for c in rel.columns]
+        b.always = frozenset(i for i, c in enumerate(rel.columns) if tcols[c.name][2] == "a")
+        sent = set(b.names)
+        b.carry = [quote_ident(n) for n, col in tcols.items() if n not in sent and not col[3]]
         # one statement may apply a batch (rows found by key, no other unique index whose checks a
         # statement-at-once update could trip over, values as text)
         b.set_unique_indexes([None if expr else frozenset(cols) for cols, expr in uniques])
-        b.set_based = b.foldable and not binary and not any(text_compare[i] for i in b.key_idx)
+        # (an ALWAYS identity column may only be left out of the SET list: the key's)
+        b.set_based = (b.foldable and not binary and not any(text_compare[i] for i in b.key_idx)
+                       and b.always.issubset(b.key_idx))
         return b
 
     # -- transactions ---------------------------------------------------------
@@ -314,7 +329,7 @@ class PostgresTarget(TargetBase):
             present = tuple(range(len(b.names)))
             self.cur.executemany(b.insert_sql(present), [b.values(t, present) for t in rows])
             return
-        if len(rows) <= 2:  # COPY costs more round trips than a couple of INSERTs
+        if len(rows) <= 2 or not b.names:  # COPY costs more round trips than a couple of INSERTs (and needs columns)
             present = tuple(range(len(b.names)))
             self.cur.executemany(b.insert_sql(present), [[None if v is None else v.decode() for v in t.values]
                                                          for t in rows])
@@ -412,6 +427,16 @@ class PostgresTarget(TargetBase):
         rows = self.conn.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database() "
                                  "AND starts_with(gid, %s)", [f"applier_{self.name}_"]).fetchall()
         return {r[0] for r in rows}
+
+    # -- the claim (applier.target.claim) ----------------------------------------------
+
+    def claim(self, command: str) -> None:
+        """Hold this progress row for this session (an advisory lock); InUseError naming the holder if taken."""
+        pg_claim(self.conn, self.name, command)
+
+    def holder(self) -> str | None:
+        """Who applies to this progress row now (None: nobody)."""
+        return pg_holder(self.conn, self.name)
 
     def close(self) -> None:
         """Roll back anything open and close the connection."""

@@ -17,6 +17,7 @@ from applier.decoder.messages import Relation, TupleData, Type
 from applier.lsn import LSN
 from applier.progress.store import SQLITE_SQL
 from applier.target.base import SQLITE, ApplyError, Binding, TargetBase, present_columns, quote_ident, source_name
+from applier.target.claim import FileClaim, sqlite_claim_path
 from applier.target.url import parse_target_url
 from applier.target.values import sqlite_text_converters
 
@@ -59,6 +60,8 @@ class SqliteTarget(TargetBase):
         triggers = self.conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'trigger'").fetchone()[0]
         self.reorder_tables = not fk and not triggers
         self._durable = LSN(0)
+        in_memory = path == ":memory:" or path.startswith("file:")
+        self._claim = None if in_memory else FileClaim(sqlite_claim_path(path, name))
 
     def target_table(self, rel: Relation) -> tuple[str | None, str]:
         """(None, table) on the target for a source relation."""
@@ -77,11 +80,14 @@ class SqliteTarget(TargetBase):
                 raise ApplyError(f"target table {table!r} has no column {c.name!r} that source table "
                                  f"{source_name(rel)} sends (at LSN {lsn})")
         if binary:
+            from applier.target.binary import value_texts
             from applier.target.values import binary_converters
-            convert = binary_converters(rel, types, "sqlite")
+            convert = binary_converters(rel, types, "sqlite", self.money_text)
         else:
             convert = sqlite_text_converters(rel)
         b = Binding(rel, table, quote_ident(table), convert, SQLITE)
+        if binary:
+            b.show = value_texts(rel, types)
         uniques = []
         for ix in self.conn.execute(f"PRAGMA index_list({quote_ident(table)})").fetchall():
             if ix[2]:  # unique
@@ -134,10 +140,23 @@ class SqliteTarget(TargetBase):
             if has_seq:
                 self.cur.executemany("DELETE FROM sqlite_sequence WHERE name = ?", [[b.table] for b in bindings])
 
+    # -- the claim (applier.target.claim) ----------------------------------------------
+
+    def claim(self, command: str) -> None:
+        """Hold this progress row while this target is open (a lock file); InUseError naming the holder if taken."""
+        if self._claim is not None:
+            self._claim.acquire(self.name, command)
+
+    def holder(self) -> str | None:
+        """Who applies to this progress row now (None: nobody)."""
+        return None if self._claim is None else self._claim.holder()
+
     def close(self) -> None:
-        """Roll back anything open and close the file."""
+        """Roll back anything open, close the file and give up the claim."""
         try:
             self.rollback()
         except sqlite3.Error:
             pass
         self.conn.close()
+        if self._claim is not None:
+            self._claim.release()

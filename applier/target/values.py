@@ -16,8 +16,8 @@ Binary mode (``applier.target.binary``): values arrive in PostgreSQL's binary
 send format. SQLite gets exactly the values above; PostgreSQL gets each value
 back undecoded, in binary with its type OID. A type binary mode cannot read is
 an error naming it; the fallback is ``source.binary = false``: the server picks
-binary or text per type (text only for types without a send function), so
-``apply.text_types`` cannot ask for text.
+binary or text per type (text only for types without a send function), so no
+setting can ask for text for some types only.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def sqlite_adapt(value: Any) -> Any:
 
 
 def binary_converters(rel: Relation, types: dict[int, Type], dialect: str,
-                      text_types: frozenset[str] = frozenset()) -> list[Callable[[bytes], Any]]:
-    """One converter per column for binary-mode values, using psycopg's loaders."""
+                      money: Callable[[bytes], str] | None = None) -> list[Callable[[bytes], Any]]:
+    """One converter per column for binary-mode values, using psycopg's loaders (``money``: see ``binary_loader``)."""
     from applier.target.binary import binary_loader
 
-    return [binary_loader(c.type_oid, types, dialect, rel, c.name) for c in rel.columns]
+    return [binary_loader(c.type_oid, types, dialect, rel, c.name, money) for c in rel.columns]

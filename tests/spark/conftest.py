@@ -9,10 +9,12 @@ version, the newest, with the session's clusters of ``tests.plugins.clusters``.
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from applier.config import Config, load_config
@@ -76,3 +78,19 @@ def target_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     cluster = request.getfixturevalue("newest_target")
     with scratch_db(cluster, "tgt") as db:
         yield db.url
+
+
+def target_exec(url: str, sql: str) -> list[tuple[Any, ...]]:
+    """Run SQL on a target (a SQLite file or a PostgreSQL URL); its rows."""
+    if url.startswith("sqlite"):
+        db = sqlite3.connect(url.removeprefix("sqlite:///"))
+        try:
+            rows = db.execute(sql).fetchall()
+            db.commit()
+            return rows
+        finally:
+            db.close()
+    from applier.target.postgres import libpq_dsn
+    with psycopg.connect(libpq_dsn(url), autocommit=True) as conn:
+        cur = conn.execute(sql)
+        return cur.fetchall() if cur.description else []

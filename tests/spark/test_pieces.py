@@ -173,3 +173,24 @@ def test_spark_error_line_finds_the_python_cause() -> None:
             "\tat org.apache.spark.api.python.BasePythonRunner")
     assert spark_error_line(RuntimeError(text)) == \
         'CheckViolation: new row for relation "t" violates check constraint "c"'
+
+
+def test_spark_error_line_takes_the_exception_that_ends_the_python_traceback() -> None:
+    # a psycopg error whose class name ends in neither Error nor Exception, raised in an executor's Python
+    text = ("Job aborted due to stage failure: Task 0 in stage 3.0 failed 1 times, most recent failure: Lost task "
+            "0.0 in stage 3.0 (TID 5): org.apache.spark.api.python.PythonException: Traceback (most recent call "
+            "last):\n  File \"/x/applier/spark/source.py\", line 122, in read\n    yield from read_pg_range(...)\n"
+            "psycopg.errors.InsufficientPrivilege: permission denied for table b\n\n"
+            "\tat org.apache.spark.api.python.BasePythonRunner$ReaderIterator.handlePythonException(...)\n"
+            "Driver stacktrace:\n\tat org.apache.spark.scheduler.DAGScheduler.failJobAndIndependentStages(...)")
+    assert spark_error_line(RuntimeError(text)) == "InsufficientPrivilege: permission denied for table b"
+
+
+def test_spark_error_line_names_a_workers_python_that_does_not_start() -> None:
+    text = ("Job aborted due to stage failure: Task 0 in stage 1.0 failed 4 times, most recent failure: Lost task 0.3 "
+            "(TID 7) (127.0.0.1 executor 0): org.apache.spark.SparkException: Error from python worker:\n"
+            "  /usr/bin/python3: No module named pyspark\nPYTHONPATH was:\n  /opt/spark/python/lib/pyspark.zip\n"
+            "org.apache.spark.SparkException: EOFException\n\tat org.apache.spark.api.python.PythonWorkerFactory")
+    assert spark_error_line(RuntimeError(text)) == (
+        "the workers' Python failed: /usr/bin/python3: No module named pyspark (point spark.pyspark.python or "
+        "PYSPARK_PYTHON at a Python 3.11 with pyspark, psycopg and pyarrow)")

@@ -1,7 +1,8 @@
 """Sync's states: interrupted and restarted, slot made by ``init``, repeated, refused, mismatched.
 
-What a user relies on: a sync that failed half-way is restarted cleanly by the
-next one, which says so (no row twice, nothing missing); a partition written
+What a user relies on: a sync that failed half-way drops its useless slot (and
+says so) and is restarted cleanly by the next one, which says so (no row twice,
+nothing missing); a partition written
 twice in one run is written once; a slot that exists without a completed copy
 is dropped and created again, with a message; a completed sync is not repeated
 by accident, and not into tables that hold rows; an incompatible target table
@@ -10,21 +11,19 @@ is reported by table and column before anything is written.
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 
-import psycopg
 import pyarrow as pa
 import pytest
 
 from applier.admin import init, read_progress
 from applier.lsn import LSN
 from applier.schema import SchemaError
-from applier.spark.copy import PARTS_DDL, CopyError, write_pg_partition
+from applier.spark.copy import PARTS_DDL, write_pg_partition
 from applier.spark.verify import verify
 from applier.sync import SyncError, sync
 from tests.plugins.clusters import ScratchDb
-from tests.spark.conftest import make_config
+from tests.spark.conftest import make_config, target_exec
 
 pytest.importorskip("pyspark")
 
@@ -37,21 +36,6 @@ CREATE PUBLICATION pub FOR TABLE a, b;
 """
 
 
-def _target_exec(url: str, sql: str) -> list[tuple]:
-    if url.startswith("sqlite"):
-        db = sqlite3.connect(url.removeprefix("sqlite:///"))
-        try:
-            rows = db.execute(sql).fetchall()
-            db.commit()
-            return rows
-        finally:
-            db.close()
-    from applier.target.postgres import libpq_dsn
-    with psycopg.connect(libpq_dsn(url), autocommit=True) as conn:
-        cur = conn.execute(sql)
-        return cur.fetchall() if cur.description else []
-
-
 def _slot(src: ScratchDb, name: str) -> tuple | None:
     rows = src.cluster.execute("SELECT confirmed_flush_lsn::text, active FROM pg_replication_slots "
                                "WHERE slot_name = %s", src.dbname, [name])
@@ -61,30 +45,30 @@ def _slot(src: ScratchDb, name: str) -> tuple | None:
 def test_an_interrupted_sync_is_restarted_by_the_next(spark, src: ScratchDb, target_url: str, tmp_path: Path) -> None:
     src.cluster.execute(SOURCE, src.dbname)
     # b's copy fails half-way: the target refuses rows with n > 15000 (after a's copy is complete)
-    _target_exec(target_url, "CREATE TABLE b (id integer PRIMARY KEY, n integer NOT NULL CHECK (n <= 15000))")
+    target_exec(target_url, "CREATE TABLE b (id integer PRIMARY KEY, n integer NOT NULL CHECK (n <= 15000))")
     cfg = make_config(src, target_url, tmp_path / "work", partitions=4)
     said: list[str] = []
-    with pytest.raises(CopyError, match=r"copying public\.b failed: .*(check|CHECK)"):
+    with pytest.raises(SyncError, match=r"1 of 2 tables could not be copied.*\n  copying public\.b failed: .*(check|CHECK)"):
         sync(cfg, spark=spark, say=said.append)
     assert any("retrying the table once, resuming:" in s and "partitions are already copied" in s for s in said), said
-    assert _target_exec(target_url, "SELECT count(*) FROM a")[0][0] == 20000
-    assert _target_exec(target_url, "SELECT state FROM applier_sync")[0][0] == "copying"
+    assert target_exec(target_url, "SELECT count(*) FROM a")[0][0] == 20000
+    assert target_exec(target_url, "SELECT state FROM applier_sync")[0][0] == "copying"
     assert read_progress(cfg).lsn == LSN(0)  # run/catchup have nowhere to start from
-    first_slot = _slot(src, "applier")
-    assert first_slot is not None
+    # the slot of the incomplete copy is useless (its snapshot is gone) and would hold WAL: dropped, and said
+    assert _slot(src, "applier") is None
+    assert said[-1] == "slot 'applier' dropped: the copy did not complete; `applier sync` creates it again", said
 
     src.cluster.execute("INSERT INTO a VALUES (20001, 'after the failure')", src.dbname)
     if target_url.startswith("sqlite"):  # SQLite cannot drop a constraint: recreate the table
-        _target_exec(target_url, "DROP TABLE b")
+        target_exec(target_url, "DROP TABLE b")
     else:
-        _target_exec(target_url, "ALTER TABLE b DROP CONSTRAINT b_n_check")
+        target_exec(target_url, "ALTER TABLE b DROP CONSTRAINT b_n_check")
     said.clear()
     res = sync(cfg, spark=spark, say=said.append)
     assert res.mode == "restart"
     assert any(s.startswith("restarting the interrupted sync") for s in said), said
-    assert any("exists but no copy has completed" in s for s in said), said
     assert {t.table: t.rows for t in res.tables} == {"public.a": 20001, "public.b": 20000}
-    assert _target_exec(target_url, "SELECT count(*), count(DISTINCT id) FROM a")[0] == (20001, 20001)
+    assert target_exec(target_url, "SELECT count(*), count(DISTINCT id) FROM a")[0] == (20001, 20001)
     assert read_progress(cfg).lsn == res.consistent_point
     assert LSN.parse(_slot(src, "applier")[0]) == res.consistent_point
     assert verify(cfg, spark=spark).ok
@@ -140,12 +124,12 @@ def test_mismatched_target_tables_are_reported_by_table_and_column(src: ScratchD
                                                                    tmp_path: Path) -> None:
     src.cluster.execute(SOURCE, src.dbname)
     if target_url.startswith("sqlite"):
-        _target_exec(target_url, "CREATE TABLE a (id INTEGER PRIMARY KEY, v INTEGER)")
-        _target_exec(target_url, "CREATE TABLE b (id INTEGER PRIMARY KEY, extra TEXT NOT NULL)")
+        target_exec(target_url, "CREATE TABLE a (id INTEGER PRIMARY KEY, v INTEGER)")
+        target_exec(target_url, "CREATE TABLE b (id INTEGER PRIMARY KEY, extra TEXT NOT NULL)")
         wrong = "column v: declared INTEGER (INTEGER affinity) would change the mapped TEXT values of source type text"
     else:
-        _target_exec(target_url, "CREATE TABLE a (id integer PRIMARY KEY, v integer)")
-        _target_exec(target_url, "CREATE TABLE b (id integer PRIMARY KEY, extra text NOT NULL)")
+        target_exec(target_url, "CREATE TABLE a (id integer PRIMARY KEY, v integer)")
+        target_exec(target_url, "CREATE TABLE b (id integer PRIMARY KEY, extra text NOT NULL)")
         wrong = "column v: source type text, target type integer"
     cfg = make_config(src, target_url, tmp_path / "work")
     with pytest.raises(SchemaError) as err:

@@ -22,7 +22,7 @@ import pytest
 from applier.decoder import Decoder
 from applier.decoder.messages import BINARY, TEXT, Insert, Relation, Type
 from applier.target.base import POSTGRES, SQLITE, ApplyError, Binding, quote_ident
-from applier.target.binary import PgBinary, binary_loader, float8_text, register_pg_binary
+from applier.target.binary import PgBinary, binary_loader, float8_text, money_text, register_pg_binary
 from applier.target.values import binary_converters, sqlite_text_converters
 from tests.plugins.clusters import ScratchDb
 
@@ -502,3 +502,15 @@ def test_unknown_dialect() -> None:
     rel = Relation(None, 1, "public", "t", "d", ())
     with pytest.raises(ValueError):
         binary_loader(23, {}, "mysql", rel, "c")
+
+
+@pytest.mark.parametrize(("scale", "positive", "negative", "units", "shown"), [
+    (2, "$1,234,567,890,123,456.78", "-$1,234,567,890,123,456.78", -5, "-$0.05"),
+    (2, "1.234.567.890.123.456,78 €", "-1.234.567.890.123.456,78 €", 123456, "1.234,56 €"),
+    (0, "¥123,456,789,012,345,678", "¥-123,456,789,012,345,678", -1000, "¥-1,000"),
+    (3, "($123456789012345.678)", "($-123456789012345.678)", 7, "($0.007)"),
+])
+def test_money_text_follows_the_probed_format(scale: int, positive: str, negative: str, units: int,
+                                              shown: str) -> None:
+    """Money printed as the source's lc_monetary prints it (formats of locales the test servers may lack)."""
+    assert money_text(scale, positive, negative)(units.to_bytes(8, "big", signed=True)) == shown

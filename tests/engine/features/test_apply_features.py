@@ -454,7 +454,7 @@ def test_status_shows_applied_lsn_and_slot_confirms_no_further(cli_rig: Rig) -> 
     info = dict(line.split(": ", 1) for line in out.stdout.splitlines())
     assert info["applied_lsn"] == str(applied)
     assert LSN.parse(info["slot_confirmed_lsn"]) <= applied
-    assert info["slot_exists"] == "True" and "skip_lsn" not in info
+    assert info["slot_exists"] == "True" and info["skip_lsn"] == "-"
 
 
 def test_init_is_idempotent_and_says_what_it_did(cli_rig: Rig) -> None:

@@ -1,0 +1,166 @@
+"""One applier per progress row: the claim a target holds while anything applies to it.
+
+Exactly-once rests on the progress row being written by one process: two
+appliers with the same ``apply.name`` on one target would each read the same
+position and apply every transaction (twice in all). So whoever applies, copies
+or verifies first *claims* the row, and a second process is refused before it
+applies anything, with one line naming the holder.
+
+- PostgreSQL target: a session-level advisory lock on the applying connection
+  itself, keyed by the row's name. It lives exactly as long as the session that
+  writes: if that session dies, its writes die with it, and the lock is free.
+  The session's ``application_name`` says who holds it (command, OS pid, host).
+- SQLite target: an exclusive ``flock`` on a file beside the database
+  (``<file>.applier-<name>.lock``), whose content says who holds it. The kernel
+  releases it when the process ends, however it ends.
+
+Only *looking* (``holder``) never takes the claim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import re
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from applier.errors import InUseError
+from applier.target.base import utc_now
+
+
+def who_am_i(command: str) -> str:
+    """How this process describes itself to a second one: command, OS pid, host."""
+    return f"applier {command} (pid {os.getpid()} on {socket.gethostname()})"
+
+
+def refusal(name: str, holder: str) -> InUseError:
+    """The one line a second process gets."""
+    return InUseError(f"another applier is applying to this target for apply.name {name!r}: {holder}. Two appliers "
+                      f"on one progress row would apply every transaction twice; stop that one first, or give this "
+                      f"one its own apply.name (and its own slot)")
+
+
+# -- PostgreSQL -------------------------------------------------------------------------------------
+
+def pg_lock_key(name: str) -> int:
+    """The advisory lock key (a signed bigint) of the progress row ``name``."""
+    digest = hashlib.blake2b(f"applier progress {name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def pg_claim(conn: Any, name: str, command: str) -> None:
+    """Take the advisory lock of ``name`` on ``conn`` (autocommit), or raise naming the holder.
+
+    A holder that was an applier of this host whose process is gone (killed: its backend has not
+    noticed yet) is a stale claim: its backend is terminated and the lock taken over.
+    """
+    conn.execute("SELECT set_config('application_name', %s, false)", [who_am_i(command)[:63]])
+    deadline = time.monotonic() + STALE_WAIT
+    while not conn.execute("SELECT pg_try_advisory_lock(%s)", [pg_lock_key(name)]).fetchone()[0]:
+        held = _pg_holder_row(conn, name)
+        if held is not None and not _gone(held[0]):
+            raise refusal(name, pg_holder(conn, name) or "a session that has since ended; try again")
+        if time.monotonic() > deadline:
+            raise refusal(name, pg_holder(conn, name) or "a session that will not end; try again")
+        if held is not None:
+            conn.execute("SELECT pg_terminate_backend(%s)", [held[1]])
+        time.sleep(0.1)
+
+
+STALE_WAIT = 10.0  # seconds to wait for a stale holder's backend to go
+
+
+def _gone(application_name: str | None) -> bool:
+    """True when ``application_name`` names an applier process of this host that no longer exists."""
+    m = re.search(r"\(pid (\d+) on (.+)\)$", application_name or "")
+    if m is None or m[2] != socket.gethostname() or int(m[1]) == os.getpid():
+        return False
+    try:
+        os.kill(int(m[1]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _pg_holder_row(conn: Any, name: str) -> tuple[Any, ...] | None:
+    key = pg_lock_key(name) & 0xFFFF_FFFF_FFFF_FFFF  # pg_locks shows the bigint as two oids
+    return conn.execute(  # type: ignore[no-any-return]
+        "SELECT a.application_name, a.pid, coalesce(host(a.client_addr), 'local'), "
+        "to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') "
+        "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+        "WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 AND l.classid = %s::oid "
+        "AND l.objid = %s::oid AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        [key >> 32, key & 0xFFFF_FFFF]).fetchone()
+
+
+def pg_holder(conn: Any, name: str) -> str | None:
+    """Who holds the lock of ``name`` on this database (None: nobody)."""
+    row = _pg_holder_row(conn, name)
+    if row is None:
+        return None
+    app, pid, client, since = row
+    return f"{app or 'a session'}, target backend {pid} from {client}, connected since {since}"
+
+
+# -- SQLite -----------------------------------------------------------------------------------------
+
+def sqlite_claim_path(db_path: str, name: str) -> Path:
+    """The lock file of progress row ``name`` of the SQLite database ``db_path``."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+    return Path(f"{Path(db_path).resolve()}.applier-{safe}.lock")
+
+
+class FileClaim:
+    """An exclusive ``flock`` on a SQLite database's lock file, held until ``release``."""
+
+    __slots__ = ("path", "_fd")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def acquire(self, name: str, command: str) -> None:
+        """Take the lock, writing who holds it; raise naming the holder if another process has it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise refusal(name, self.holder() or "a process that has since ended; try again") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{who_am_i(command)}, since {utc_now()}\n".encode(), 0)
+        self._fd = fd
+
+    def holder(self) -> str | None:
+        """Who holds the lock (None: nobody); never takes it for longer than the look."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+                return text or "another process"
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
+
+    def release(self) -> None:
+        """Give the lock up (closing the file releases it)."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,83 @@
+"""PostgreSQL's own regression database, built from its regression SQL, as a realistic source.
+
+Why: hundreds of tables of nearly every built-in type, inheritance trees,
+partitions, tables without a key, dropped columns: the schemas a new user's
+database has and hand-written test tables do not. ``/work/shared/pg-regress``
+(see its ABOUT.md; ``APPLIER_PG_REGRESS`` elsewhere) holds the SQL of
+PostgreSQL 11; its scripts run in ``serial_schedule`` order with
+``psql -v ON_ERROR_STOP=0``, each in its own session as ``pg_regress`` runs
+them. What fails on a newer server or without the ``regress.so`` test library
+fails and the rest goes on; the scripts ABOUT.md names (server-wide state, the
+test library) are skipped. The ``input/*.source`` templates get their
+placeholders filled, with a results directory the server may write.
+
+Invariant: when ``build_regression_db`` returns, no prepared transaction of the
+database is left (``prepared_xacts`` may leave some, and a logical slot could
+not be created while one is open).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from applier.embedded import Cluster
+
+PG_REGRESS = Path(os.environ.get("APPLIER_PG_REGRESS", "/work/shared/pg-regress"))
+SKIP = {"tablespace", "largeobject", "event_trigger", "subscription", "publication", "stats", "create_function_1",
+        "create_function_2", "password", "misc"}
+
+
+def find_psql() -> Path:
+    """A psql client (any version reads these scripts)."""
+    for cand in (os.environ.get("APPLIER_PSQL"), "/usr/lib/postgresql/15/bin/psql", shutil.which("psql")):
+        if cand and Path(cand).is_file():
+            return Path(cand)
+    pytest.skip("no psql client on this machine")
+
+
+def scripts(workdir: Path) -> list[Path]:
+    """The regression scripts in schedule order, ``.source`` templates filled in under ``workdir``."""
+    if not (PG_REGRESS / "serial_schedule").is_file():
+        pytest.skip(f"no PostgreSQL regression SQL at {PG_REGRESS}")
+    results = workdir / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    results.chmod(0o1777)  # the server (perhaps another user) writes COPY … TO files here
+    workdir.chmod(0o755)
+    out = []
+    for line in (PG_REGRESS / "serial_schedule").read_text().splitlines():
+        if not line.startswith("test:"):
+            continue
+        name = line.split(":", 1)[1].strip()
+        if name in SKIP:
+            continue
+        template = PG_REGRESS / "input" / f"{name}.source"
+        if template.is_file():
+            text = (template.read_text().replace("@abs_srcdir@", str(PG_REGRESS))
+                    .replace("@abs_builddir@", str(workdir)).replace("@libdir@", str(workdir))
+                    .replace("@DLSUFFIX@", ".so").replace("@testtablespace@", str(workdir / "ts")))
+            path = workdir / f"{name}.sql"
+            path.write_text(text)
+            out.append(path)
+        elif (PG_REGRESS / "sql" / f"{name}.sql").is_file():
+            out.append(PG_REGRESS / "sql" / f"{name}.sql")
+    return out
+
+
+def build_regression_db(cluster: Cluster, dbname: str) -> None:
+    """Run the regression scripts into the (new, empty) database ``dbname`` of ``cluster``."""
+    psql = find_psql()
+    env = {**os.environ, "PGOPTIONS": "-c statement_timeout=60s -c client_min_messages=error",
+           "PGTZ": "PST8PDT", "PGDATESTYLE": "Postgres, MDY"}
+    with tempfile.TemporaryDirectory(prefix="applier-regress-") as tmp:
+        for script in scripts(Path(tmp)):
+            subprocess.run([str(psql), "-X", "-q", "-v", "ON_ERROR_STOP=0", "-d", cluster.dsn(dbname),
+                            "-f", str(script)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=300, check=False, cwd=tmp)
+    for (gid,) in cluster.execute("SELECT gid FROM pg_prepared_xacts WHERE database = %s", dbname, [dbname]):
+        cluster.execute(f"ROLLBACK PREPARED '{gid}'", dbname)

@@ -1,0 +1,102 @@
+"""Spark jobs that fail, as an operator sees them: ``applier sync`` and ``applier verify`` as subprocesses.
+
+What a user relies on: when a table's Spark tasks raise (here: the source role may not read
+table ``b``, a real ``permission denied`` in the executors), ``sync`` ends with one line naming the
+table and the cause, exit 2, and drops the slot it created (an incomplete copy's slot only holds
+WAL); ``verify`` says it could not compare that table (one line naming it and the cause), exits 2
+and never says the two sides differ; with ``-v`` the traceback and Spark's warnings are logged.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from applier.sync import sync
+from tests.plugins.cli import applier_script, clean_env, toml_value
+from tests.plugins.clusters import ScratchDb
+from tests.spark.conftest import make_config
+
+pytest.importorskip("pyspark")
+
+SOURCE = """
+CREATE TABLE a (id int PRIMARY KEY, v text);
+INSERT INTO a SELECT g, 'a' || g FROM generate_series(1, 3000) g;
+CREATE TABLE b (id int PRIMARY KEY, n int NOT NULL);
+INSERT INTO b SELECT g, g FROM generate_series(1, 2000) g;
+CREATE PUBLICATION pub FOR TABLE a, b;
+"""
+DENIED = "InsufficientPrivilege: permission denied for table b"
+
+
+@pytest.fixture
+def limited_role(src: ScratchDb) -> Iterator[str]:
+    """A source role with REPLICATION that may read table a but not b."""
+    src.cluster.execute(SOURCE, src.dbname)
+    role = f"limited_{uuid.uuid4().hex[:8]}"
+    src.cluster.execute(f"CREATE ROLE {role} LOGIN REPLICATION; GRANT SELECT ON a TO {role}", src.dbname)
+    try:
+        yield role
+    finally:
+        src.cluster.execute(f"SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                            f"WHERE database = current_database(); DROP OWNED BY {role}; DROP ROLE {role}", src.dbname)
+
+
+def _config_file(path: Path, dsn: str, target_url: str) -> Path:
+    values = {"source": {"dsn": dsn, "slot": "applier", "publications": ["pub"]}, "target": {"url": target_url},
+              "apply": {"work_dir": str(path.parent / "work")}, "spark": {"master": "local[1]", "partitions": 2}}
+    path.write_text("".join(f"[{section}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in keys.items())
+                            for section, keys in values.items()))
+    return path
+
+
+def _applier(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([applier_script(), *args], capture_output=True, text=True, timeout=300, env=clean_env(),
+                          cwd=cwd, stdin=subprocess.DEVNULL)
+
+
+def _slots(src: ScratchDb) -> list[tuple]:
+    return src.cluster.execute("SELECT slot_name FROM pg_replication_slots WHERE database = current_database()",
+                               src.dbname)
+
+
+def test_failing_spark_jobs_give_one_line_per_table_and_exit_2(spark, src: ScratchDb, dst: ScratchDb,
+                                                                limited_role: str, tmp_path: Path) -> None:
+    dsn = src.cluster.dsn(src.dbname, user=limited_role)
+    cfg_file = _config_file(tmp_path / "applier.toml", dsn, dst.url)
+
+    # sync: a is copied, b's tasks fail (twice: the retry): one line naming b and the cause, the slot dropped
+    res = _applier("sync", "-c", str(cfg_file), cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    error = res.stderr[res.stderr.index("applier: error: "):].splitlines()
+    assert error[-1].endswith(f"copying public.b failed: {DENIED}"), res.stderr
+    assert not any("public.a" in line for line in error), res.stderr
+    assert "slot 'applier' dropped: the copy did not complete; `applier sync` creates it again" in res.stderr
+    assert "Traceback" not in res.stderr and " WARN " not in res.stderr
+    assert _slots(src) == []
+
+    # a complete sync (b readable for it), then b unreadable again for verify
+    src.cluster.execute(f"GRANT SELECT ON b TO {limited_role}", src.dbname)
+    cfg = make_config(src, dst.url, tmp_path / "work", **{"source.dsn": dsn})
+    assert sync(cfg, spark=spark).rows == 5000
+    src.cluster.execute(f"REVOKE SELECT ON b FROM {limited_role}", src.dbname)
+
+    res = _applier("verify", "-c", str(cfg_file), cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    out = res.stdout.splitlines()
+    assert "public.a: OK, 3,000 rows, 1024 key ranges agree" in out, res.stdout
+    assert f"public.b: could not compare: {DENIED}" in out, res.stdout
+    assert out[-1] == "verify: could not compare public.b (of 2 tables): no verdict"
+    assert "DIFFER" not in res.stdout and "Traceback" not in res.stderr and " WARN " not in res.stderr
+
+    # -v: the cause's traceback (the executor's Python error inside it) and Spark's warnings
+    res = _applier("-v", "verify", "-c", str(cfg_file), cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert f"public.b: could not compare: {DENIED}" in res.stdout.splitlines()
+    assert "DEBUG applier.verify: comparing public.b failed" in res.stderr
+    assert "Traceback (most recent call last)" in res.stderr and "permission denied for table b" in res.stderr
+    assert " WARN TaskSetManager: Lost task" in res.stderr, res.stderr[-3000:]
