@@ -265,10 +265,11 @@ def first_pending(cfg: Config, conn: psycopg.Connection[Any], applied: LSN) -> i
     options = StreamOptions(tuple(cfg.source["publications"]), proto_version=2, streaming=True)
     flat = [v for pair in options.as_pairs(conn.info.server_version) for v in pair]
     sql = f"SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, %s{', %s' * len(flat)})"
+    conn.execute("SET statement_timeout = '5s'")  # a long way from restart_lsn: better unknown than stuck
     for limit in PEEK_LIMITS:
         try:
             rows = conn.execute(sql, [cfg.source["slot"], limit, *flat]).fetchall()
-        except psycopg.Error:  # taken by an applier meanwhile, or not peekable here
+        except psycopg.Error:  # taken by an applier meanwhile, too slow, or not peekable here
             return -1
         begin: Begin | None = None  # the plain transaction in hand
         streaming: int | None = None  # the xid of the stream block in hand
@@ -280,7 +281,9 @@ def first_pending(cfg: Config, conn: psycopg.Connection[Any], applied: LSN) -> i
                     return begin.commit_time
                 if streaming is not None:
                     changed.add(streaming)
-            elif kind in b"BSEc":
+            elif kind == b"C":
+                begin = None
+            elif kind in (b"B", b"S", b"E", b"c"):
                 msg = decode_message(bytes(data))
                 if isinstance(msg, Begin):
                     begin = msg

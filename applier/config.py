@@ -9,6 +9,7 @@ documents the same keys for people.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +93,12 @@ class Config:
         from applier.target.url import parse_target_url
 
         return parse_target_url(self.target["url"]).backend
+
+    @property
+    def spool_dir(self) -> Path:
+        """Where streamed transactions are spooled: ``apply.work_dir``/spool/<apply.name>, so that appliers
+        sharing a work directory (each with its own name and slot) never touch each other's files."""
+        return Path(self.apply["work_dir"]) / "spool" / re.sub(r"[^A-Za-z0-9_.-]", "_", self.apply["name"])
 
     def where(self, section: str, key: str) -> str:
         """Where a key's value came from, for error messages."""

@@ -34,8 +34,10 @@ Interruptions (resume or restart):
   partitions (same snapshot, still open). The message says so.
 - A sync that fails (after the retry, or for any other reason) drops the slot
   it created and says so: without a completed copy the slot is useless (its
-  snapshot is gone) and would only hold WAL. If dropping fails, it says that
-  the slot is kept, that it holds WAL, and the statement that drops it.
+  snapshot is gone) and would only hold WAL. The slot is active until the
+  closed connection's walsender has exited: the drop waits up to ``DROP_WAIT``
+  seconds for that. If dropping fails, it says that the slot is kept, that it
+  holds WAL, and the statement that drops it.
 - Across runs an exported snapshot cannot be recovered, so a sync row left at
   ``copying`` means the next ``sync`` *restarts*: it says "restarting the
   interrupted sync", empties the published target tables, drops the slot and
@@ -80,7 +82,7 @@ from applier.schema import (
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
 from applier.target.base import quote_ident
-from applier.target.claim import FileClaim, pg_claim, sqlite_claim_path
+from applier.target.claim import FileClaim, claim_target
 
 STATE_DDL = ("CREATE TABLE IF NOT EXISTS applier_sync (name TEXT PRIMARY KEY, state TEXT NOT NULL, run TEXT NOT NULL, "
              "slot TEXT, consistent_point TEXT, started_at TEXT, finished_at TEXT)")
@@ -152,12 +154,7 @@ class TargetDb:
 
     def claim(self, command: str) -> None:
         """Hold ``apply.name``'s progress row until ``close`` (see applier.target.claim); InUseError if taken."""
-        name = self.cfg.apply["name"]
-        if self.dialect == "sqlite":
-            self._claim = FileClaim(sqlite_claim_path(self.where, name))
-            self._claim.acquire(name, command)
-        else:
-            pg_claim(self.conn, name, command)
+        self._claim = claim_target(self.dialect, self.conn, self.where, self.cfg.apply["name"], command)
 
     def close(self) -> None:
         """Close the connection (and give up the claim)."""
@@ -331,9 +328,26 @@ def _slot_row(cfg: Config) -> tuple[bool, int | None] | None:
     return None if row is None else (bool(row[0]), row[1])
 
 
+DROP_WAIT = 10.0  # seconds a slot may stay active after its replication connection closed (its walsender exiting)
+
+
 def _drop_slot(cfg: Config) -> None:
+    """Drop the configured slot.
+
+    A walsender exits asynchronously after its connection closes: until it has, dropping fails with SQLSTATE 55006
+    ("replication slot … is active for PID …"). That is tried again (short sleeps) for up to ``DROP_WAIT`` seconds;
+    then, or on any other error, the error is raised.
+    """
+    deadline = time.monotonic() + DROP_WAIT
     with source_connect(cfg) as conn:
-        conn.execute("SELECT pg_drop_replication_slot(%s)", [cfg.source["slot"]])
+        while True:
+            try:
+                conn.execute("SELECT pg_drop_replication_slot(%s)", [cfg.source["slot"]])
+                return
+            except psycopg.errors.ObjectInUse:
+                if time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.1)
 
 
 def _signature(tables: list[SourceTable]) -> list[tuple[Any, ...]]:

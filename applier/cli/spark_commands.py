@@ -73,8 +73,10 @@ def verify(
 ) -> None:
     """Compare every replicated table, source against target; exit 0 only if they agree.
 
-    Exit 1: they differ; 2: could not compare. Stop `applier run` first: verify takes a source snapshot and
-    applies what is waiting up to exactly that point itself, then compares both sides at that point.
+    Exit 1: some table differs (or is missing on the target), even if others could not be compared; 2: none
+    differs but some could not be compared. The last line names both. Stop `applier run` first: verify takes a
+    source snapshot and applies what is waiting up to exactly that point itself, then compares both sides at
+    that point.
 
     Examples:
 

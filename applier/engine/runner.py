@@ -33,7 +33,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -48,9 +47,8 @@ from applier.progress.store import Progress
 from applier.source.base import SlotInUseError, Source, SourceError
 from applier.source.chunks import ChunkReader
 from applier.source.sql import SqlSlotSource
-from applier.source.walsender import WalSender
+from applier.source.walsender import WalSender, quote_literal
 from applier.target.base import ApplyError
-from applier.target.binary import MONEY_PROBE, money_of_probe
 
 log = logging.getLogger("applier.runner")
 
@@ -96,23 +94,32 @@ def open_target(cfg: Config, applying: bool = True) -> Any:
 def open_source(cfg: Config, progress: Progress, wrap: Callable[[Source], Source] | None = None) -> ChunkReader:
     """The source of the config, started at the recorded position (0/0: the slot's), read in chunks.
 
-    First checks that the progress was recorded from this source cluster and slot (``check_progress_owner``). ``wrap`` filters the frames (``applier verify`` stops at a snapshot's LSN).
+    First checks that the progress belongs to this source cluster and slot (``check_progress_owner``).
+    ``wrap`` filters the frames (``applier verify`` stops at a snapshot's LSN).
     """
     s = cfg.source
     src: Source
     system = None
     money = None  # binary mode: how the session that decodes prints money (applier.target.binary.MONEY_PROBE)
+    if s["binary"]:  # here, not at the top: start-up time (text mode never loads the binary converters)
+        from applier.target.binary import MONEY_PROBE, money_of_probe
     if s["sql_interface"]:
-        check_progress_owner(cfg, progress, None)
-        src = SqlSlotSource(s["dsn"], s["slot"], stream_options(cfg))
-        if s["binary"]:
-            money = money_of_probe(src.conn.execute(MONEY_PROBE).fetchone())
+        src = sql = SqlSlotSource(s["dsn"], s["slot"], stream_options(cfg))
+        try:
+            row = sql.conn.execute(SLOT_CONFIRMED, [s["slot"]]).fetchone()
+            check_progress_owner(cfg, progress, None, LSN.parse(row[0]) if row and row[0] else None)
+            if s["binary"]:
+                money = money_of_probe(sql.conn.execute(MONEY_PROBE).fetchone())
+        except BaseException:
+            sql.close()
+            raise
     else:
         src = ws = WalSender(_session_dsn(s["dsn"]), status_interval=s["status_interval"],
                              connect_timeout=s["connect_timeout"])
         try:
             system = ws.identify_system()["systemid"]
-            check_progress_owner(cfg, progress, system)
+            rows = ws.command(SLOT_CONFIRMED.replace("%s", quote_literal(s["slot"])))
+            check_progress_owner(cfg, progress, system, LSN.parse(rows[0][0]) if rows and rows[0][0] else None)
             if s["binary"]:
                 money = money_of_probe(ws.command(MONEY_PROBE)[0])
             ws.start(s["slot"], progress.lsn, stream_options(cfg))
@@ -124,27 +131,41 @@ def open_source(cfg: Config, progress: Progress, wrap: Callable[[Source], Source
     return reader
 
 
-def check_progress_owner(cfg: Config, progress: Progress, system: str | None) -> None:
-    """The recorded position belongs to this source cluster and this slot; a ConfigError (no retry) if not.
+SLOT_CONFIRMED = "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s"
+
+
+def check_progress_owner(cfg: Config, progress: Progress, system: str | None, confirmed: LSN | None) -> None:
+    """The recorded position belongs to this source cluster and this slot, and the slot has not gone past it;
+    a ConfigError (no retry) if not.
 
     LSNs are positions in one cluster's WAL: from another cluster (a source rebuilt from a dump,
     the DSN pointed elsewhere) the recorded position would skip or repeat that cluster's
     transactions silently. Another slot of the same cluster has its own position: two slots
     feeding one progress row would each deliver every transaction. A progress row without a
-    system or slot (an older one, or one that `applier skip` made) takes this one.
+    system or slot (an older one, or one that `applier skip` made) takes this one. The slot is
+    only ever confirmed up to what the target holds, so a slot ``confirmed`` past the recorded
+    position was made again under the same name, or the target lost what it had (restored from
+    an older backup): the server would silently start after the transactions in between.
     """
     slot = cfg.source["slot"]
-    if progress.slot is not None and progress.slot != slot:
-        raise ConfigError(
-            f"{cfg.where('source', 'slot')}: the target's progress for {cfg.apply['name']!r} (at {progress.lsn}) "
-            f"follows slot {progress.slot!r}, not {slot!r}; each slot delivers every transaction, so two slots "
-            f"must not feed one progress row. Use slot {progress.slot!r}, or give this stream its own apply.name")
+    name = cfg.apply["name"]
     if system is not None and progress.source_system is not None and progress.source_system != system:
         raise ConfigError(
             f"{cfg.where('source', 'dsn')}: the source is PostgreSQL system {system}, but the target's progress "
-            f"for {cfg.apply['name']!r} (at {progress.lsn}) was recorded from system {progress.source_system}; its "
+            f"for {name!r} (at {progress.lsn}) was recorded from system {progress.source_system}; its "
             f"positions mean nothing on this source. Point source.dsn back at that cluster, or replicate into a "
             f"fresh target (`applier init` + `applier sync`)")
+    if progress.slot is not None and progress.slot != slot:
+        raise ConfigError(
+            f"{cfg.where('source', 'slot')}: the target's progress for {name!r} (at {progress.lsn}) "
+            f"follows slot {progress.slot!r}, not {slot!r}; each slot delivers every transaction, so two slots "
+            f"must not feed one progress row. Use slot {progress.slot!r}, or give this stream its own apply.name")
+    if progress.lsn and confirmed is not None and confirmed > progress.lsn:
+        raise ConfigError(
+            f"{cfg.where('source', 'slot')}: slot {slot!r} is confirmed up to {confirmed}, past the target's "
+            f"progress for {name!r} at {progress.lsn}: the transactions in between can no longer be streamed (the "
+            f"slot was made again, or the target restored from an older state). Copy the tables again "
+            f"(`applier sync --force`)")
 
 
 def _session_dsn(dsn: str) -> str:
@@ -194,7 +215,6 @@ class Runner:
         self.summary = Summary()
         every = cfg.apply["heartbeat_interval"]  # catchup: at least every few seconds
         self.heartbeat = heartbeat or Heartbeat(min(every, CATCHUP_EVERY) if catchup and every > 0 else every)
-        self.work_dir = Path(cfg.apply["work_dir"])
         self.fail_lsn = LSN(0)  # where the last session stopped; careful mode lasts until past it
         self.ended_careful = False  # whether the last session was still in careful mode when it ended
 
@@ -262,7 +282,7 @@ class Runner:
             target.claim(self.command)  # before anything is read or applied: one applier per progress row
             progress = target.read_progress()
             engine = ApplyEngine(
-                target, applied=progress.lsn, skip_lsn=progress.skip_lsn, work_dir=self.work_dir / "spool",
+                target, applied=progress.lsn, skip_lsn=progress.skip_lsn, work_dir=cfg.spool_dir,
                 name=cfg.apply["name"],
                 skip_origins=cfg.apply["skip_origins"], group_delay=cfg.apply["group_commit_delay"],
                 careful=careful, binary=cfg.source["binary"])
@@ -278,24 +298,37 @@ class Runner:
             failure = exc
             raise
         finally:
+            self._end_session(target, engine, source, failure)
+
+    def _end_session(self, target: Any, engine: ApplyEngine | None, source: ChunkReader | None,
+                     failure: BaseException | None) -> None:
+        """Close what a session opened, each step whatever the one before did: the engine (rolling back what is
+        open), the record of the failure, the last confirm, the source, the target."""
+        try:
             if engine is not None:
                 self._account(engine)
                 self.fail_lsn = engine.txn.final_lsn if engine.txn is not None else engine.last_commit_end
                 self.ended_careful = engine.careful
                 engine.close()
-            if failure is not None:  # for `applier status`; the target may be the thing that failed
+        finally:
+            try:
+                if failure is not None:  # for `applier status`; the target may be the thing that failed
+                    try:
+                        target.record_error(" ".join(str(failure).split()))
+                    except Exception as exc:  # noqa: BLE001 - best effort: the error is raised and logged anyway
+                        log.debug("could not record the error on the target: %s", exc)
+                if source is not None:
+                    try:
+                        target.wait_durable()
+                        source.confirm(target.durable_lsn())
+                    except Exception as exc:  # noqa: BLE001 - best effort on the way out
+                        log.debug("last confirm failed: %s", exc)
+            finally:
                 try:
-                    target.record_error(" ".join(str(failure).split()))
-                except Exception as exc:  # noqa: BLE001 - best effort: the error is raised and logged anyway
-                    log.debug("could not record the error on the target: %s", exc)
-            if source is not None:
-                try:
-                    target.wait_durable()
-                    source.confirm(target.durable_lsn())
-                except Exception as exc:  # noqa: BLE001 - best effort on the way out
-                    log.debug("last confirm failed: %s", exc)
-                source.close()
-            target.close()
+                    if source is not None:
+                        source.close()
+                finally:
+                    target.close()
 
     def _account(self, engine: ApplyEngine) -> None:
         """Add a session's counts to the summary; the target's recorded position is the engine's."""

@@ -43,10 +43,14 @@ A target column that a column list leaves out (it exists on the source) and
 that has no default must be NULL, as the copy and the stream leave it: it is
 compared with NULL. A table without columns compares its row counts.
 
-Exit status of the command: 0 only when every table agrees; 1 when they
-differ; 2 when some table could not be compared (its Spark job failed, its
-target table is missing): ``TableResult.error`` names the cause, and such a
-report never says the two sides differ (``VerifyReport.status``).
+A target table that does not exist differs (``TableResult.target_missing``):
+the target lacks what the source publishes.
+
+Exit status of the command (``VerifyReport.status``): 0 only when every table
+agrees; 1 when some table differs, whatever else could not be compared (a
+difference is a verdict); 2 when none differs and some table could not be
+compared (its Spark job failed): ``TableResult.error`` names the cause. The
+report's last line names both the differing tables and those not compared.
 """
 
 from __future__ import annotations
@@ -164,12 +168,19 @@ class TableResult:
     extra_on_target: int = 0
     changed: int = 0
     first: list[dict[str, Any]] = field(default_factory=list)
+    target_missing: bool = False  # the target table does not exist: differs (nothing else here means anything)
     error: str | None = None  # could not compare: why (then nothing else here means anything)
 
     @property
     def ok(self) -> bool:
         """The two sides agree."""
-        return self.error is None and self.differing_ranges == 0 and self.source_rows == self.target_rows
+        return (self.error is None and not self.target_missing and self.differing_ranges == 0
+                and self.source_rows == self.target_rows)
+
+    @property
+    def differs(self) -> bool:
+        """The two sides were compared (or the target table is missing) and do not agree."""
+        return self.error is None and not self.ok
 
 
 @dataclass
@@ -192,9 +203,15 @@ class VerifyReport:
         return [t for t in self.tables if t.error is not None]
 
     @property
+    def differing(self) -> list[TableResult]:
+        """The tables that differ."""
+        return [t for t in self.tables if t.differs]
+
+    @property
     def status(self) -> int:
-        """Exit status: 0 every table agrees, 1 some differ, 2 some could not be compared."""
-        return 2 if self.not_compared else 0 if self.ok else 1
+        """Exit status: 1 some table differs (whatever else could not be compared), else 2 some could not be
+        compared, else 0 (every table agrees)."""
+        return 1 if self.differing else 2 if self.not_compared else 0
 
     def as_json(self) -> dict[str, Any]:
         """For --json."""
@@ -211,6 +228,9 @@ class VerifyReport:
             if t.error is not None:
                 out.append(f"{name}: could not compare: {t.error}")
                 continue
+            if t.target_missing:
+                out.append(f"{name}: DIFFERENT: target table {t.target} does not exist")
+                continue
             if t.ok:
                 out.append(f"{name}: OK, {t.source_rows:,} rows, {t.ranges} key ranges agree")
                 continue
@@ -220,12 +240,15 @@ class VerifyReport:
                        f"{t.changed:,} changed)")
             for d in t.first:
                 out.append("  " + _describe(d))
-        if self.not_compared:
-            out.append(f"verify: could not compare {', '.join(t.table for t in self.not_compared)} "
-                       f"(of {len(self.tables)} tables): no verdict")
+        differing, not_compared = self.differing, ", ".join(t.table for t in self.not_compared)
+        if differing:
+            out.append(f"verify: the source and the target DIFFER in {', '.join(t.table for t in differing)} "
+                       f"({len(differing)} of {len(self.tables)} tables)"
+                       + (f"; could not compare {not_compared}" if not_compared else ""))
+        elif not_compared:
+            out.append(f"verify: could not compare {not_compared} (of {len(self.tables)} tables): no verdict")
         else:
-            out.append("verify: the source and the target agree" if self.ok
-                       else "verify: the source and the target DIFFER")
+            out.append("verify: the source and the target agree")
         return out
 
 
@@ -398,8 +421,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                 cols = [c.name for c in t.columns]
                 res_name = t.qualified
                 if not target.exists(t):
-                    report.tables.append(TableResult(res_name, shown, t.key_columns,
-                                                     error=f"target table {shown} does not exist"))
+                    report.tables.append(TableResult(res_name, shown, t.key_columns, target_missing=True))
                     continue
                 if not t.columns:  # nothing but a row count (only a PostgreSQL target can hold such a table)
                     say(f"comparing {t.qualified} (no columns: row counts)")

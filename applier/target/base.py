@@ -20,8 +20,14 @@ anything but DEFAULT, so it leaves out the ones whose value it found the row by
 (they cannot change), and an update that may change one (a key change, a non-key
 identity column) replaces the row in one statement: its DELETE … RETURNING feeds
 an INSERT … OVERRIDING SYSTEM VALUE of the new values, the row's unsent (unchanged
-TOAST) columns and the target's own columns (``carry``). Generated target columns
-are never written: the target computes them.
+TOAST) columns and the target's own columns (``carry``). Replacing is only safe
+when the target session runs with ``session_replication_role = replica``
+(``TargetBase.reorder_tables``): otherwise the DELETE fires triggers and foreign key
+actions (ON DELETE CASCADE would delete child rows). Without it an update that may
+change a non-key ALWAYS column is an UPDATE of the other columns of the row found
+by key *and* the new ALWAYS values; finding none while the key finds the row, or an
+update that changes an ALWAYS key column, is an ApplyError naming the way out.
+Generated target columns are never written: the target computes them.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ class Binding:
 
     __slots__ = ("rel", "table", "qtable", "names", "qnames", "convert", "key_idx", "dialect", "_sql",
                  "text_compare", "keyed", "foldable", "set_based", "pg_types", "plain_convert", "always",
-                 "carry", "show")
+                 "fast_set", "carry", "show")
 
     def __init__(self, rel: Relation, table: str, qtable: str, convert: Sequence[Converter | None],
                  dialect: Dialect, text_compare: Sequence[bool] = ()) -> None:
@@ -84,9 +90,19 @@ class Binding:
         # PostgreSQL target: the columns that are identity GENERATED ALWAYS there, and the target's own
         # (not sent, not generated) columns, quoted: both for ``replace_sql`` (see the module header)
         self.always: frozenset[int] = frozenset()
+        # the columns an update found by an unchanged key sets: every one but the ALWAYS ones (None: an
+        # ALWAYS column outside the key, such updates need ``keeps_always``); see ``set_always``
+        self.fast_set: tuple[int, ...] | None = _ALL_COLUMNS[len(self.names)]
         self.carry: list[str] = []
         # each column's value as text for messages (binary mode: see ``applier.target.binary.value_text``)
         self.show: Sequence[Callable[[bytes], str]] = [_text] * len(self.names)
+
+    def set_always(self, always: frozenset[int]) -> None:
+        """Tell the columns that are identity GENERATED ALWAYS on the target."""
+        self.always = always
+        every = _ALL_COLUMNS[len(self.names)]
+        self.fast_set = (every if not always else tuple([i for i in every if i not in always])
+                         if always.issubset(self.key_idx) else None)
 
     def set_unique_indexes(self, indexes: Sequence[frozenset[str] | None]) -> None:
         """Tell the target table's unique indexes (column names; None: an expression index)."""
@@ -162,13 +178,18 @@ class Binding:
         return cond
 
     def update_sql(self, setcols: tuple[int, ...], locate: tuple[int, ...], nulls: tuple[bool, ...], full: bool) -> str:
-        """UPDATE setting ``setcols`` of the row found by ``locate``."""
+        """UPDATE setting ``setcols`` of the row found by ``locate``.
+
+        No ``setcols`` (every column sent is an ALWAYS one the row is found by): a SELECT of the
+        row, whose row count tells whether it exists, as an UPDATE's would.
+        """
         key = ("U", setcols, locate, nulls, full)
         sql = self._sql.get(key)
         if sql is None:
             ph = self.dialect.placeholder
             sets = ", ".join(f"{self.qnames[i]} = {ph}" for i in setcols)
-            sql = f"UPDATE {self.qtable} SET {sets} WHERE {self.where(locate, nulls, full)}"
+            sql = (f"UPDATE {self.qtable} SET {sets} WHERE {self.where(locate, nulls, full)}" if setcols
+                   else f"SELECT 1 FROM {self.qtable} WHERE {self.where(locate, nulls, full)}")
             self._sql[key] = sql
         return sql
 
@@ -366,18 +387,21 @@ class TargetBase:
         key = tuple(b.key_idx)
         every = _ALL_COLUMNS[len(b.names)]
         plain = (False,) * len(key)
+        fast = b.fast_set  # None: an ALWAYS column outside the key, whose value may change
+        narrow = fast is not None and fast is not every  # ALWAYS key columns: found by them, not set
         for m in rows:
             args = None
-            # the common shape first: an update found by a key without NULLs that sends every column
-            # (and, on a table with ALWAYS identity columns, found by them: ``keeps_always``)
-            if (op == "UPDATE" and b.keyed and m.old_kind is None and UNCHANGED_TOAST not in m.new.kinds
-                    and not b.always):
+            # the common shape first: an update found by an unchanged key without NULLs that sends every column
+            if (op == "UPDATE" and fast is not None and b.keyed and m.old_kind is None
+                    and UNCHANGED_TOAST not in m.new.kinds):
                 args = b.values(m.new, every)
                 where_args = [args[i] for i in key]
                 if None in where_args:
                     args = None
                 else:
-                    sql = b.update_sql(every, key, plain, False)
+                    sql = b.update_sql(fast, key, plain, False)
+                    if narrow:
+                        args = [args[i] for i in fast]
                     args += where_args
             if args is None:
                 t, idx, full = b.locator(op, m.old_kind, m.old, m.new if op == "UPDATE" else None, lsn)
@@ -389,8 +413,14 @@ class TargetBase:
                     elif b.keeps_always(m.new, t, idx):
                         setcols = tuple([i for i in setcols if i not in b.always])
                         sql = b.update_sql(setcols, idx, nulls, full)
-                    else:
+                    elif self.reorder_tables:
                         sql = b.replace_sql(setcols, idx, nulls, full)
+                    else:  # replacing the row would fire triggers and FK actions: run it on its own
+                        if params:
+                            missing += len(params) - self.run_many(run_sql, params)
+                            params, run_sql = [], ""
+                        missing += self._update_keeping_always(b, m.new, t, idx, nulls, full, where_args, lsn)
+                        continue
                     args = b.values(m.new, setcols) + where_args
                 else:
                     sql = b.delete_sql(idx, nulls, full)
@@ -403,6 +433,36 @@ class TargetBase:
         if params:
             missing += len(params) - self.run_many(run_sql, params)
         return missing
+
+    def _update_keeping_always(self, b: Binding, new: TupleData, t: TupleData, idx: tuple[int, ...],
+                               nulls: tuple[bool, ...], full: bool, where_args: list[Any], lsn: LSN) -> int:
+        """An update that may change an ALWAYS column, on a session that may not replace rows (see the module
+        header): the other columns of the row found by ``idx`` and the new ALWAYS values; rows not found (0/1).
+
+        Raises ApplyError (before changing anything) if the update does change an ALWAYS column.
+        """
+        kinds = new.kinds
+        guard = tuple(sorted(i for i in b.always if i not in idx and kinds[i] != UNCHANGED_TOAST))
+        changed = [i for i in sorted(b.always) if i in idx and kinds[i] != UNCHANGED_TOAST
+                   and new.values[i] != t.values[i]]
+        if not changed:
+            setcols = tuple([i for i in present_columns(new) if i not in b.always])
+            gnulls, gargs = b.row_args(new, guard)
+            self.cur.execute(b.update_sql(setcols, idx + guard, nulls + gnulls, full),
+                             b.values(new, setcols) + where_args + gargs)
+            if self.cur.rowcount:
+                return 0
+            self.cur.execute(b.update_sql((), idx, nulls, full), where_args)
+            if not self.cur.rowcount:
+                return 1  # no row has the key: logged and skipped as any update of a missing row
+            changed = list(guard)
+        cols = ", ".join(repr(b.names[i]) for i in changed)
+        raise ApplyError(
+            f"cannot apply UPDATE to table {source_name(b.rel)} at LSN {lsn} (key {b.describe_key(t, idx)}): it "
+            f"changes column{'s' if len(changed) > 1 else ''} {cols}, which target table {b.table} has as GENERATED "
+            f"ALWAYS AS IDENTITY; such a row can only be replaced with session_replication_role = replica, which the "
+            f"target role may not set; connect to the target as a role that may (a superuser on PostgreSQL 15) or "
+            f"make the target column GENERATED BY DEFAULT")
 
     def read_progress(self) -> Progress:
         """The applied position recorded on the target (LSN 0/0 if none)."""

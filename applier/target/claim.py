@@ -3,7 +3,7 @@
 Exactly-once rests on the progress row being written by one process: two
 appliers with the same ``apply.name`` on one target would each read the same
 position and apply every transaction (twice in all). So whoever applies, copies
-or verifies first *claims* the row, and a second process is refused before it
+(``run``, ``catchup``, ``sync``, ``verify`` while it catches up) first *claims* the row, and a second process is refused before it
 applies anything, with one line naming the holder.
 
 - PostgreSQL target: a session-level advisory lock on the applying connection
@@ -26,6 +26,7 @@ import os
 import re
 import socket
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,11 @@ from applier.errors import InUseError
 from applier.target.base import utc_now
 
 
-def who_am_i(command: str) -> str:
-    """How this process describes itself to a second one: command, OS pid, host."""
-    return f"applier {command} (pid {os.getpid()} on {socket.gethostname()})"
+def who_am_i(command: str, limit: int = 0) -> str:
+    """How this process describes itself to a second one: command, OS pid, host (cut to ``limit`` characters,
+    keeping the closing parenthesis, so that ``_gone`` can still read it)."""
+    me = f"applier {command} (pid {os.getpid()} on {socket.gethostname()})"
+    return me if not limit or len(me) <= limit else me[:limit - 1] + ")"
 
 
 def refusal(name: str, holder: str) -> InUseError:
@@ -59,29 +62,39 @@ def pg_claim(conn: Any, name: str, command: str) -> None:
     A holder that was an applier of this host whose process is gone (killed: its backend has not
     noticed yet) is a stale claim: its backend is terminated and the lock taken over.
     """
-    conn.execute("SELECT set_config('application_name', %s, false)", [who_am_i(command)[:63]])
+    conn.execute("SELECT set_config('application_name', %s, false)", [who_am_i(command, 63)])
     deadline = time.monotonic() + STALE_WAIT
     while not conn.execute("SELECT pg_try_advisory_lock(%s)", [pg_lock_key(name)]).fetchone()[0]:
         held = _pg_holder_row(conn, name)
-        if held is not None and not _gone(held[0]):
+        if held is not None and not _gone(held[0], held[1]):
             raise refusal(name, pg_holder(conn, name) or "a session that has since ended; try again")
         if time.monotonic() > deadline:
             raise refusal(name, pg_holder(conn, name) or "a session that will not end; try again")
         if held is not None:
             conn.execute("SELECT pg_terminate_backend(%s)", [held[1]])
         time.sleep(0.1)
+    _HOLDING.add(conn)
 
 
 STALE_WAIT = 10.0  # seconds to wait for a stale holder's backend to go
 
+# The connections of this process that hold a claim now. A process-wide fact, not configuration: a
+# holder naming this process whose backend is none of these is a connection this process lost (the
+# server has not noticed yet), which must not lock the process out of its own progress row.
+_HOLDING: weakref.WeakSet[Any] = weakref.WeakSet()
 
-def _gone(application_name: str | None) -> bool:
-    """True when ``application_name`` names an applier process of this host that no longer exists."""
-    m = re.search(r"\(pid (\d+) on (.+)\)$", application_name or "")
-    if m is None or m[2] != socket.gethostname() or int(m[1]) == os.getpid():
+
+def _gone(application_name: str | None, backend: int) -> bool:
+    """True when the holder (its ``application_name``, its target ``backend`` pid) is an applier of this host
+    that no longer runs, or a connection this process has lost."""
+    m = re.search(r"\(pid (\d+) on ([^)]+)\)$", application_name or "")
+    if m is None or not socket.gethostname().startswith(m[2]):
         return False
+    pid = int(m[1])
+    if pid == os.getpid():
+        return all(c.closed or c.info.backend_pid != backend for c in list(_HOLDING))
     try:
-        os.kill(int(m[1]), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except PermissionError:
@@ -130,10 +143,14 @@ class FileClaim:
         """Take the lock, writing who holds it; raise naming the holder if another process has it."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise refusal(name, self.holder() or "a process that has since ended; try again") from None
+            for attempt in range(10):  # ``holder`` of another process may be looking (a brief shared lock)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if attempt == 9:
+                        raise refusal(name, self.holder() or "a process that has since ended; try again") from None
+                    time.sleep(0.05)
         except BaseException:
             os.close(fd)
             raise
@@ -159,8 +176,35 @@ class FileClaim:
             os.close(fd)
 
     def release(self) -> None:
-        """Give the lock up (closing the file releases it)."""
+        """Give the lock up (closing the file releases it); the file no longer names this process."""
         if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
+
+
+def claim_target(dialect: str, conn: Any, db_path: str, name: str, command: str) -> FileClaim | None:
+    """Claim progress row ``name`` of a target: PostgreSQL on its applying ``conn``, SQLite by the lock file of
+    ``db_path`` (returned: the caller releases it when it closes the target; None for an in-memory database)."""
+    if dialect != "sqlite":
+        pg_claim(conn, name, command)
+        return None
+    if _unshared(db_path):
+        return None
+    claim = FileClaim(sqlite_claim_path(db_path, name))
+    claim.acquire(name, command)
+    return claim
+
+
+def target_holder(dialect: str, conn: Any, db_path: str, name: str) -> str | None:
+    """Who holds progress row ``name`` of a target now (None: nobody); takes nothing."""
+    if dialect != "sqlite":
+        return pg_holder(conn, name)
+    return None if _unshared(db_path) else FileClaim(sqlite_claim_path(db_path, name)).holder()
+
+
+def _unshared(db_path: str) -> bool:
+    """An in-memory SQLite database (or a URI one): no other process can reach it."""
+    return db_path == ":memory:" or db_path.startswith("file:")

@@ -47,7 +47,7 @@ from applier.target.base import (
     quote_ident,
     source_name,
 )
-from applier.target.claim import pg_claim, pg_holder
+from applier.target.claim import claim_target, target_holder
 from applier.target.url import parse_target_url
 
 log = logging.getLogger("applier.target")
@@ -144,6 +144,7 @@ class PostgresTarget(TargetBase):
         max_prepared = int(self.conn.execute("SHOW max_prepared_transactions").fetchone()[0])
         self.native_prepare = two_phase_mode == "prepare" and max_prepared > 0
         self.origin = f"applier_{name}"
+        self.use_origin = use_origin
         self.has_origin = use_origin and self._setup_origin()
 
     @property
@@ -258,7 +259,7 @@ class PostgresTarget(TargetBase):
         if binary:
             b.show = value_texts(rel, types)
         b.pg_types = [tcols[c.name][0] for c in rel.columns]
-        b.always = frozenset(i for i, c in enumerate(rel.columns) if tcols[c.name][2] == "a")
+        b.set_always(frozenset(i for i, c in enumerate(rel.columns) if tcols[c.name][2] == "a"))
         sent = set(b.names)
         b.carry = [quote_ident(n) for n, col in tcols.items() if n not in sent and not col[3]]
         # one statement may apply a batch (rows found by key, no other unique index whose checks a
@@ -431,12 +432,16 @@ class PostgresTarget(TargetBase):
     # -- the claim (applier.target.claim) ----------------------------------------------
 
     def claim(self, command: str) -> None:
-        """Hold this progress row for this session (an advisory lock); InUseError naming the holder if taken."""
-        pg_claim(self.conn, self.name, command)
+        """Hold this progress row for this session (an advisory lock); InUseError naming the holder if taken.
+
+        A stale holder's session also held the replication origin: set up here once it is gone."""
+        claim_target("postgresql", self.conn, "", self.name, command)
+        if self.use_origin and not self.has_origin:
+            self.has_origin = self._setup_origin()
 
     def holder(self) -> str | None:
         """Who applies to this progress row now (None: nobody)."""
-        return pg_holder(self.conn, self.name)
+        return target_holder("postgresql", self.conn, "", self.name)
 
     def close(self) -> None:
         """Roll back anything open and close the connection."""

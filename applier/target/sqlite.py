@@ -17,7 +17,7 @@ from applier.decoder.messages import Relation, TupleData, Type
 from applier.lsn import LSN
 from applier.progress.store import SQLITE_SQL
 from applier.target.base import SQLITE, ApplyError, Binding, TargetBase, present_columns, quote_ident, source_name
-from applier.target.claim import FileClaim, sqlite_claim_path
+from applier.target.claim import FileClaim, claim_target, target_holder
 from applier.target.url import parse_target_url
 from applier.target.values import sqlite_text_converters
 
@@ -60,8 +60,8 @@ class SqliteTarget(TargetBase):
         triggers = self.conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'trigger'").fetchone()[0]
         self.reorder_tables = not fk and not triggers
         self._durable = LSN(0)
-        in_memory = path == ":memory:" or path.startswith("file:")
-        self._claim = None if in_memory else FileClaim(sqlite_claim_path(path, name))
+        self.path = path
+        self._claim: FileClaim | None = None
 
     def target_table(self, rel: Relation) -> tuple[str | None, str]:
         """(None, table) on the target for a source relation."""
@@ -144,12 +144,11 @@ class SqliteTarget(TargetBase):
 
     def claim(self, command: str) -> None:
         """Hold this progress row while this target is open (a lock file); InUseError naming the holder if taken."""
-        if self._claim is not None:
-            self._claim.acquire(self.name, command)
+        self._claim = claim_target("sqlite", None, self.path, self.name, command)
 
     def holder(self) -> str | None:
         """Who applies to this progress row now (None: nobody)."""
-        return None if self._claim is None else self._claim.holder()
+        return target_holder("sqlite", None, self.path, self.name)
 
     def close(self) -> None:
         """Roll back anything open, close the file and give up the claim."""

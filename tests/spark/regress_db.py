@@ -2,8 +2,8 @@
 
 Why: hundreds of tables of nearly every built-in type, inheritance trees,
 partitions, tables without a key, dropped columns: the schemas a new user's
-database has and hand-written test tables do not. ``/work/shared/pg-regress``
-(see its ABOUT.md; ``APPLIER_PG_REGRESS`` elsewhere) holds the SQL of
+database has and hand-written test tables do not. ``../shared/pg-regress`` beside the checkout
+(see its ABOUT.md; ``PG_REGRESS_DIR`` elsewhere) holds the SQL of
 PostgreSQL 11; its scripts run in ``serial_schedule`` order with
 ``psql -v ON_ERROR_STOP=0``, each in its own session as ``pg_regress`` runs
 them. What fails on a newer server or without the ``regress.so`` test library
@@ -28,7 +28,8 @@ import pytest
 
 from applier.embedded import Cluster
 
-PG_REGRESS = Path(os.environ.get("APPLIER_PG_REGRESS", "/work/shared/pg-regress"))
+# ../shared beside the checkout (as CI lays it out), or PG_REGRESS_DIR
+PG_REGRESS = Path(os.environ.get("PG_REGRESS_DIR") or Path(__file__).resolve().parents[3] / "shared" / "pg-regress")
 SKIP = {"tablespace", "largeobject", "event_trigger", "subscription", "publication", "stats", "create_function_1",
         "create_function_2", "password", "misc"}
 

@@ -5,10 +5,13 @@ table ``b``, a real ``permission denied`` in the executors), ``sync`` ends with 
 table and the cause, exit 2, and drops the slot it created (an incomplete copy's slot only holds
 WAL); ``verify`` says it could not compare that table (one line naming it and the cause), exits 2
 and never says the two sides differ; with ``-v`` the traceback and Spark's warnings are logged.
+A table that differs beside one that could not be compared is a verdict: ``verify`` exits 1 and its
+last line names both; a target table that does not exist differs.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -100,3 +103,34 @@ def test_failing_spark_jobs_give_one_line_per_table_and_exit_2(spark, src: Scrat
     assert "DEBUG applier.verify: comparing public.b failed" in res.stderr
     assert "Traceback (most recent call last)" in res.stderr and "permission denied for table b" in res.stderr
     assert " WARN TaskSetManager: Lost task" in res.stderr, res.stderr[-3000:]
+
+
+def test_verify_names_a_difference_beside_a_table_it_could_not_compare(spark, src: ScratchDb, dst: ScratchDb,
+                                                                       limited_role: str, tmp_path: Path) -> None:
+    dsn = src.cluster.dsn(src.dbname, user=limited_role)
+    cfg_file = _config_file(tmp_path / "applier.toml", dsn, dst.url)
+    src.cluster.execute(f"GRANT SELECT ON b TO {limited_role}", src.dbname)
+    assert sync(make_config(src, dst.url, tmp_path / "work", **{"source.dsn": dsn}), spark=spark).rows == 5000
+    src.cluster.execute(f"REVOKE SELECT ON b FROM {limited_role}", src.dbname)
+
+    # a differs (a row lost on the target), b cannot be read: the difference is the verdict, both are named
+    dst.cluster.execute("DELETE FROM a WHERE id = 7", dst.dbname)
+    res = _applier("verify", "-c", str(cfg_file), cwd=tmp_path)
+    assert res.returncode == 1, res.stdout + res.stderr
+    out = res.stdout.splitlines()
+    assert any(line.startswith("public.a: DIFFERENT: source 3,000 rows, target 2,999 rows;") for line in out), out
+    assert "  (id)=('7'): missing on the target; source row {id: '7', v: 'a7'}" in out, out
+    assert f"public.b: could not compare: {DENIED}" in out, out
+    assert out[-1] == "verify: the source and the target DIFFER in public.a (1 of 2 tables); could not compare public.b"
+    assert "Traceback" not in res.stderr
+
+    # a target table that does not exist differs too (the target lacks what the source publishes); --json agrees
+    dst.cluster.execute("DROP TABLE a", dst.dbname)
+    res = _applier("verify", "-c", str(cfg_file), "--json", cwd=tmp_path)
+    assert res.returncode == 1, res.stdout + res.stderr
+    report = json.loads(res.stdout)
+    assert (report["ok"], report["status"]) == (False, 1)
+    tables = {t["table"]: t for t in report["tables"]}
+    assert (tables["public.a"]["ok"], tables["public.a"]["target_missing"], tables["public.a"]["error"]) == \
+        (False, True, None)
+    assert (tables["public.b"]["ok"], tables["public.b"]["error"]) == (False, DENIED)

@@ -6,11 +6,15 @@ nothing missing); a partition written
 twice in one run is written once; a slot that exists without a completed copy
 is dropped and created again, with a message; a completed sync is not repeated
 by accident, and not into tables that hold rows; an incompatible target table
-is reported by table and column before anything is written.
+is reported by table and column before anything is written. The slot of a
+failed copy is dropped once its walsender has exited (that takes a moment after
+the connection closes), and said to be kept only if it stays in use.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,9 +23,11 @@ import pytest
 from applier.admin import init, read_progress
 from applier.lsn import LSN
 from applier.schema import SchemaError
+from applier.source.base import StreamOptions
+from applier.source.walsender import WalSender
 from applier.spark.copy import PARTS_DDL, write_pg_partition
 from applier.spark.verify import verify
-from applier.sync import SyncError, sync
+from applier.sync import SyncError, _drop_incomplete_slot, sync
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config, target_exec
 
@@ -139,3 +145,43 @@ def test_mismatched_target_tables_are_reported_by_table_and_column(src: ScratchD
     assert "(source public.b), column n: missing on the target" in msg
     assert "(source public.b), column extra: NOT NULL on the target without a default" in msg
     assert _slot(src, "applier") is None
+
+
+def test_a_failed_syncs_slot_is_dropped_once_it_is_no_longer_active(src: ScratchDb, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    src.cluster.execute("CREATE TABLE a (id int PRIMARY KEY); CREATE PUBLICATION pub FOR TABLE a", src.dbname)
+    cfg = make_config(src, f"sqlite:///{tmp_path / 'replica.db'}", tmp_path / "work")
+
+    def streaming() -> WalSender:
+        """A replication connection streaming from the slot: the slot is active until its walsender exits."""
+        ws = WalSender(src.dsn)
+        ws.start("applier", LSN(0), StreamOptions(publications=("pub",)))
+        assert _slot(src, "applier")[1] is True
+        return ws
+
+    WalSender(src.dsn).create_slot("applier")
+    holder = streaming()
+    try:
+        # still active when the drop starts (as right after sync closes its connection): dropped once it is not
+        said: list[str] = []
+        threading.Timer(1.0, holder.close).start()
+        started = time.monotonic()
+        _drop_incomplete_slot(cfg, said.append)
+        assert time.monotonic() - started >= 1.0
+        assert said == ["slot 'applier' dropped: the copy did not complete; `applier sync` creates it again"]
+        assert _slot(src, "applier") is None
+
+        # active for longer than the drop waits: kept, and said how to drop it
+        WalSender(src.dsn).create_slot("applier")
+        holder = streaming()
+        monkeypatch.setattr("applier.sync.DROP_WAIT", 0.5)
+        said.clear()
+        _drop_incomplete_slot(cfg, said.append)
+        assert len(said) == 1 and said[0].startswith("slot 'applier' is kept (replication slot \"applier\" is "
+                                                     "active for PID "), said
+        assert said[0].endswith("it holds WAL on the source until dropped: SELECT pg_drop_replication_slot('applier')")
+        assert _slot(src, "applier") is not None
+    finally:
+        holder.close()
+        src.cluster.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                            "WHERE database = current_database()", src.dbname)

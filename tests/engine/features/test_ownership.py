@@ -7,12 +7,14 @@ slot; a second applier is refused before it applies anything, with one line nami
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 
 import psycopg
 import pytest
@@ -22,6 +24,7 @@ from applier.config import ConfigError
 from applier.engine.runner import Runner
 from applier.errors import InUseError
 from applier.source.base import SlotInUseError
+from applier.target import claim
 from applier.target.claim import pg_lock_key
 from tests.engine.features.conftest import Rig, applier_argv, run_cli
 from tests.plugins.cli import clean_env
@@ -51,24 +54,30 @@ def _second_slot(rig: Rig) -> str:
     return other
 
 
+@contextlib.contextmanager
+def _daemon(rig: Rig) -> Iterator[None]:
+    """``applier run`` (in-process, a thread) until the block ends; then stopped and joined."""
+    stop = threading.Event()
+    thread = threading.Thread(target=Runner(rig.cfg(apply_group_commit_delay=0.0), catchup=False, stop=stop).run)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(30)
+
+
 def test_a_second_applier_on_one_progress_row_is_refused_before_applying(rig: Rig) -> None:
     """The finding: two appliers (same apply.name and target, different slots) both applied every row."""
     _table(rig)
     other = _second_slot(rig)
-    stop = threading.Event()
-    daemon = Runner(rig.cfg(apply_group_commit_delay=0.0), catchup=False, stop=stop)
-    thread = threading.Thread(target=daemon.run)
-    thread.start()
-    try:
+    with _daemon(rig):
         _wait_for(lambda: _count(rig) == 100, "the daemon to apply the first rows")
         with pytest.raises(InUseError) as refused:
             Runner(rig.cfg(source_slot=other), catchup=True).run()
         assert "applier run (pid" in str(refused.value) and "apply.name 'applier'" in str(refused.value)
         rig.src("INSERT INTO t SELECT g, 'w' FROM generate_series(101, 150) g")
         _wait_for(lambda: _count(rig) == 150, "the daemon to apply the later rows")
-    finally:
-        stop.set()
-        thread.join(30)
     assert _count(rig) == 150 and rig.tgt("SELECT count(DISTINCT id) FROM t")[0][0] == 150
     # the daemon is gone, but the progress row follows the first slot: the other slot is refused too
     with pytest.raises(ConfigError, match=f"follows slot '{rig.slot}', not '{other}'"):
@@ -107,11 +116,7 @@ def test_second_process_is_refused_with_one_line_naming_the_first(cli_rig: Rig) 
 def test_a_slot_in_use_is_named_with_its_pid_catchup_ends_and_run_waits(rig: Rig) -> None:
     """Another consumer streams from the slot: catchup exits with the PID, run waits saying so."""
     _table(rig)
-    stop = threading.Event()
-    daemon = Runner(rig.cfg(apply_group_commit_delay=0.0), catchup=False, stop=stop)
-    thread = threading.Thread(target=daemon.run)
-    thread.start()
-    try:
+    with _daemon(rig):
         _wait_for(lambda: _count(rig) == 100, "the daemon to apply")
         pid = rig.src("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", [rig.slot])[0][0]
         # another replica (its own apply.name, so the target's claim does not stop it) on the same slot
@@ -129,9 +134,6 @@ def test_a_slot_in_use_is_named_with_its_pid_catchup_ends_and_run_waits(rig: Rig
         _, err = waiting.communicate(timeout=60)
         assert waiting.returncode == 0, err
         assert "is in use: active for PID" in err and "waiting" in err and "connection problem" not in err
-    finally:
-        stop.set()
-        thread.join(30)
     assert _count(rig) == 100
 
 
@@ -212,3 +214,35 @@ def test_a_claim_left_by_a_killed_applier_is_taken_over(rig: Rig) -> None:
             stale.execute("SELECT 1")
     finally:
         stale.close()
+
+
+def test_a_slot_made_again_past_the_target_is_refused(rig: Rig) -> None:
+    """A slot recreated under its name starts after what the target holds: the gap would be lost silently."""
+    _table(rig, 5)
+    rig.catchup()
+    applied = rig.progress_lsn()
+    rig.src("SELECT pg_drop_replication_slot(%s)", [rig.slot])
+    rig.src("INSERT INTO t VALUES (6, 'lost')")  # committed while no slot existed: no slot can deliver it
+    rig.src("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", [rig.slot])
+    for sql_interface in (False, True):
+        with pytest.raises(ConfigError, match=f"confirmed up to .* past the target's progress for 'applier' at {applied}"):
+            Runner(rig.cfg(source_sql_interface=sql_interface), catchup=True).run()
+    assert _count(rig) == 5
+
+
+@pytest.mark.parametrize("target_kind", ["postgresql"])
+def test_a_connection_this_process_lost_does_not_lock_it_out(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our own earlier session (dropped on the client side, its backend still there) is stale, long host names too."""
+    monkeypatch.setattr(claim.socket, "gethostname", lambda: "ip-10-0-12-34.eu-west-1.compute.internal.example")
+    _table(rig, 4)
+    assert rig.target is not None
+    lost = psycopg.connect(rig.target.dsn, autocommit=True)
+    try:
+        lost.execute("SELECT set_config('application_name', %s, false)", [claim.who_am_i("run", 63)])
+        lost.execute("SELECT pg_advisory_lock(%s)", [pg_lock_key("applier")])
+        rig.catchup()
+        assert _count(rig) == 4
+        with pytest.raises(psycopg.OperationalError):
+            lost.execute("SELECT 1")
+    finally:
+        lost.close()

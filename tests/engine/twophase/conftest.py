@@ -366,7 +366,7 @@ class TpRig(TargetSide):
         return status(self.cfg())["prepared_waiting"]
 
     def spool_dir(self) -> Path:
-        return self.work_dir / "spool"
+        return self.cfg().spool_dir
 
     def spool_size(self, xid: int) -> int:
         """Bytes in the spool file of ``xid`` (-1 when there is none)."""

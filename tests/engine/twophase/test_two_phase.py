@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from applier.admin import init
+from applier.admin import init, status
 from applier.config import ConfigError
 from applier.decoder.messages import StreamPrepare
 from applier.embedded import Cluster
@@ -213,7 +213,9 @@ def test_restart_between_prepare_and_commit_finds_it(tp: TpRig) -> None:
     before = rig.progress()
     rig.tgt_script(_FAIL_ONCE)
     summary = rig.catchup()              # prepares, fails on the progress, retries: finds it prepared
-    assert rig.tgt("SELECT last_value FROM fail_once") == [(2,)], "the failure was not injected"
+    # 1: the injected failure, 2: the error recorded for `applier status`, 3: the retry's progress
+    assert rig.tgt("SELECT last_value FROM fail_once") == [(3,)], "the failure was not injected"
+    assert "injected failure writing the progress" in status(rig.cfg())["last_error"]
     assert summary.skipped >= 1
     assert rig.progress() > before
     assert_waiting(rig, {"g1": x1})
@@ -226,7 +228,7 @@ def test_restart_between_prepare_and_commit_finds_it(tp: TpRig) -> None:
     rig.tgt("SELECT setval('fail_once', 1, false)")
     before = rig.progress()
     rig.catchup()
-    assert rig.tgt("SELECT last_value FROM fail_once") == [(2,)]
+    assert rig.tgt("SELECT last_value FROM fail_once") == [(3,)]
     assert rig.progress() > before
     assert_waiting(rig, {"g1": x1, "g2": x2})
     assert rig.ids() == {1}
