@@ -25,6 +25,7 @@ from applier.lsn import LSN
 from applier.progress.store import HEAD_REVISION, PG_SQL, SQLITE_SQL, VERSION_TABLE, Progress
 from applier.source.base import SourceError, StreamOptions
 from applier.source.walsender import WalSender
+from applier.text import one_line
 
 
 def source_connect(cfg: Config) -> psycopg.Connection[Any]:
@@ -33,7 +34,7 @@ def source_connect(cfg: Config) -> psycopg.Connection[Any]:
         return psycopg.connect(cfg.source["dsn"], autocommit=True, connect_timeout=cfg.source["connect_timeout"])
     except psycopg.Error as exc:
         raise ConfigError(f"{cfg.where('source', 'dsn')}: cannot connect to the source "
-                          f"({redact_dsn(cfg.source['dsn'])}): {' '.join(str(exc).split())}") from None
+                          f"({redact_dsn(cfg.source['dsn'])}): {one_line(exc)}") from None
 
 
 def check_source(cfg: Config, need_slot: bool = True) -> dict[str, Any]:
@@ -75,21 +76,21 @@ def target_db(cfg: Config) -> Iterator[Any]:
     """A DB-API connection to the target (psycopg or sqlite3), committed when the block ends without error.
 
     The apply commands check the target through this rather than SQLAlchemy, whose import alone
-    would add ~0.2 s to every start (see applier.target.url).
+    would add ~0.2 s to every start (see applier.targets.url).
     """
     url = cfg.target["url"]
     try:
         if cfg.target_dialect == "sqlite":
-            from applier.target.sqlite import sqlite_path
+            from applier.targets.sqlite import sqlite_path
 
             conn: Any = sqlite3.connect(sqlite_path(url), timeout=30)
         else:
-            from applier.target.postgres import libpq_dsn
+            from applier.targets.postgres import libpq_dsn
 
             conn = psycopg.connect(libpq_dsn(url), connect_timeout=cfg.source["connect_timeout"])
     except (psycopg.Error, sqlite3.Error) as exc:
         raise ConfigError(f"{cfg.where('target', 'url')}: cannot open the target "
-                          f"({redact_dsn(url)}): {' '.join(str(exc).split())[:300]}") from None
+                          f"({redact_dsn(url)}): {one_line(exc)[:300]}") from None
     try:
         yield conn
         conn.commit()
@@ -112,7 +113,7 @@ def _revision(cfg: Config, conn: Any) -> str | None:
 def check_target(cfg: Config, need_init: bool = True) -> str | None:
     """Target reachable and (if needed) its control tables at the newest revision; returns the revision."""
     if need_init and cfg.target_dialect == "sqlite":  # opening a missing file would create it
-        from applier.target.sqlite import sqlite_path
+        from applier.targets.sqlite import sqlite_path
 
         path = sqlite_path(cfg.target["url"])
         if path != ":memory:" and not path.startswith("file:") and not Path(path).exists():
@@ -123,7 +124,7 @@ def check_target(cfg: Config, need_init: bool = True) -> str | None:
             rev = _revision(cfg, conn)
         except (psycopg.Error, sqlite3.Error) as exc:
             raise ConfigError(f"{cfg.where('target', 'url')}: cannot read the target's control tables "
-                              f"({redact_dsn(cfg.target['url'])}): {' '.join(str(exc).split())[:300]}") from None
+                              f"({redact_dsn(cfg.target['url'])}): {one_line(exc)[:300]}") from None
     if need_init and rev != HEAD_REVISION:
         raise ConfigError(f"{cfg.where('target', 'url')}: the target's control tables are "
                           f"{'missing' if rev is None else f'at revision {rev}'}; run `applier init`")
@@ -157,14 +158,14 @@ def init(cfg: Config) -> list[str]:
 
 
 def _check_prepared_allowed(cfg: Config) -> None:
-    from applier.target.postgres import libpq_dsn
+    from applier.targets.postgres import libpq_dsn
 
     try:
         with psycopg.connect(libpq_dsn(cfg.target["url"]), autocommit=True) as conn:
             n = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
     except psycopg.Error as exc:
         raise ConfigError(f"{cfg.where('target', 'url')}: cannot connect to the target: "
-                          f"{' '.join(str(exc).split())}") from None
+                          f"{one_line(exc)}") from None
     if n == 0:
         raise ConfigError(f"{cfg.where('source', 'two_phase')}: the target has max_prepared_transactions = 0; "
                           f"set it above 0 on the target, or target.two_phase_mode = \"table\"")
@@ -204,7 +205,7 @@ def status(cfg: Config) -> dict[str, Any]:
       the WAL between the applied position and the source's, and the age of the oldest change not
       yet applied (the first pending transaction's commit time, read without consuming the slot;
       while an applier streams, the walsender's own flush lag);
-    - ``running``: who holds the target's progress row now (applier.target.claim), or null;
+    - ``running``: who holds the target's progress row now (applier.targets.claim), or null;
     - the last error and when, prepared transactions waiting, a pending skip.
     ``slot_exists`` False is what the CLI turns into a non-zero exit.
     """

@@ -90,7 +90,7 @@ class Config:
     @property
     def target_dialect(self) -> str:
         """'postgresql' or 'sqlite'."""
-        from applier.target.url import parse_target_url
+        from applier.targets.url import parse_target_url
 
         return parse_target_url(self.target["url"]).backend
 
@@ -197,7 +197,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if url is None:
         return Config(values["source"], values["target"], values["apply"], values["spark"],
                       Path(path) if path is not None else None, origin)
-    from applier.target.url import parse_target_url
+    from applier.targets.url import parse_target_url
 
     try:
         backend = parse_target_url(url).backend

@@ -16,7 +16,7 @@ from pathlib import Path
 from applier.admin import init
 from applier.config import load_config
 from applier.engine.runner import Runner
-from applier.target.sqlite import SqliteTarget  # noqa: F401 - the demo's target kind
+from applier.targets.sqlite import SqliteTarget  # noqa: F401 - the demo's target kind
 
 SCHEMA = """
 CREATE TABLE customers (id bigint PRIMARY KEY, name text NOT NULL, email text, vip boolean DEFAULT false);

@@ -6,6 +6,10 @@ Invariant: each names what is wrong and where; none carries a secret.
 from __future__ import annotations
 
 
+class ApplyError(RuntimeError):
+    """A change could not be applied; the message names operation, table, key and LSN."""
+
+
 class InUseError(RuntimeError):
     """Another process holds what this one needs (the target's progress row, the replication slot).
 

@@ -17,6 +17,7 @@ from applier.lsn import LSN
 from applier.source.base import Source, SourceError, StreamOptions
 from applier.source.sql import SqlSlotSource
 from applier.source.walsender import WalSender
+from applier.text import one_line
 
 
 def stream_options(cfg: Config) -> StreamOptions:
@@ -63,7 +64,7 @@ def current_wal_insert_lsn(dsn: str, flush: bool = False) -> LSN:
                 conn.execute("SELECT pg_current_xact_id()")
             return lsn
     except psycopg.Error as exc:
-        raise SourceError(f"cannot read the source's WAL position: {' '.join(str(exc).split())}") from None
+        raise SourceError(f"cannot read the source's WAL position: {one_line(exc)}") from None
 
 
 def record_stream(cfg: Config, out: Path, limit: int | None = None, until: LSN | None = None,

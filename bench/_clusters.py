@@ -352,12 +352,12 @@ class ProgressProbe:
     def __init__(self, target_url: str, name: str) -> None:
         self.name = name
         if target_url.startswith("sqlite:"):
-            from applier.target.sqlite import sqlite_path
+            from applier.targets.sqlite import sqlite_path
 
             self.conn: Any = sqlite3.connect(sqlite_path(target_url), isolation_level=None, timeout=1)
             self.query = "SELECT lsn FROM applier_progress WHERE name = ?"
         else:
-            from applier.target.postgres import libpq_dsn
+            from applier.targets.postgres import libpq_dsn
 
             self.conn = psycopg.connect(libpq_dsn(target_url), autocommit=True)
             self.query = "SELECT lsn FROM applier_progress WHERE name = %s"

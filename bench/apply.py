@@ -247,7 +247,7 @@ class Bench:
                     dst.execute("CHECKPOINT")
                 res[f"profile_{t}"] = C.run_applier_profiled(overrides[f"prof_{t}"])
             except Exception as exc:  # noqa: BLE001 - report and go on
-                res[f"profile_{t}"] = {"error": _one_line(exc)}
+                res[f"profile_{t}"] = {"error": one_line(exc)}
         self.cleanup(w)
         return res
 
@@ -266,7 +266,7 @@ class Bench:
             try:
                 step()
             except Exception as exc:  # noqa: BLE001 - clean up what can be
-                log(f"  clean-up: {_one_line(exc)}")
+                log(f"  clean-up: {one_line(exc)}")
 
     def _consumer(self, fn: Any, changes: int, checkpoint_target: bool = False) -> dict[str, Any]:
         """Run one timed consumer; its result with rows/s, or its error (the others still run).
@@ -280,10 +280,10 @@ class Bench:
         try:
             out = fn()
         except Exception as exc:  # noqa: BLE001 - one consumer failing must not stop the others
-            log(f"    FAILED: {_one_line(exc)}")
+            log(f"    FAILED: {one_line(exc)}")
             if os.environ.get("BENCH_TRACEBACK"):
                 traceback.print_exc()
-            return {"error": _one_line(exc)}
+            return {"error": one_line(exc)}
         after = (C.checkpoint_count(self.src), C.checkpoint_count(self.dst))
         out["checkpoints_during"] = (after[0] - before[0]) + (after[1] - before[1])
         out["rows_per_s"] = changes / out["seconds"] if out.get("seconds") else None
@@ -346,8 +346,8 @@ def _config_kwargs(o: dict[str, Any]) -> dict[str, Any]:
             "target_url": o["target.url"], "name": o["apply.name"], "work_dir": Path(o["apply.work_dir"])}
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:1000]
+def one_line(exc: BaseException) -> str:
+    return one_line(exc)[:1000]
 
 
 # -- results ------------------------------------------------------------------------------------------------------
@@ -532,11 +532,11 @@ def run(args: argparse.Namespace) -> int:
                 try:
                     r = bench.measure(w)
                 except Exception as exc:  # noqa: BLE001 - one workload failing must not lose the others
-                    log(f"{w.key} FAILED: {_one_line(exc)}")
+                    log(f"{w.key} FAILED: {one_line(exc)}")
                     if os.environ.get("BENCH_TRACEBACK"):
                         traceback.print_exc()
                     bench.cleanup(w)
-                    r = {"title": w.title, "params": w.params, "error": _one_line(exc)}
+                    r = {"title": w.title, "params": w.params, "error": one_line(exc)}
                 r["ratios"] = ratios(r)
                 results[w.key] = r
     finally:

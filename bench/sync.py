@@ -8,7 +8,7 @@ after the other, into a fresh target database each time:
 1. reference: ``pg_dump --data-only -t orders -t wide SRC | psql -q TGT`` into
    tables created beforehand from ``pg_dump --schema-only`` (untimed); wall
    time of the pipeline;
-2. applier: ``applier.sync.sync`` with ``spark.partitions`` = 1, 2, 4 (local
+2. applier: ``applier.migrate.sync.sync`` with ``spark.partitions`` = 1, 2, 4 (local
    master, ``--master``); the copy time is from the start of the first table's
    Spark job to the end of the last one (``SyncResult.copy_seconds``: slot and
    table creation, the catalog reads and the final commit are outside it; the
@@ -116,7 +116,7 @@ def run_pg_dump(src: Cluster, tgt: Cluster, install: Any, db: str) -> float:
 def run_sync(src: Cluster, tgt: Cluster, db: str, partitions: int, master: str, spark: Any, work: Path,
              slot: str) -> tuple[float, float]:
     """One applier sync into database ``db``; (copy seconds, whole sync seconds)."""
-    from applier.sync import sync
+    from applier.migrate.sync import sync
 
     cfg = load_config(None, {"source.dsn": src.dsn("src"), "source.slot": slot, "source.publications": ["bench_pub"],
                              "target.url": tgt.url(db), "apply.work_dir": str(work), "spark.master": master,
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = [int(p) for p in args.partitions.split(",")]
     install = find_install(args.pg)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from applier.spark.session import spark_session
+    from applier.migrate.spark.session import spark_session
 
     sizes = {"orders": args.rows * 7 // 10, "wide": args.rows - args.rows * 7 // 10}
     load_start = os.getloadavg()
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         src.execute("CREATE TABLE warm AS SELECT g AS id FROM generate_series(1, 10000) g; "
                     "CREATE PUBLICATION warm_pub FOR TABLE warm", "src")
         tgt.create_database("warm")
-        from applier.sync import sync
+        from applier.migrate.sync import sync
         sync(load_config(None, {"source.dsn": src.dsn("src"), "source.slot": "warm", "source.publications": ["warm_pub"],
                                 "target.url": tgt.url("warm"), "apply.work_dir": str(work), "spark.master": args.master,
                                 "spark.partitions": max(parts)}, env={}), spark=spark)

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from applier.cli.main import (
+from applier.cli.root import (
     ConfigOpt,
     DsnOpt,
     PubOpt,
@@ -121,8 +121,9 @@ def run(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publ
 @app.command()
 def status(config: ConfigOpt = None, as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
            dsn: DsnOpt = None, slot: SlotOpt = None, target: TargetOpt = None) -> None:
-    """Where the replica stands: applied position, lag (bytes, seconds), whether an applier runs now, the last
-    error, prepared transactions waiting. Exits 2 when the slot is missing.
+    """Where the replica stands: applied position, lag, who applies now, the last error; exit 2 without a slot.
+
+    Lag is 0 when everything the slot sent is applied. Also shows prepared transactions waiting.
 
     Examples:
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from applier.cli.main import ConfigOpt, DsnOpt, PubOpt, SlotOpt, TargetOpt, app, fail, run_guarded
+from applier.cli.root import ConfigOpt, DsnOpt, PubOpt, SlotOpt, TargetOpt, app, fail, run_guarded
 from applier.config import Config, load_config
 
 MasterOpt = Annotated[str | None, typer.Option("--master", help="Spark master (spark.master), e.g. local[4] or "
@@ -47,8 +47,8 @@ def sync(
 
       applier sync -c applier.toml --master spark://spark-master:7077 --partitions 16
     """
-    from applier.spark.progress import open_reporter
-    from applier.sync import sync as do_sync
+    from applier.migrate.spark.progress import open_reporter
+    from applier.migrate.sync import sync as do_sync
 
     def go() -> None:
         cfg = _config(config, dsn, slot, publication, target, master, partitions)
@@ -84,7 +84,7 @@ def verify(
 
       applier verify -c applier.toml --json --keys 100 > report.json
     """
-    from applier.spark.verify import verify as do_verify
+    from applier.migrate.spark.verify import verify as do_verify
 
     def go() -> Any:
         cfg = _config(config, dsn, slot, publication, target, master, partitions)

@@ -12,13 +12,13 @@ import struct
 import time
 from typing import NamedTuple
 
+from applier.decoder.messages import PG_EPOCH_UNIX
 from applier.decoder.pgoutput import DecodeError
 from applier.lsn import LSN
 
 _W = struct.Struct(">QQq")
 _K = struct.Struct(">QqB")
 _R = struct.Struct(">cQQQqB")
-_PG_EPOCH_UNIX = 946684800  # 2000-01-01 in Unix seconds
 
 
 class XLogData(NamedTuple):
@@ -69,7 +69,7 @@ def read_frame(data: bytes | memoryview) -> Frame:
 
 def now_pg_micros() -> int:
     """The current time as microseconds since 2000-01-01 UTC."""
-    return int((time.time() - _PG_EPOCH_UNIX) * 1_000_000)
+    return int((time.time() - PG_EPOCH_UNIX) * 1_000_000)
 
 
 def encode_standby_status(write: int, flush: int, apply: int, reply: bool = False, now: int | None = None) -> bytes:

@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 from applier.lsn import LSN
 
-PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
+PG_EPOCH_UNIX = 946684800  # 2000-01-01 UTC, where PostgreSQL's timestamps count from, in Unix seconds
+PG_EPOCH = datetime.fromtimestamp(PG_EPOCH_UNIX, UTC)
 
 # TupleData column kinds, as they appear on the wire.
 NULL = ord("n")

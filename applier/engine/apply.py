@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -50,9 +51,11 @@ from applier.decoder.messages import (
 )
 from applier.decoder.pgoutput import decode_message
 from applier.engine.batch import Batch
-from applier.engine.spool import _HEAD, Spool, SpoolSet, records
+from applier.engine.spool import Spool, SpoolSet, record, records
+from applier.errors import ApplyError
 from applier.lsn import LSN
-from applier.target.base import ApplyError, Binding, describe_values, log_missing, source_name
+from applier.targets.base import Binding, describe_values, log_missing, source_name
+from applier.text import one_line
 
 log = logging.getLogger("applier.engine")
 
@@ -72,17 +75,25 @@ class Stats:
         self.started = time.monotonic()
 
 
+class Skip(enum.Enum):
+    """Why a source transaction is not applied (a ``SourceTxn.skip`` of None: it is)."""
+
+    APPLIED_BEFORE = "applied before"  # it ends before the applied position: the server sent it again
+    ASKED = "asked"  # `applier skip --lsn` named it: skipped once, the skip cleared with its progress
+    ORIGIN = "origin"  # its origin is in apply.skip_origins
+    PREPARED_BEFORE = "prepared before"  # prepared on the target already (a restart between PREPARE and progress)
+
+
 class SourceTxn:
     """The source transaction being applied."""
 
-    __slots__ = ("xid", "final_lsn", "skip", "origin", "why", "spool")
+    __slots__ = ("xid", "final_lsn", "skip", "origin", "spool")
 
-    def __init__(self, xid: int, final_lsn: LSN, skip: bool, why: str = "") -> None:
+    def __init__(self, xid: int, final_lsn: LSN, skip: Skip | None) -> None:
         self.xid = xid
         self.final_lsn = final_lsn
         self.skip = skip
         self.origin: str | None = None
-        self.why = why
         self.spool: Spool | None = None  # a prepared transaction kept in the target's table: its changes
 
 
@@ -192,24 +203,23 @@ class ApplyEngine:
 
     def handle_begin(self, m: Begin) -> None:
         """Start a source transaction; decide whether it is skipped."""
-        skip, why = self.should_skip(m.final_lsn)
-        self.txn = SourceTxn(m.xid, m.final_lsn, skip, why)
+        self.txn = SourceTxn(m.xid, m.final_lsn, self.should_skip(m.final_lsn))
 
-    def should_skip(self, final_lsn: LSN) -> tuple[bool, str]:
-        """(skip?, why) for a transaction finishing at ``final_lsn``."""
+    def should_skip(self, final_lsn: LSN) -> Skip | None:
+        """Why a transaction finishing at ``final_lsn`` is skipped (None: it is applied)."""
         if final_lsn < self.applied:
-            return True, "applied before"
+            return Skip.APPLIED_BEFORE
         if self.skip_lsn is not None and final_lsn == self.skip_lsn:
             log.warning("skipping the transaction finished at %s, as asked by `applier skip`", final_lsn)
-            return True, "skip"
-        return False, ""
+            return Skip.ASKED
+        return None
 
     def handle_origin(self, m: Origin) -> None:
         """Remember the origin; skip the transaction if its origin is in ``skip_origins``."""
         if self.txn is not None:
             self.txn.origin = m.name
             if m.name in self.skip_origins and not self.txn.skip:
-                self.txn.skip, self.txn.why = True, f"origin {m.name}"
+                self.txn.skip = Skip.ORIGIN
 
     def handle_commit(self, m: Commit) -> None:
         """End the source transaction; its end LSN becomes the group's progress."""
@@ -223,15 +233,15 @@ class ApplyEngine:
         self.txn = None
         if end_lsn > self.last_commit_end:
             self.last_commit_end = end_lsn
-        if txn.why == "applied before":
+        if txn.skip is Skip.APPLIED_BEFORE:
             self.stats.skipped += 1
             return
         if self.careful:
-            self.flush_batch(txn)
+            self.flush_batch()
         self.ensure_group()
         self.group_end = end_lsn
         self.group_time = commit_time
-        if txn.why == "skip":
+        if txn.skip is Skip.ASKED:
             self.group_clears_skip = True
             self.skip_lsn = None
         if txn.skip:
@@ -254,9 +264,9 @@ class ApplyEngine:
         """Write the progress and commit the open target transaction."""
         if not self.group_open:
             return
-        self.flush_batch(None)
+        self.flush_batch()
         with rolled_back_on_error(self, lambda exc: ApplyError(
-                f"commit of the transaction ending at {self.group_end} failed on the target: {_one_line(exc)}")):
+                f"commit of the transaction ending at {self.group_end} failed on the target: {one_line(exc)}")):
             self.target.write_progress(self.group_end, self.group_time, self.group_clears_skip)
             self.target.commit(self.group_end, self.group_time)
         self.group_open = False
@@ -281,7 +291,7 @@ class ApplyEngine:
         """Cache the relation; a new message for a known OID replaces it and re-reads the target."""
         old = self.bindings.get(m.oid)
         if old is not None:
-            self.flush_batch(self.txn)
+            self.flush_batch()
             del self.bindings[m.oid]
         self.relations[m.oid] = m
         self.meta_raw[("R", m.oid)] = self._raw
@@ -334,7 +344,7 @@ class ApplyEngine:
                 return
             self._apply_batch(bt)
         if batches and not self.target.reorder_tables:
-            self.flush_batch(txn)  # changes to different tables must reach the target in source order
+            self.flush_batch()  # changes to different tables must reach the target in source order
         bt = batches[b] = Batch(b, op, txn, row)
         if bt.alone or self.batch_rows <= 1:
             self._apply_batch(bt)
@@ -356,12 +366,12 @@ class ApplyEngine:
         txn = self.txn
         if txn is None or txn.skip:
             return
-        self.flush_batch(txn)
+        self.flush_batch()
         self.ensure_group()
         bs = [self.binding(oid) for oid in m.relation_oids]
         with rolled_back_on_error(self, lambda exc: ApplyError(
                 f"TRUNCATE of {', '.join(b.table for b in bs)} in transaction {txn.xid} finished at "
-                f"{txn.final_lsn} failed: {_one_line(exc)}")):
+                f"{txn.final_lsn} failed: {one_line(exc)}")):
             self.target.truncate(bs, m.cascade, m.restart_identity)
 
     def handle_message(self, m: Message) -> None:
@@ -369,7 +379,7 @@ class ApplyEngine:
         log.info("logical decoding message at %s: prefix=%r, %d bytes%s", m.lsn, m.prefix, len(m.content),
                  "" if m.transactional else " (non-transactional)")
 
-    def flush_batch(self, txn: SourceTxn | None = None) -> None:
+    def flush_batch(self) -> None:
         """Apply every queued batch to the target."""
         while self.batches:
             self._apply_batch(next(iter(self.batches.values())))
@@ -406,7 +416,7 @@ class ApplyEngine:
             key = f"key {b.describe_key(t, idx)}"
         else:
             key = f"one of {len(rows)} rows"
-        return ApplyError(f"{op} on table {source_name(b.rel)} ({key}) {where}: {_one_line(exc)}")
+        return ApplyError(f"{op} on table {source_name(b.rel)} ({key}) {where}: {one_line(exc)}")
 
     # -- streamed transactions (protocol 2+) ---------------------------------------
 
@@ -440,12 +450,11 @@ class ApplyEngine:
     def handle_stream_commit(self, m: StreamCommit) -> None:
         """Apply the spooled changes in order as one source transaction, then drop the spool."""
         sp = self.spools.pop(m.xid)
-        skip, why = self.should_skip(m.commit_lsn)
-        txn = SourceTxn(m.xid, m.commit_lsn, skip, why)
+        txn = SourceTxn(m.xid, m.commit_lsn, self.should_skip(m.commit_lsn))
         self.txn = txn
         if sp is not None:
             try:
-                if not skip:
+                if txn.skip is None:
                     self.replay(sp.messages())
             finally:
                 sp.remove()
@@ -465,7 +474,7 @@ class ApplyEngine:
         self.relations, self.types, self.bindings, self.meta_raw = {}, {}, {}, {}
         try:
             self.replay(records(blob))
-            self.flush_batch(self.txn)
+            self.flush_batch()
         finally:
             self.relations, self.types, self.bindings, self.meta_raw = saved
 
@@ -473,7 +482,7 @@ class ApplyEngine:
         """Spool records of every cached Relation and Type message (types first)."""
         out = bytearray()
         for _key, (in_stream, raw) in sorted(self.meta_raw.items(), key=lambda kv: kv[0][0] != "Y"):
-            out += _HEAD.pack(in_stream, len(raw)) + raw
+            out += record(in_stream, raw)
         return bytes(out)
 
     # -- two-phase (protocol 3+) ---------------------------------------------------
@@ -499,10 +508,10 @@ class ApplyEngine:
     def _start_prepared(self, xid: int, prepare_lsn: LSN, gid: str) -> SourceTxn:
         self.flush_group()
         self.target.preparing = not self.table_prepare
-        skip, why = self.should_skip(prepare_lsn)
-        if not skip and self._prepared_before(gid, xid):
-            skip, why = True, "prepared before"
-        return SourceTxn(xid, prepare_lsn, skip, why)
+        skip = self.should_skip(prepare_lsn)
+        if skip is None and self._prepared_before(gid, xid):
+            skip = Skip.PREPARED_BEFORE
+        return SourceTxn(xid, prepare_lsn, skip)
 
     def _progress_only(self, end_lsn: LSN, commit_time: int | None) -> None:
         self.ensure_group()
@@ -552,14 +561,14 @@ class ApplyEngine:
     def _prepare(self, txn: SourceTxn, gid: str, prepare_lsn: LSN, end_lsn: LSN, when: int) -> None:
         if end_lsn > self.last_commit_end:
             self.last_commit_end = end_lsn
-        if txn.why == "applied before":
+        if txn.skip is Skip.APPLIED_BEFORE:
             self.stats.skipped += 1
             return
         if txn.skip:
             self.stats.skipped += 1
             if txn.spool is not None:
                 txn.spool.remove()
-            if txn.why == "skip":
+            if txn.skip is Skip.ASKED:
                 self.group_clears_skip = True
                 self.skip_lsn = None
             self._progress_only(end_lsn, when)
@@ -570,11 +579,11 @@ class ApplyEngine:
             self.ensure_group()
             self.target.store_prepared(gid, txn.xid, prepare_lsn, end_lsn, when, blob)
         else:
-            self.flush_batch(txn)
+            self.flush_batch()
             self.ensure_group()
             with rolled_back_on_error(self, lambda exc: ApplyError(
                     f"PREPARE TRANSACTION of source transaction {txn.xid} ({gid!r}) prepared at {prepare_lsn} "
-                    f"failed on the target: {_one_line(exc)}")):
+                    f"failed on the target: {one_line(exc)}")):
                 self.target.prepare(self.target_gid(txn.xid))
             self.group_open = False
         self.stats.transactions += 1
@@ -598,12 +607,12 @@ class ApplyEngine:
         what = "COMMIT PREPARED" if commit else "ROLLBACK PREPARED"
         with rolled_back_on_error(self, lambda exc: ApplyError(
                 f"{what} of source transaction {xid} ({gid!r}) ending at {end_lsn} failed on the target: "
-                f"{_one_line(exc)}")):
+                f"{one_line(exc)}")):
             if self.table_prepare:
                 self.ensure_group()
                 blob = self.target.load_prepared(gid)
                 if blob is not None and commit:
-                    self.txn = SourceTxn(xid, lsn, False)
+                    self.txn = SourceTxn(xid, lsn, None)
                     try:
                         self.replay_isolated(blob)
                     finally:
@@ -631,9 +640,6 @@ def rolled_back_on_error(engine: ApplyEngine, describe: Callable[[BaseException]
         raise describe(exc) from exc
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
-
 
 def _key_text(rel: Relation, op: str, row: Any, types: dict[int, Type] | None) -> str:
     """'(a)=(1)'-style key of a queued change before its table is bound (as ``Binding.describe_key``);
@@ -643,7 +649,7 @@ def _key_text(rel: Relation, op: str, row: Any, types: dict[int, Type] | None) -
     if types is None:
         show: list[Callable[[bytes], str]] = [bytes.decode] * len(rel.columns)
     else:
-        from applier.target.binary import value_texts  # local, as the targets do: binary mode only (start-up time)
+        from applier.targets.binary import value_texts  # local, as the targets do: binary mode only (start-up time)
 
         show = value_texts(rel, types)
     return describe_values([c.name for c in rel.columns], show, t, idx)

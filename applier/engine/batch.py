@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from applier.decoder.messages import Update
-from applier.target.base import Binding, overlay
+from applier.targets.base import Binding, overlay
 
 
 class Batch:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from applier.lsn import LSN
-from applier.units import human_bytes
+from applier.text import human_bytes
 
 log = logging.getLogger("applier.progress")
 

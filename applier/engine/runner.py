@@ -41,14 +41,15 @@ from applier.config import Config, ConfigError
 from applier.engine.apply import ApplyEngine
 from applier.engine.heartbeat import CATCHUP_EVERY, Heartbeat
 from applier.engine.spool import SpoolFull
+from applier.errors import ApplyError
 from applier.inspect import current_wal_insert_lsn, stream_options
 from applier.lsn import LSN
 from applier.progress.store import Progress
 from applier.source.base import SlotInUseError, Source, SourceError
 from applier.source.chunks import ChunkReader
 from applier.source.sql import SqlSlotSource
-from applier.source.walsender import WalSender, quote_literal
-from applier.target.base import ApplyError
+from applier.source.walsender import WalSender
+from applier.text import one_line, quote_literal
 
 log = logging.getLogger("applier.runner")
 
@@ -84,9 +85,9 @@ def open_target(cfg: Config, applying: bool = True) -> Any:
     """The target of the config (PostgreSQL or SQLite); ``applying=False`` to only look at it."""
     t = cfg.target
     if cfg.target_dialect == "sqlite":
-        from applier.target.sqlite import SqliteTarget
+        from applier.targets.sqlite import SqliteTarget
         return SqliteTarget(t["url"], cfg.apply["name"], t["tables"])
-    from applier.target.postgres import PostgresTarget
+    from applier.targets.postgres import PostgresTarget
     return PostgresTarget(t["url"], cfg.apply["name"], t["synchronous_commit"], t["tables"],
                           use_origin=applying, two_phase_mode=t["two_phase_mode"])
 
@@ -100,9 +101,9 @@ def open_source(cfg: Config, progress: Progress, wrap: Callable[[Source], Source
     s = cfg.source
     src: Source
     system = None
-    money = None  # binary mode: how the session that decodes prints money (applier.target.binary.MONEY_PROBE)
+    money = None  # binary mode: how the session that decodes prints money (applier.targets.binary.MONEY_PROBE)
     if s["binary"]:  # here, not at the top: start-up time (text mode never loads the binary converters)
-        from applier.target.binary import MONEY_PROBE, money_of_probe
+        from applier.targets.binary import MONEY_PROBE, money_of_probe
     if s["sql_interface"]:
         src = sql = SqlSlotSource(s["dsn"], s["slot"], stream_options(cfg))
         try:
@@ -238,7 +239,7 @@ class Runner:
                 delay = self.cfg.apply["retry_initial"]
                 failures = 0
             except (ApplyError, SourceError, psycopg.Error, sqlite3.Error) as exc:
-                msg = " ".join(str(exc).split())
+                msg = one_line(exc)
                 if applied_before is not None and self.summary.applied is not None \
                         and self.summary.applied > applied_before:  # the session applied some: a new outage
                     delay, failures = self.cfg.apply["retry_initial"], 0
@@ -314,7 +315,7 @@ class Runner:
             try:
                 if failure is not None:  # for `applier status`; the target may be the thing that failed
                     try:
-                        target.record_error(" ".join(str(failure).split()))
+                        target.record_error(one_line(failure))
                     except Exception as exc:  # noqa: BLE001 - best effort: the error is raised and logged anyway
                         log.debug("could not record the error on the target: %s", exc)
                 if source is not None:

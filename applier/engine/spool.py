@@ -31,10 +31,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from applier.target.base import ApplyError
-from applier.units import human_bytes
+from applier.errors import ApplyError
+from applier.text import human_bytes
 
 _HEAD = struct.Struct(">BI")
+
+
+def record(in_stream: bool, raw: bytes) -> bytes:
+    """One spool record: the stream flag, the length, the message (what ``records`` reads back)."""
+    return _HEAD.pack(in_stream, len(raw)) + raw
 
 
 def records(data: bytes) -> Iterator[tuple[bool, bytes]]:

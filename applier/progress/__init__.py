@@ -1,7 +1,7 @@
 """Progress: applier's control tables on the target, kept with alembic.
 
 Invariant: the end LSN of a source transaction is written in the same target
-transaction as its rows (``write_progress_sql`` is run by the engine inside the
+transaction as its rows (the engine calls the target's ``write_progress`` inside the
 open transaction), so the target's committed state and its recorded position
 can never disagree. Restarting resumes from ``Progress.lsn``.
 

@@ -24,6 +24,7 @@ import psycopg
 from applier.decoder.framing import Frame, XLogData
 from applier.lsn import LSN
 from applier.source.base import SourceError, StreamOptions, slot_in_use
+from applier.text import one_line
 
 # Rows whose LSN is the end of their WAL record (Commit, Prepare, Commit/Rollback
 # Prepared, Stream Commit/Prepare); other rows carry the start of theirs.
@@ -38,7 +39,7 @@ class SqlSlotSource:
         try:
             self.conn = psycopg.connect(dsn, autocommit=True)
         except psycopg.Error as exc:
-            raise SourceError(f"cannot connect to the source: {' '.join(str(exc).split())}") from None
+            raise SourceError(f"cannot connect to the source: {one_line(exc)}") from None
         self.slot = slot
         self.pairs = options.as_pairs(self.conn.info.server_version)
         self.batch_changes = batch_changes
@@ -60,7 +61,7 @@ class SqlSlotSource:
             except psycopg.Error as exc:
                 if exc.sqlstate == "55006":
                     raise slot_in_use(self.slot, str(exc)) from None
-                raise SourceError(f"cannot peek slot {self.slot!r}: {' '.join(str(exc).split())}") from None
+                raise SourceError(f"cannot peek slot {self.slot!r}: {one_line(exc)}") from None
             out: list[XLogData] = []
             unit: list[XLogData] = []
             open_ = False
@@ -111,7 +112,7 @@ class SqlSlotSource:
         try:
             self.conn.execute("SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", [self.slot, str(lsn)])
         except psycopg.Error as exc:
-            raise SourceError(f"cannot advance slot {self.slot!r} to {lsn}: {' '.join(str(exc).split())}") from None
+            raise SourceError(f"cannot advance slot {self.slot!r} to {lsn}: {one_line(exc)}") from None
         self._confirmed = LSN(lsn)
 
     def close(self) -> None:

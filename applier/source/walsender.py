@@ -29,16 +29,7 @@ from psycopg import pq
 from applier.decoder.framing import Frame, Keepalive, XLogData, encode_standby_status, read_frame
 from applier.lsn import LSN
 from applier.source.base import SlotInfo, SourceError, StreamOptions, slot_in_use
-
-
-def quote_ident(name: str) -> str:
-    """Quote an identifier for a replication command."""
-    return '"' + name.replace('"', '""') + '"'
-
-
-def quote_literal(value: str) -> str:
-    """Quote a string literal for a replication command."""
-    return "'" + value.replace("'", "''") + "'"
+from applier.text import one_line, quote_ident, quote_literal
 
 
 class WalSender:
@@ -50,7 +41,7 @@ class WalSender:
         try:
             self.conn = psycopg.connect(dsn, replication="database", autocommit=True, connect_timeout=connect_timeout)
         except psycopg.Error as exc:
-            raise SourceError(f"cannot open a replication connection to the source: {_one_line(exc)}") from None
+            raise SourceError(f"cannot open a replication connection to the source: {one_line(exc)}") from None
         self.pgconn = self.conn.pgconn
         self.server_version = self.pgconn.server_version
         self.status_interval = status_interval
@@ -70,7 +61,7 @@ class WalSender:
             raise SourceError("cannot run a command while streaming; stop() first")
         res = self._exec(sql)
         if res.status not in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
-            msg = _one_line((res.error_message or b"").decode(errors="replace"))
+            msg = one_line((res.error_message or b"").decode(errors="replace"))
             raise SourceError(f"source refused {sql.split()[0]} {sql.split()[1] if len(sql.split()) > 1 else ''}: {msg}".strip())
         rows = []
         for i in range(res.ntuples):
@@ -81,7 +72,7 @@ class WalSender:
         try:
             return self.pgconn.exec_(sql.encode())
         except psycopg.Error as exc:
-            raise SourceError(f"replication connection failed running {sql.split()[0]}: {_one_line(exc)}") from None
+            raise SourceError(f"replication connection failed running {sql.split()[0]}: {one_line(exc)}") from None
 
     def identify_system(self) -> dict[str, str | None]:
         """IDENTIFY_SYSTEM: systemid, timeline, xlogpos, dbname."""
@@ -116,7 +107,7 @@ class WalSender:
         sql = f"START_REPLICATION SLOT {quote_ident(slot)} LOGICAL {start_lsn} ({opt_sql})"
         res = self._exec(sql)
         if res.status != pq.ExecStatus.COPY_BOTH:
-            msg = _one_line((res.error_message or b"").decode(errors="replace"))
+            msg = one_line((res.error_message or b"").decode(errors="replace"))
             if res.error_field(pq.DiagnosticField.SQLSTATE) == b"55006":  # object_in_use: "… is active for PID n"
                 raise slot_in_use(slot, msg)
             raise SourceError(f"source refused START_REPLICATION on slot {slot!r}: {msg}")
@@ -134,7 +125,7 @@ class WalSender:
             return self._read(timeout)
         except psycopg.Error as exc:
             self.streaming = False
-            raise SourceError(f"replication connection lost: {_one_line(exc)}") from None
+            raise SourceError(f"replication connection lost: {one_line(exc)}") from None
 
     def _read(self, timeout: float) -> Frame | None:
         deadline = -1.0  # set when first needed: a frame that is already here costs no clock read
@@ -199,9 +190,9 @@ class WalSender:
         try:
             ok = self.pgconn.put_copy_data(msg) == 1 and self._flush_out()
         except psycopg.Error as exc:
-            raise SourceError(f"cannot send a status update to the source: {_one_line(exc)}") from None
+            raise SourceError(f"cannot send a status update to the source: {one_line(exc)}") from None
         if not ok:
-            raise SourceError(f"cannot send a status update to the source: {_one_line(_pg_error(self.pgconn))}")
+            raise SourceError(f"cannot send a status update to the source: {one_line(_pg_error(self.pgconn))}")
         self._last_status = time.monotonic()
         self._dirty = False
 
@@ -243,7 +234,7 @@ class WalSender:
             self._finish_copy()
         except psycopg.Error as exc:
             self.streaming = False
-            raise SourceError(f"replication connection lost while stopping: {_one_line(exc)}") from None
+            raise SourceError(f"replication connection lost while stopping: {one_line(exc)}") from None
 
     def _finish_copy(self) -> None:
         pgconn = self.pgconn
@@ -270,24 +261,9 @@ class WalSender:
         self.close()
 
 
-def start_stream(dsn: str, slot: str, start_lsn: LSN, options: StreamOptions,
-                 status_interval: float = 10.0) -> WalSender:
-    """Connect and START_REPLICATION in one step."""
-    ws = WalSender(dsn, status_interval=status_interval)
-    try:
-        ws.start(slot, start_lsn, options)
-    except BaseException:
-        ws.close()
-        raise
-    return ws
-
-
 def _pg_error(pgconn: pq.abc.PGconn) -> str:
     return (pgconn.error_message or b"").decode(errors="replace").strip() or "unknown error"
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
 
-
-__all__: Sequence[str] = ["WalSender", "start_stream", "quote_ident", "quote_literal"]
+__all__: Sequence[str] = ["WalSender"]

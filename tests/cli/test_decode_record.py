@@ -135,7 +135,7 @@ def test_decode_needs_a_file_or_peek():
     assert len(res.stderr.splitlines()) == 1
 
 
-def test_peek_unknown_slot_is_one_line(db):
+def test_peek_unknown_slot_isone_line(db):
     res = run("decode", "--peek", "--dsn", db.dsn, "--slot", "no_such_slot", "-p", "pub")
     assert res.returncode == 2
     assert len(res.stderr.splitlines()) == 1 and "no_such_slot" in res.stderr, res.stderr

@@ -11,7 +11,7 @@ Comparison rules (strict: a missing, duplicated or different row fails):
   settings pinned to what the walsender uses (ISO dates, UTC, postgres
   intervals, shortest-exact floats, hex bytea);
 - SQLite target: the source's text forms are converted by the mapping
-  documented in ``applier/target/values.py`` (an independent oracle: this file
+  documented in ``applier/targets/values.py`` (an independent oracle: this file
   does not call the engine's converters), and every value is compared with
   its Python type, so ``1`` vs ``1.0`` vs ``'1'`` differ.
 """
@@ -665,7 +665,7 @@ def source_texts(conn: psycopg.Connection[Any], t: Table) -> list[tuple[str | No
 
 
 def sqlite_expected(c: Col, text: str | None) -> Any:
-    """What the documented mapping (applier/target/values.py) stores in SQLite for a source value."""
+    """What the documented mapping (applier/targets/values.py) stores in SQLite for a source value."""
     if text is None:
         return None
     if c.pgtype in ("int2", "int4", "int8"):

@@ -2,7 +2,7 @@
 
 Why: starting the JVM and the first Python workers takes tens of seconds on a
 small machine, so every test shares one ``local[2]`` session (made by
-``applier.spark.session``, as the commands make theirs), warmed up once. The
+``applier.migrate.spark.session``, as the commands make theirs), warmed up once. The
 migration tests are heavy (a million rows), so they run against one PostgreSQL
 version, the newest, with the session's clusters of ``tests.plugins.clusters``.
 """
@@ -26,7 +26,7 @@ from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 def spark() -> Iterator[Any]:
     """The shared local[2] SparkSession, warmed up (JVM, Python workers, the data sources)."""
     pytest.importorskip("pyspark")
-    from applier.spark.session import spark_session
+    from applier.migrate.spark.session import spark_session
 
     session = spark_session("local[2]", app_name="applier-tests")
     session.range(4).count()
@@ -90,7 +90,7 @@ def target_exec(url: str, sql: str) -> list[tuple[Any, ...]]:
             return rows
         finally:
             db.close()
-    from applier.target.postgres import libpq_dsn
+    from applier.targets.postgres import libpq_dsn
     with psycopg.connect(libpq_dsn(url), autocommit=True) as conn:
         cur = conn.execute(sql)
         return cur.fetchall() if cur.description else []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from applier.sync import sync
+from applier.migrate.sync import sync
 from tests.plugins.cli import applier_script, clean_env, toml_value
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config

@@ -23,8 +23,6 @@ import psycopg
 import pytest
 from typer.testing import CliRunner
 
-import applier.cli.engine_commands  # noqa: F401 - registers catchup
-import applier.cli.spark_commands  # noqa: F401 - registers sync and verify
 from applier.cli.main import app
 from tests.plugins.clusters import ScratchDb
 
@@ -165,7 +163,7 @@ def _tamper(target_url: str) -> None:
         db.commit()
         db.close()
         return
-    from applier.target.postgres import libpq_dsn
+    from applier.targets.postgres import libpq_dsn
 
     with psycopg.connect(libpq_dsn(target_url), autocommit=True) as conn:
         conn.execute("UPDATE orders SET status = 'tampered' WHERE id = 4242")
@@ -176,7 +174,7 @@ def test_sync_catchup_verify_under_a_workload(spark, src: ScratchDb, target_url:
     started = time.monotonic()
     src.cluster.execute(SCHEMA, src.dbname)
     if target_url.startswith("postgresql"):  # user-defined types must exist on a PostgreSQL target
-        from applier.target.postgres import libpq_dsn
+        from applier.targets.postgres import libpq_dsn
         with psycopg.connect(libpq_dsn(target_url), autocommit=True) as conn:
             conn.execute("CREATE TYPE mood AS ENUM ('sad', 'ok', 'happy')")
     cfg = _config_file(tmp_path, src, target_url)

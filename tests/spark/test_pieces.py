@@ -20,11 +20,17 @@ pytest.importorskip("pyspark")
 
 from applier.decoder.framing import Keepalive, XLogData  # noqa: E402
 from applier.lsn import LSN  # noqa: E402
-from applier.schema import SourceColumn, SourceTable, default_is_constant, sqlite_affinity, sqlite_declared_types  # noqa: E402
-from applier.spark.canonical import canon, canonical_rows_batch, display, sqlite_source_canonicalizer  # noqa: E402
-from applier.spark.copy import spark_error_line  # noqa: E402
-from applier.spark.source import csv_batches, ctid_ranges  # noqa: E402
-from applier.spark.verify import StopBefore  # noqa: E402
+from applier.migrate.schema import (  # noqa: E402
+    SourceColumn,
+    SourceTable,
+    default_is_constant,
+    sqlite_affinity,
+    sqlite_declared_types,
+)
+from applier.migrate.spark.canonical import canon, canonical_rows_batch, display, sqlite_source_canonicalizer  # noqa: E402
+from applier.migrate.spark.copy import spark_error_line  # noqa: E402
+from applier.migrate.spark.source import csv_batches, ctid_ranges  # noqa: E402
+from applier.migrate.spark.verify import StopBefore  # noqa: E402
 
 
 @pytest.mark.parametrize("pages,parts", [(0, 4), (1, 4), (15, 4), (16, 4), (100, 3), (1000, 4), (1000, 1)])
@@ -179,7 +185,7 @@ def test_spark_error_line_takes_the_exception_that_ends_the_python_traceback() -
     # a psycopg error whose class name ends in neither Error nor Exception, raised in an executor's Python
     text = ("Job aborted due to stage failure: Task 0 in stage 3.0 failed 1 times, most recent failure: Lost task "
             "0.0 in stage 3.0 (TID 5): org.apache.spark.api.python.PythonException: Traceback (most recent call "
-            "last):\n  File \"/x/applier/spark/source.py\", line 122, in read\n    yield from read_pg_range(...)\n"
+            "last):\n  File \"/x/applier/migrate/spark/source.py\", line 122, in read\n    yield from read_pg_range(...)\n"
             "psycopg.errors.InsufficientPrivilege: permission denied for table b\n\n"
             "\tat org.apache.spark.api.python.BasePythonRunner$ReaderIterator.handlePythonException(...)\n"
             "Driver stacktrace:\n\tat org.apache.spark.scheduler.DAGScheduler.failJobAndIndependentStages(...)")

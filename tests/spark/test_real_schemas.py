@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from applier.schema import SchemaError
-from applier.spark.verify import verify
-from applier.sync import SyncError, sync
+from applier.migrate.schema import SchemaError
+from applier.migrate.spark.verify import verify
+from applier.migrate.sync import SyncError, sync
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config, target_exec
 

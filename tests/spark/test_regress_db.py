@@ -25,8 +25,8 @@ from psycopg import sql
 
 from applier.embedded import Cluster
 from applier.engine.runner import Runner
-from applier.spark.verify import verify
-from applier.sync import sync
+from applier.migrate.spark.verify import verify
+from applier.migrate.sync import sync
 from tests.plugins.clusters import ScratchDb, scratch_db
 from tests.spark.conftest import make_config, target_exec
 from tests.spark.regress_db import build_regression_db

@@ -1,4 +1,4 @@
-"""Target tables made from the source's catalog (``applier.schema``), without Spark.
+"""Target tables made from the source's catalog (``applier.migrate.schema``), without Spark.
 
 What a user relies on: on PostgreSQL the created table has the source's column
 types, NOT NULL, constant defaults (not ``nextval``/``now()``), primary key and
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psycopg
 
-from applier.schema import prepare_pg_tables, prepare_sqlite_tables, read_source_tables
+from applier.migrate.schema import prepare_pg_tables, prepare_sqlite_tables, read_source_tables
 from tests.plugins.clusters import ScratchDb
 
 SOURCE = """

@@ -22,12 +22,12 @@ import pytest
 
 from applier.admin import init, read_progress
 from applier.lsn import LSN
-from applier.schema import SchemaError
+from applier.migrate.schema import SchemaError
+from applier.migrate.spark.copy import PARTS_DDL, write_pg_partition
+from applier.migrate.spark.verify import verify
+from applier.migrate.sync import SyncError, _drop_incomplete_slot, sync
 from applier.source.base import StreamOptions
 from applier.source.walsender import WalSender
-from applier.spark.copy import PARTS_DDL, write_pg_partition
-from applier.spark.verify import verify
-from applier.sync import SyncError, _drop_incomplete_slot, sync
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config, target_exec
 
@@ -174,7 +174,7 @@ def test_a_failed_syncs_slot_is_dropped_once_it_is_no_longer_active(src: Scratch
         # active for longer than the drop waits: kept, and said how to drop it
         WalSender(src.dsn).create_slot("applier")
         holder = streaming()
-        monkeypatch.setattr("applier.sync.DROP_WAIT", 0.5)
+        monkeypatch.setattr("applier.migrate.sync.DROP_WAIT", 0.5)
         said.clear()
         _drop_incomplete_slot(cfg, said.append)
         assert len(said) == 1 and said[0].startswith("slot 'applier' is kept (replication slot \"applier\" is "

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from applier.engine import apply
-from applier.target.base import ApplyError
+from applier.errors import ApplyError
 
 from .conftest import Rig
 

@@ -24,8 +24,8 @@ from applier.config import ConfigError
 from applier.engine.runner import Runner
 from applier.errors import InUseError
 from applier.source.base import SlotInUseError
-from applier.target import claim
-from applier.target.claim import pg_lock_key
+from applier.targets import claim
+from applier.targets.claim import pg_lock_key
 from tests.engine.features.conftest import Rig, applier_argv, run_cli
 from tests.plugins.cli import clean_env
 

@@ -19,9 +19,9 @@ from applier.decoder import Decoder, XLogData
 from applier.decoder.messages import Commit, Relation
 from applier.engine.apply import ApplyEngine
 from applier.engine.runner import open_target
+from applier.errors import ApplyError
 from applier.inspect import open_peek_source
 from applier.lsn import LSN
-from applier.target.base import ApplyError
 
 from .conftest import Rig, run_cli
 

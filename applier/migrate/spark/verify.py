@@ -26,7 +26,7 @@ copy, the table's own rows as ``SourceTable.only`` says: an inheritance
 parent without its children, a partitioned root published via the root with
 its partitions'; the target's own rows likewise), in Spark:
 
-- each row becomes its canonical column values (``applier.spark.canonical``),
+- each row becomes its canonical column values (``applier.migrate.spark.canonical``),
   its *key* (primary key, else replica identity index, else the whole row:
   duplicates are then counted), a 64+32-bit row hash (``xxhash64`` and
   ``hash`` over NULL-tagged values) and a *key range*: the top 10 bits of the
@@ -66,7 +66,7 @@ from applier.config import Config, ConfigError
 from applier.decoder.framing import Keepalive, XLogData
 from applier.lsn import LSN
 from applier.source.base import Source, SourceError
-from applier.target.base import quote_ident
+from applier.text import quote_ident
 
 log = logging.getLogger("applier.verify")
 
@@ -303,7 +303,7 @@ def compare(spark: Any, source_plan: str, target_plan: str, target_format: str, 
     """Compare one table (see the module header); fills a TableResult (table names left to the caller)."""
     from pyspark.sql import functions as F
 
-    from applier.spark.canonical import display
+    from applier.migrate.spark.canonical import display
 
     ncols = len(columns)
     key_idx = [columns.index(k) for k in key]
@@ -378,9 +378,9 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
            partitions: int | None = None) -> VerifyReport:
     """Compare every published table at one consistent moment (see the module header)."""
     from applier.admin import check_source, check_target, read_progress
+    from applier.migrate.spark.source import pg_plan, sqlite_plan, sqlite_rowid_ranges
+    from applier.migrate.sync import TargetDb, _slot_row, check_spark_target, count_in_snapshot, read_tables_in_snapshot
     from applier.source.walsender import WalSender
-    from applier.spark.source import pg_plan, sqlite_plan, sqlite_rowid_ranges
-    from applier.sync import TargetDb, _slot_row, check_spark_target, count_in_snapshot, read_tables_in_snapshot
 
     say = say or (lambda line: None)
     nparts = partitions or cfg.spark["partitions"]
@@ -411,7 +411,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                               f"changes meanwhile; stop `applier run` and verify again")
         report = VerifyReport(str(point), str(applied), summary.transactions)
         if spark is None:
-            from applier.spark.session import spark_for
+            from applier.migrate.spark.session import spark_for
             spark = spark_for(cfg)
         tables = read_tables_in_snapshot(cfg, info.snapshot_name)
         target = TargetDb(cfg)
@@ -450,7 +450,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                     res = compare(spark, src_plan, tgt_plan, fmt, cols + nulls, t.key_columns, target.dialect,
                                   max_keys, t.qualified)
                 except Exception as exc:  # noqa: BLE001 - one table's failure is reported, the others go on
-                    from applier.spark.copy import spark_error_line
+                    from applier.migrate.spark.copy import spark_error_line
                     log.debug("comparing %s failed", t.qualified, exc_info=exc)
                     res = TableResult(res_name, shown, t.key_columns, error=spark_error_line(exc))
                 res.table, res.target = res_name, shown

@@ -34,23 +34,16 @@ from psycopg.errors import error_from_result
 from psycopg.generators import fetch_many
 from psycopg.generators import send as psycopg_send
 
-from applier.decoder.messages import Relation, TupleData, Type
+from applier.decoder.messages import Relation, TupleData, Type, pg_timestamp
+from applier.errors import ApplyError
 from applier.lsn import LSN
 from applier.progress.store import PG_SQL
-from applier.target.base import (
-    POSTGRES,
-    ApplyError,
-    Binding,
-    TargetBase,
-    log_missing,
-    present_columns,
-    quote_ident,
-    source_name,
-)
-from applier.target.claim import claim_target, target_holder
-from applier.target.url import parse_target_url
+from applier.targets.base import POSTGRES, Binding, TargetBase, log_missing, present_columns, source_name
+from applier.targets.claim import claim_target, target_holder
+from applier.targets.url import parse_target_url
+from applier.text import one_line, quote_ident
 
-log = logging.getLogger("applier.target")
+log = logging.getLogger("applier.targets")
 
 # Types without a default equality operator: compare their text form to locate a row.
 _NO_EQUALITY = frozenset({"json", "xml", "point", "line", "lseg", "box", "path", "polygon", "circle"})
@@ -103,7 +96,7 @@ def _naming(op: str, b: Binding, lsn: LSN) -> Iterator[None]:
         yield
     except psycopg.Error as exc:
         raise ApplyError(f"{op} on table {source_name(b.rel)} (one of the rows sent for transactions from the one "
-                         f"finished at {lsn}): {' '.join(str(exc).split())}") from exc
+                         f"finished at {lsn}): {one_line(exc)}") from exc
 
 
 class PostgresTarget(TargetBase):
@@ -123,7 +116,7 @@ class PostgresTarget(TargetBase):
         try:
             self._conn = psycopg.connect(libpq_dsn(url), autocommit=True)
         except psycopg.Error as exc:
-            raise ApplyError(f"cannot connect to the target: {' '.join(str(exc).split())}") from None
+            raise ApplyError(f"cannot connect to the target: {one_line(exc)}") from None
         self.conn.execute(psql.SQL("SET synchronous_commit = {}").format(psql.Literal(synchronous_commit)))
         try:  # as the native subscriber: user triggers and FK checks do not fire for replicated rows
             self.conn.execute("SET session_replication_role = replica")
@@ -206,7 +199,7 @@ class PostgresTarget(TargetBase):
             self.conn.execute("SELECT pg_replication_origin_session_setup(%s)", [self.origin])
             return True
         except psycopg.Error as exc:
-            log.info("target: not using a replication origin (%s)", " ".join(str(exc).split())[:200])
+            log.info("target: not using a replication origin (%s)", one_line(exc)[:200])
             return False
 
     # -- relations ------------------------------------------------------------
@@ -249,8 +242,7 @@ class PostgresTarget(TargetBase):
             "AND a.attnum = ANY(i.indkey)), 0 = ANY(i.indkey::int2[]) OR i.indexprs IS NOT NULL "
             "FROM pg_index i WHERE i.indrelid = %s::regclass AND i.indisunique", [qtable]).fetchall()
         if binary:
-            from applier.target.binary import register_pg_binary, value_texts
-            from applier.target.values import binary_converters
+            from applier.targets.binary import binary_converters, register_pg_binary, value_texts
             register_pg_binary(self.cur)
             convert: list[Any] = binary_converters(rel, types, "postgresql")
         else:
@@ -280,8 +272,8 @@ class PostgresTarget(TargetBase):
     def commit(self, source_lsn: LSN, commit_time: int | None = None) -> None:
         """Commit; remember where the commit sits in the target's WAL for ``durable_lsn``."""
         if self.has_origin and commit_time is not None:
-            self.cur.execute("SELECT pg_replication_origin_xact_setup(%s, to_timestamp(%s))",
-                             [str(source_lsn), commit_time / 1e6 + 946684800])
+            self.cur.execute("SELECT pg_replication_origin_xact_setup(%s, %s)",
+                             [str(source_lsn), pg_timestamp(commit_time)])
         self.cur.execute("COMMIT")
         self.in_txn = False
         if self.sync == "off":
@@ -429,7 +421,7 @@ class PostgresTarget(TargetBase):
                                  "AND starts_with(gid, %s)", [f"applier_{self.name}_"]).fetchall()
         return {r[0] for r in rows}
 
-    # -- the claim (applier.target.claim) ----------------------------------------------
+    # -- the claim (applier.targets.claim) ----------------------------------------------
 
     def claim(self, command: str) -> None:
         """Hold this progress row for this session (an advisory lock); InUseError naming the holder if taken.

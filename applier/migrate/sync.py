@@ -8,14 +8,14 @@ the very next source transaction:
    ``applier_sync_parts`` (finished partitions of the current run) created;
 2. published tables read from the source catalog; the target's existing tables
    checked (every mismatch reported by table and column, nothing written) and
-   the missing ones created (``applier.schema``);
+   the missing ones created (``applier.migrate.schema``);
 3. the sync row set to ``copying`` with a new run id;
 4. the slot created on a replication connection with ``SNAPSHOT 'export'``: its
    consistent point C and an exported snapshot that sees exactly the
    transactions committed before C. The connection stays open, idle, until the
    copy is over (the snapshot lives as long as it does);
 5. every published table copied as a Spark job reading in that snapshot
-   (``applier.spark.copy``), with its column list and row filter, its own rows
+   (``applier.migrate.spark.copy``), with its column list and row filter, its own rows
    only (``SourceTable.only``); a table without columns as its row count. A
    table that cannot be copied does not stop the others: sync then fails
    listing every failed table with its cause;
@@ -69,9 +69,7 @@ from psycopg import sql as psql
 from applier.admin import check_source, check_target, source_connect
 from applier.config import Config, ConfigError
 from applier.lsn import LSN
-from applier.progress.migrate import migrate
-from applier.progress.store import PG_SQL, SQLITE_SQL
-from applier.schema import (
+from applier.migrate.schema import (
     Prepared,
     SourceTable,
     prepare_pg_tables,
@@ -79,10 +77,12 @@ from applier.schema import (
     read_source_tables,
     target_table_name,
 )
+from applier.progress.migrate import migrate
+from applier.progress.store import PG_SQL, SQLITE_SQL
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
-from applier.target.base import quote_ident
-from applier.target.claim import FileClaim, claim_target
+from applier.targets.claim import FileClaim, claim_target
+from applier.text import one_line, quote_ident
 
 STATE_DDL = ("CREATE TABLE IF NOT EXISTS applier_sync (name TEXT PRIMARY KEY, state TEXT NOT NULL, run TEXT NOT NULL, "
              "slot TEXT, consistent_point TEXT, started_at TEXT, finished_at TEXT)")
@@ -139,21 +139,21 @@ class TargetDb:
         self.table_map = cfg.target["tables"]
         self._claim: FileClaim | None = None
         if self.dialect == "sqlite":
-            from applier.target.sqlite import sqlite_path
+            from applier.targets.sqlite import sqlite_path
 
             self.where = str(Path(sqlite_path(cfg.target["url"])).resolve())
             self.conn: Any = sqlite3.connect(self.where, isolation_level=None, timeout=60, check_same_thread=False)
             self.conn.execute("PRAGMA journal_mode = WAL")
             self.ph = "?"
         else:
-            from applier.target.postgres import libpq_dsn
+            from applier.targets.postgres import libpq_dsn
 
             self.where = libpq_dsn(cfg.target["url"])
             self.conn = psycopg.connect(self.where, autocommit=True)
             self.ph = "%s"
 
     def claim(self, command: str) -> None:
-        """Hold ``apply.name``'s progress row until ``close`` (see applier.target.claim); InUseError if taken."""
+        """Hold ``apply.name``'s progress row until ``close`` (see applier.targets.claim); InUseError if taken."""
         self._claim = claim_target(self.dialect, self.conn, self.where, self.cfg.apply["name"], command)
 
     def close(self) -> None:
@@ -273,7 +273,7 @@ class TargetDb:
 
     def ensure_sync_tables(self) -> None:
         """Create applier_sync and applier_sync_parts if missing."""
-        from applier.spark.copy import PARTS_DDL
+        from applier.migrate.spark.copy import PARTS_DDL
 
         self.transaction([(STATE_DDL, []), (PARTS_DDL, [])])
 
@@ -303,7 +303,7 @@ class TargetDb:
 
     def parts(self, name: str, run: str, tbl: str) -> dict[int, tuple[int, int]]:
         """Finished partitions of a table in this run: part -> (rows, bytes)."""
-        from applier.spark.copy import parts_sql
+        from applier.migrate.spark.copy import parts_sql
 
         return {int(p): (int(r), int(b)) for p, r, b in self.execute(parts_sql(self.ph)[2], [name, run, tbl])}
 
@@ -386,7 +386,7 @@ def count_in_snapshot(cfg: Config, snapshot: str | None, table: SourceTable) -> 
 
 def check_spark_target(cfg: Config) -> None:
     """A SQLite target file is written by the Spark workers: it needs a local master."""
-    from applier.spark.session import is_local
+    from applier.migrate.spark.session import is_local
 
     if cfg.target_dialect == "sqlite" and not is_local(cfg.spark["master"]):
         raise ConfigError(f"{cfg.where('spark', 'master')}: a SQLite target needs a local Spark master "
@@ -398,9 +398,9 @@ def sync(cfg: Config, *, force: bool = False, spark: Any = None, reporter: Any =
     """Create the slot with a snapshot, create the target tables, copy them, record the slot's consistent point.
 
     ``say(line)`` gets the messages for people (mode, slot, restarts, retries);
-    ``reporter`` the per-table progress (``applier.spark.progress``).
+    ``reporter`` the per-table progress (``applier.migrate.spark.progress``).
     """
-    from applier.spark.progress import Reporter
+    from applier.migrate.spark.progress import Reporter
 
     say = say or (lambda line: None)
     reporter = reporter or Reporter()
@@ -489,11 +489,11 @@ def _copy_with_new_slot(cfg: Config, target: TargetDb, tables: list[SourceTable]
             target.empty_tables(in_snapshot)
         result = SyncResult(mode, slot, info.consistent_point)
         if spark is None:
-            from applier.spark.session import spark_for
+            from applier.migrate.spark.session import spark_for
 
             spark = spark_for(cfg)
         started = time.monotonic()
-        from applier.spark.copy import CopyError  # with pyspark: imported when copying (start-up time)
+        from applier.migrate.spark.copy import CopyError  # with pyspark: imported when copying (start-up time)
 
         failed: list[str] = []
         with source_connect(cfg) as poll:
@@ -530,7 +530,7 @@ def _drop_incomplete_slot(cfg: Config, say: Any) -> None:
     try:
         _drop_slot(cfg)
     except (ConfigError, psycopg.Error) as exc:
-        say(f"slot {slot!r} is kept ({' '.join(str(exc).split())}); it holds WAL on the source until dropped: "
+        say(f"slot {slot!r} is kept ({one_line(exc)}); it holds WAL on the source until dropped: "
             f"SELECT pg_drop_replication_slot('{slot}')")
         return
     say(f"slot {slot!r} dropped: the copy did not complete; `applier sync` creates it again")
@@ -538,8 +538,8 @@ def _drop_incomplete_slot(cfg: Config, say: Any) -> None:
 
 def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, run: str, snapshot: str | None,
                 nparts: int, spark: Any, reporter: Any, say: Any, poll: psycopg.Connection[Any]) -> TableCopy:
-    from applier.spark.copy import CopyError, CopyWatcher, run_copy_job, running_copies, target_plan
-    from applier.spark.source import ctid_ranges, pg_plan
+    from applier.migrate.spark.copy import CopyError, CopyWatcher, run_copy_job, running_copies, target_plan
+    from applier.migrate.spark.source import ctid_ranges, pg_plan
 
     name = cfg.apply["name"]
     shown, qtarget = target.name_of(table)
@@ -579,7 +579,7 @@ def _copy_rowless(cfg: Config, target: TargetDb, table: SourceTable, run: str, s
                   label: str) -> None:
     """Copy a table that publishes no columns (a PostgreSQL target; SQLite refuses it): as many rows as the
     source has in the snapshot, recorded as its partition 0 in the same transaction (written once)."""
-    from applier.spark.copy import CopyError, parts_sql
+    from applier.migrate.spark.copy import CopyError, parts_sql
 
     name = cfg.apply["name"]
     if target.parts(name, run, table.qualified):
@@ -589,4 +589,4 @@ def _copy_rowless(cfg: Config, target: TargetDb, table: SourceTable, run: str, s
         target.transaction([(f"INSERT INTO {target.name_of(table)[1]} SELECT FROM generate_series(1, {rows})", []),
                             (parts_sql(target.ph)[1], [name, run, table.qualified, 0, rows, 0])])
     except psycopg.Error as exc:
-        raise CopyError(f"copying {label} failed: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
+        raise CopyError(f"copying {label} failed: {type(exc).__name__}: {one_line(exc)}") from None

@@ -12,7 +12,7 @@ Text mode to SQLite (documented mapping, by source type):
 | date, time, timestamp, timestamptz, interval | TEXT in ISO form as PostgreSQL prints it (timestamptz in UTC) |
 | json, jsonb, uuid, enums, arrays, everything else | TEXT as PostgreSQL prints it (arrays as `{…}` literals) |
 
-Binary mode (``applier.target.binary``): values arrive in PostgreSQL's binary
+Binary mode (``applier.targets.binary``): values arrive in PostgreSQL's binary
 send format. SQLite gets exactly the values above; PostgreSQL gets each value
 back undecoded, in binary with its type OID. A type binary mode cannot read is
 an error naming it; the fallback is ``source.binary = false``: the server picks
@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from applier.decoder.messages import Relation, Type
+from applier.decoder.messages import Relation
 
 BOOL, BYTEA, INT8, INT2, INT4, OID, FLOAT4, FLOAT8, NUMERIC = 16, 17, 20, 21, 23, 26, 700, 701, 1700
 
@@ -74,24 +74,3 @@ _SQLITE_TEXT: dict[int, Callable[[bytes], Any]] = {
 def sqlite_text_converters(rel: Relation) -> list[Callable[[bytes], Any]]:
     """One converter per column for text-mode values into SQLite."""
     return [_SQLITE_TEXT.get(c.type_oid, bytes.decode) for c in rel.columns]
-
-
-def sqlite_adapt(value: Any) -> Any:
-    """A Python value loaded from binary into what SQLite stores (see the table above)."""
-    if value is None or isinstance(value, (int, str, bytes)):
-        return value
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, float):
-        return "NaN" if math.isnan(value) else value
-    if isinstance(value, (bytearray, memoryview)):
-        return bytes(value)
-    return str(value)
-
-
-def binary_converters(rel: Relation, types: dict[int, Type], dialect: str,
-                      money: Callable[[bytes], str] | None = None) -> list[Callable[[bytes], Any]]:
-    """One converter per column for binary-mode values, using psycopg's loaders (``money``: see ``binary_loader``)."""
-    from applier.target.binary import binary_loader
-
-    return [binary_loader(c.type_oid, types, dialect, rel, c.name, money) for c in rel.columns]

@@ -1,4 +1,4 @@
-"""Binary-mode value conversion (applier.target.binary) against real pgoutput from real servers.
+"""Binary-mode value conversion (applier.targets.binary) against real pgoutput from real servers.
 
 The same rows are captured twice from one slot, with and without ``binary = true``. For SQLite,
 every binary-mode value must convert to exactly what text mode stores; for PostgreSQL, the
@@ -21,9 +21,18 @@ import pytest
 
 from applier.decoder import Decoder
 from applier.decoder.messages import BINARY, TEXT, Insert, Relation, Type
-from applier.target.base import POSTGRES, SQLITE, ApplyError, Binding, quote_ident
-from applier.target.binary import PgBinary, binary_loader, float8_text, money_text, register_pg_binary
-from applier.target.values import binary_converters, sqlite_text_converters
+from applier.errors import ApplyError
+from applier.targets.base import POSTGRES, SQLITE, Binding
+from applier.targets.binary import (
+    PgBinary,
+    binary_converters,
+    binary_loader,
+    float8_text,
+    money_text,
+    register_pg_binary,
+)
+from applier.targets.values import sqlite_text_converters
+from applier.text import quote_ident
 from tests.plugins.clusters import ScratchDb
 
 # What the walsender session is pinned to (applier/engine/runner.py, _session_dsn).

@@ -10,7 +10,7 @@ Rows: one column per table column, named ``c0`` … ``cN`` (Spark's case-
 insensitive names cannot clash), every column ``binary``. A value is
 PostgreSQL's text output (the form pgoutput sends in text mode, so the copy
 goes through exactly the conversions the stream goes through), or with
-``canonical`` set the canonical form of ``applier.spark.canonical``.
+``canonical`` set the canonical form of ``applier.migrate.spark.canonical``.
 
 PostgreSQL reading, per partition: a connection with the walsender's output
 settings pinned (ISO dates, UTC, ``extra_float_digits = 3``) plus hex bytea and
@@ -180,7 +180,7 @@ def read_pg_range(plan: dict[str, Any], index: int, lo: int | None, hi: int | No
     names = [f"c{i}" for i in range(len(plan["columns"]))]
     transform = None
     if plan.get("canonical") is not None:
-        from applier.spark.canonical import sqlite_source_canonicalizer
+        from applier.migrate.spark.canonical import sqlite_source_canonicalizer
         transform = sqlite_source_canonicalizer(plan["canonical"])
     conn = psycopg.connect(pinned_dsn(plan["dsn"], f"{plan['app']} p{index}"), autocommit=True)
     try:
@@ -224,7 +224,7 @@ def csv_batches(chunks: Iterator[bytes], names: list[str]) -> Iterator[pa.Record
 
 def read_sqlite_range(plan: dict[str, Any], lo: int | None, hi: int | None) -> Iterator[pa.RecordBatch]:
     """Canonical record batches of one rowid range of a SQLite table."""
-    from applier.spark.canonical import canonical_rows_batch
+    from applier.migrate.spark.canonical import canonical_rows_batch
 
     names = [f"c{i}" for i in range(len(plan["columns"]))]
     conds, params = [], []

@@ -25,10 +25,10 @@ Cluster master: the executors' Python (above) needs 3.11 with ``pyspark``,
 (``addPyFile``, before the data sources are registered: a source registered
 earlier does not find it) unless ``APPLIER_SPARK_SHIP=0``. The executors must
 reach the source and the target over the network; a SQLite target needs a
-local master (see ``applier.sync``).
+local master (see ``applier.migrate.sync``).
 
-The session also registers applier's data sources (``applier.spark.source``,
-``applier.spark.copy``); ``getOrCreate`` returns an existing session as is
+The session also registers applier's data sources (``applier.migrate.spark.source``,
+``applier.migrate.spark.copy``); ``getOrCreate`` returns an existing session as is
 (tests share one).
 """
 
@@ -132,8 +132,8 @@ def register(spark: Any) -> None:
     """Register applier's Python data sources on this session (once)."""
     if id(spark) in _REGISTERED:
         return
-    from applier.spark.copy import TargetSink
-    from applier.spark.source import PgRangeSource, SqliteRangeSource
+    from applier.migrate.spark.copy import TargetSink
+    from applier.migrate.spark.source import PgRangeSource, SqliteRangeSource
 
     for ds in (PgRangeSource, SqliteRangeSource, TargetSink):
         spark.dataSource.register(ds)

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from applier.decoder.messages import Column, Relation
-from applier.target.values import sqlite_text_converters
+from applier.targets.values import sqlite_text_converters
 
 _EMPTY = pa.scalar(b"", pa.binary())
 _PREFIX = {tag: pa.scalar(tag, pa.binary()) for tag in (b"i", b"f", b"s", b"x")}

@@ -38,21 +38,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from applier.decoder.messages import NULL, UNCHANGED_TOAST, Relation, TupleData
+from applier.errors import ApplyError
 from applier.lsn import LSN
 from applier.progress.store import Progress, ProgressSQL
+from applier.text import quote_ident
 
-log = logging.getLogger("applier.target")
+log = logging.getLogger("applier.targets")
 
 Converter = Callable[[bytes], Any]
 
-
-class ApplyError(RuntimeError):
-    """A change could not be applied; the message names operation, table, key and LSN."""
-
-
-def quote_ident(name: str) -> str:
-    """Quote an identifier (same rule for PostgreSQL and SQLite)."""
-    return '"' + name.replace('"', '""') + '"'
 
 
 def source_name(rel: Relation) -> str:
@@ -94,7 +88,7 @@ class Binding:
         # ALWAYS column outside the key, such updates need ``keeps_always``); see ``set_always``
         self.fast_set: tuple[int, ...] | None = _ALL_COLUMNS[len(self.names)]
         self.carry: list[str] = []
-        # each column's value as text for messages (binary mode: see ``applier.target.binary.value_text``)
+        # each column's value as text for messages (binary mode: see ``applier.targets.binary.value_text``)
         self.show: Sequence[Callable[[bytes], str]] = [_text] * len(self.names)
 
     def set_always(self, always: frozenset[int]) -> None:
@@ -361,7 +355,7 @@ class TargetBase:
     reorder_tables = False
     source_system: str | None = None  # the source's system identifier, recorded with each progress write
     slot: str | None = None  # the replication slot the applied LSNs come from, recorded likewise
-    # binary mode: money as the source session prints it (``applier.target.binary.money_text``), if known
+    # binary mode: money as the source session prints it (``applier.targets.binary.money_text``), if known
     money_text: Converter | None = None
 
     def run_many(self, sql: str, params: list[list[Any]]) -> int:

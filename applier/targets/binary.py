@@ -31,7 +31,7 @@ receive function (composites and ranges of built-in types, domains, extension
 types with binary I/O).
 
 SQLite target — the value must be exactly what text mode stores (see
-``applier.target.values``): columns of type int2/int4/int8/oid, float4/float8,
+``applier.targets.values``): columns of type int2/int4/int8/oid, float4/float8,
 bool and bytea become INTEGER/REAL/BLOB, everything else the TEXT PostgreSQL
 prints (the walsender session is pinned to DateStyle ISO, IntervalStyle
 postgres, TimeZone UTC, extra_float_digits 3; bytea_output is assumed ``hex``).
@@ -63,7 +63,7 @@ from __future__ import annotations
 import re
 import struct
 from collections.abc import Callable, Mapping
-from datetime import date, timedelta
+from datetime import timedelta
 from decimal import Decimal, localcontext
 from functools import partial
 from typing import Any
@@ -73,9 +73,10 @@ from psycopg.adapt import Dumper, PyFormat, Transformer
 from psycopg.postgres import types as pg_types
 from psycopg.pq import Format
 
-from applier.decoder.messages import Relation, Type
-from applier.target.base import ApplyError, Converter, source_name
-from applier.target.values import BOOL, BYTEA, FLOAT4, FLOAT8, INT2, INT4, INT8, OID
+from applier.decoder.messages import PG_EPOCH, Relation, Type
+from applier.errors import ApplyError
+from applier.targets.base import Converter, source_name
+from applier.targets.values import BOOL, BYTEA, FLOAT4, FLOAT8, INT2, INT4, INT8, OID
 
 # OIDs below this are built in (fixed in every database); pgoutput sends a Type message for the rest.
 FIRST_USER_OID = 10000
@@ -271,7 +272,7 @@ def _numeric_text(load: Callable[[bytes], Decimal]) -> Callable[[bytes], str]:
 
 # -- dates and times ---------------------------------------------------------------------------
 
-_PG_EPOCH = date(2000, 1, 1)
+_PG_EPOCH = PG_EPOCH.date()
 _DAYS_400Y = 146097  # the Gregorian calendar repeats every 400 years
 
 
@@ -878,5 +879,11 @@ def value_texts(rel: Relation, types: Mapping[int, Type]) -> list[Callable[[byte
 
 __all__ = [
     "ARRAY_ELEMENT", "FIRST_USER_OID", "PgBinary", "PgBinaryDumper", "SQLITE_NATIVE", "TEXT_OF", "TEXT_SENT",
-    "MONEY_PROBE", "binary_loader", "float8_text", "money_of_probe", "money_text", "register_pg_binary", "value_text", "value_texts",
+    "MONEY_PROBE", "binary_converters", "binary_loader", "float8_text", "money_of_probe", "money_text", "register_pg_binary", "value_text", "value_texts",
 ]
+
+
+def binary_converters(rel: Relation, types: dict[int, Type], dialect: str,
+                      money: Callable[[bytes], str] | None = None) -> list[Callable[[bytes], Any]]:
+    """One converter per column for binary-mode values, using psycopg's loaders (``money``: see ``binary_loader``)."""
+    return [binary_loader(c.type_oid, types, dialect, rel, c.name, money) for c in rel.columns]

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from applier.errors import InUseError
-from applier.target.base import utc_now
+from applier.targets.base import utc_now
 
 
 def who_am_i(command: str, limit: int = 0) -> str:

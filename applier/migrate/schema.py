@@ -20,7 +20,7 @@ unique index used as replica identity (and the replica identity setting).
 User-defined types (enums, domains, …) must already exist on the target.
 
 Created on SQLite: every published column with the declared type of the apply
-engine's documented mapping (``applier.target.values``: INTEGER, REAL, TEXT,
+engine's documented mapping (``applier.targets.values``: INTEGER, REAL, TEXT,
 BLOB, derived from ``sqlite_text_converters`` itself, so there is one mapping),
 NOT NULL, the primary key and the replica identity index as a unique index.
 A table that publishes no columns (all dropped or generated: PostgreSQL allows
@@ -50,9 +50,9 @@ import psycopg
 
 from applier.config import ConfigError
 from applier.decoder.messages import Column, Relation
-from applier.target.base import quote_ident
-from applier.target.sqlite import sqlite_table_name
-from applier.target.values import sqlite_text_converters
+from applier.targets.sqlite import sqlite_table_name
+from applier.targets.values import sqlite_text_converters
+from applier.text import quote_ident
 
 
 class SchemaError(ConfigError):

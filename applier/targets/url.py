@@ -5,7 +5,7 @@
 reads the URL here; the admin commands (init, sync, verify) hand the same URL
 to SQLAlchemy. The grammar is SQLAlchemy's ``make_url``:
 ``backend[+driver]://[user[:password]@][host|[ipv6]][:port][/database][?key=value&…]``
-with %-escapes decoded in user, password, database and query; tests/target/test_url.py
+with %-escapes decoded in user, password, database and query; tests/targets/test_url.py
 checks that both read every URL alike.
 """
 

@@ -2,7 +2,7 @@
 
 SQLite has no schemas: a source table of schema ``public`` keeps its bare name,
 any other is named ``schema.table`` as one quoted identifier (``target.tables``
-maps names otherwise). Values follow the mapping in ``applier.target.values``.
+maps names otherwise). Values follow the mapping in ``applier.targets.values``.
 A commit is durable when it returns (``synchronous = FULL``), so the applied
 position may be confirmed to the source at once.
 """
@@ -14,12 +14,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from applier.decoder.messages import Relation, TupleData, Type
+from applier.errors import ApplyError
 from applier.lsn import LSN
 from applier.progress.store import SQLITE_SQL
-from applier.target.base import SQLITE, ApplyError, Binding, TargetBase, present_columns, quote_ident, source_name
-from applier.target.claim import FileClaim, claim_target, target_holder
-from applier.target.url import parse_target_url
-from applier.target.values import sqlite_text_converters
+from applier.targets.base import SQLITE, Binding, TargetBase, present_columns, source_name
+from applier.targets.claim import FileClaim, claim_target, target_holder
+from applier.targets.url import parse_target_url
+from applier.targets.values import sqlite_text_converters
+from applier.text import quote_ident
 
 
 def sqlite_path(url: str) -> str:
@@ -80,8 +82,7 @@ class SqliteTarget(TargetBase):
                 raise ApplyError(f"target table {table!r} has no column {c.name!r} that source table "
                                  f"{source_name(rel)} sends (at LSN {lsn})")
         if binary:
-            from applier.target.binary import value_texts
-            from applier.target.values import binary_converters
+            from applier.targets.binary import binary_converters, value_texts
             convert = binary_converters(rel, types, "sqlite", self.money_text)
         else:
             convert = sqlite_text_converters(rel)
@@ -140,7 +141,7 @@ class SqliteTarget(TargetBase):
             if has_seq:
                 self.cur.executemany("DELETE FROM sqlite_sequence WHERE name = ?", [[b.table] for b in bindings])
 
-    # -- the claim (applier.target.claim) ----------------------------------------------
+    # -- the claim (applier.targets.claim) ----------------------------------------------
 
     def claim(self, command: str) -> None:
         """Hold this progress row while this target is open (a lock file); InUseError naming the holder if taken."""

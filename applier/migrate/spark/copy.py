@@ -9,14 +9,14 @@ row and skips itself if it is there, so a partition retried by Spark or by
 concurrent attempts collide on the row's primary key and one rolls back.
 
 - PostgreSQL: ``COPY … FROM STDIN (FORMAT csv)`` of the batches (pyarrow writes
-  the CSV), ``synchronous_commit = off`` (``applier.sync`` makes everything
+  the CSV), ``synchronous_commit = off`` (``applier.migrate.sync`` makes everything
   durable with its last commit), ``session_replication_role = replica`` when the
   role may (no triggers, no foreign-key checks, as for replicated rows).
 - SQLite: batched ``executemany`` inserts with the apply engine's converters
   (``sqlite_text_converters``); ``BEGIN IMMEDIATE`` takes SQLite's write lock for
   the whole partition, so partitions write one at a time (the others wait for
   the lock); ``synchronous = NORMAL`` in WAL mode, made durable by the final
-  ``synchronous = FULL`` commit of ``applier.sync``.
+  ``synchronous = FULL`` commit of ``applier.migrate.sync``.
 
 Progress: the driver polls ``applier_sync_parts`` (finished partitions, exact)
 and the source's ``pg_stat_progress_copy`` (running partitions, by
@@ -41,8 +41,8 @@ from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, DataSource
 from pyspark.sql.types import StructType
 
 from applier.decoder.messages import Column, Relation
-from applier.target.base import ApplyError
-from applier.target.values import sqlite_text_converters
+from applier.errors import ApplyError
+from applier.targets.values import sqlite_text_converters
 
 PARTS_DDL = ("CREATE TABLE IF NOT EXISTS applier_sync_parts (name TEXT NOT NULL, run TEXT NOT NULL, "
              "tbl TEXT NOT NULL, part INTEGER NOT NULL, rows BIGINT NOT NULL, bytes BIGINT NOT NULL, "

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from applier.units import human_bytes
+from applier.text import human_bytes
 
 
 def _eta(rows: int, total: int | None, rate: float) -> str:
