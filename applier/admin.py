@@ -20,11 +20,12 @@ import psycopg
 from applier.config import Config, ConfigError, redact_dsn
 from applier.decoder.messages import Begin, StreamCommit, StreamStart, StreamStop, pg_timestamp
 from applier.decoder.pgoutput import decode_message
-from applier.engine.runner import open_target
 from applier.lsn import LSN
 from applier.progress.store import HEAD_REVISION, PG_SQL, SQLITE_SQL, VERSION_TABLE, Progress
+from applier.rows import one_row
 from applier.source.base import SourceError, StreamOptions
 from applier.source.walsender import WalSender
+from applier.targets import opener
 from applier.text import one_line
 
 
@@ -41,7 +42,7 @@ def check_source(cfg: Config, need_slot: bool = True) -> dict[str, Any]:
     """Source reachable, wal_level logical, publications exist, slot exists (if needed); returns facts."""
     with source_connect(cfg) as conn:
         facts: dict[str, Any] = {"server_version": conn.info.server_version}
-        wal_level = conn.execute("SHOW wal_level").fetchone()[0]
+        wal_level = one_row(conn.execute("SHOW wal_level"))[0]
         if wal_level != "logical":
             raise ConfigError(f"source: wal_level is {wal_level!r}, logical replication needs 'logical'")
         have = {r[0] for r in conn.execute("SELECT pubname FROM pg_publication WHERE pubname = ANY(%s)",
@@ -78,19 +79,7 @@ def target_db(cfg: Config) -> Iterator[Any]:
     The apply commands check the target through this rather than SQLAlchemy, whose import alone
     would add ~0.2 s to every start (see applier.targets.url).
     """
-    url = cfg.target["url"]
-    try:
-        if cfg.target_dialect == "sqlite":
-            from applier.targets.sqlite import sqlite_path
-
-            conn: Any = sqlite3.connect(sqlite_path(url), timeout=30)
-        else:
-            from applier.targets.postgres import libpq_dsn
-
-            conn = psycopg.connect(libpq_dsn(url), connect_timeout=cfg.source["connect_timeout"])
-    except (psycopg.Error, sqlite3.Error) as exc:
-        raise ConfigError(f"{cfg.where('target', 'url')}: cannot open the target "
-                          f"({redact_dsn(url)}): {one_line(exc)[:300]}") from None
+    conn = opener.open(cfg, plain=True)
     try:
         yield conn
         conn.commit()
@@ -113,9 +102,7 @@ def _revision(cfg: Config, conn: Any) -> str | None:
 def check_target(cfg: Config, need_init: bool = True) -> str | None:
     """Target reachable and (if needed) its control tables at the newest revision; returns the revision."""
     if need_init and cfg.target_dialect == "sqlite":  # opening a missing file would create it
-        from applier.targets.sqlite import sqlite_path
-
-        path = sqlite_path(cfg.target["url"])
+        path = opener.location(cfg)
         if path != ":memory:" and not path.startswith("file:") and not Path(path).exists():
             raise ConfigError(f"{cfg.where('target', 'url')}: the target's control tables are missing "
                               f"({path} does not exist); run `applier init`")
@@ -138,7 +125,7 @@ def init(cfg: Config) -> list[str]:
     check_target(cfg, need_init=False)
     if cfg.source["two_phase"] and cfg.target_dialect == "postgresql" and cfg.target["two_phase_mode"] == "prepare":
         _check_prepared_allowed(cfg)
-    from applier.progress.migrate import migrate
+    from applier.progress.migrate import migrate  # start-up time: alembic/SQLAlchemy (status/skip need not)
 
     before, after = migrate(cfg.target["url"])
     done.append(f"control tables: {'created at' if before is None else 'upgraded from ' + before + ' to'} {after}"
@@ -158,14 +145,9 @@ def init(cfg: Config) -> list[str]:
 
 
 def _check_prepared_allowed(cfg: Config) -> None:
-    from applier.targets.postgres import libpq_dsn
-
-    try:
-        with psycopg.connect(libpq_dsn(cfg.target["url"]), autocommit=True) as conn:
-            n = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
-    except psycopg.Error as exc:
-        raise ConfigError(f"{cfg.where('target', 'url')}: cannot connect to the target: "
-                          f"{one_line(exc)}") from None
+    """The PostgreSQL target can hold prepared transactions (``two_phase_mode = "prepare"``); ConfigError if not."""
+    with opener.open(cfg, plain=True, autocommit=True) as conn:
+        n = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
     if n == 0:
         raise ConfigError(f"{cfg.where('source', 'two_phase')}: the target has max_prepared_transactions = 0; "
                           f"set it above 0 on the target, or target.two_phase_mode = \"table\"")
@@ -211,7 +193,7 @@ def status(cfg: Config) -> dict[str, Any]:
     """
     check_target(cfg)
     progress = read_progress(cfg)
-    target = open_target(cfg, applying=False)
+    target = opener.open(cfg, applying=False)
     try:
         running = target.holder()
     finally:
@@ -304,7 +286,7 @@ _CHANGES = frozenset((b"I", b"U", b"D", b"T"))
 
 def list_prepared(cfg: Config) -> list[dict[str, str]]:
     """Prepared transactions applied up to PREPARE that wait for their COMMIT/ROLLBACK PREPARED."""
-    target = open_target(cfg, applying=False)
+    target = opener.open(cfg, applying=False)
     try:
         out = [{"gid": r[0], "xid": str(r[1]), "prepare_lsn": r[2], "end_lsn": r[3], "kept_in": "applier_prepared"}
                for r in target.list_prepared()]

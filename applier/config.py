@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from applier.targets.url import parse_target_url
+
 REQUIRED = object()
 
 # section -> key -> (type, default)
@@ -90,8 +92,6 @@ class Config:
     @property
     def target_dialect(self) -> str:
         """'postgresql' or 'sqlite'."""
-        from applier.targets.url import parse_target_url
-
         return parse_target_url(self.target["url"]).backend
 
     @property
@@ -120,7 +120,7 @@ def _coerce(section: str, key: str, value: Any, where: str, from_text: bool = Tr
         raise ConfigError(f"{where}: {section}.{key} must be {names}, got {value!r}")
     if (section, key) in _CHOICES and value not in _CHOICES[(section, key)]:
         raise ConfigError(f"{where}: {section}.{key} must be one of {', '.join(_CHOICES[(section, key)])}, got {value!r}")
-    if (section, key) in _NON_NEGATIVE and value < 0:
+    if (section, key) in _NON_NEGATIVE and isinstance(value, (int, float)) and value < 0:
         raise ConfigError(f"{where}: {section}.{key} must be 0 or more, got {value!r}")
     if (section, key) == ("source", "streaming") and isinstance(value, str) and value not in ("on", "off", "parallel"):
         raise ConfigError(f"{where}: source.streaming must be true, false or 'parallel', got {value!r}")
@@ -197,8 +197,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if url is None:
         return Config(values["source"], values["target"], values["apply"], values["spark"],
                       Path(path) if path is not None else None, origin)
-    from applier.targets.url import parse_target_url
-
     try:
         backend = parse_target_url(url).backend
     except ValueError:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from applier.admin import init
 from applier.config import load_config
+from applier.embedded import Cluster, find_install
 from applier.engine.runner import Runner
 from applier.targets.sqlite import SqliteTarget  # noqa: F401 - the demo's target kind
 
@@ -34,8 +35,6 @@ CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, customer_id INTEGER N
 
 def run_demo(rows: int, target_file: Path, echo: Callable[[str], None]) -> None:
     """Run the whole demo, printing what happens."""
-    from applier.embedded import Cluster, find_install
-
     target_file = target_file.resolve()
     for leftover in (target_file, *(target_file.with_name(target_file.name + x) for x in ("-wal", "-shm"))):
         leftover.unlink(missing_ok=True)

@@ -400,7 +400,7 @@ class Cluster:
         self.base_dir = Path()
         self.datadir = Path()
         self._owns_dir = False
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
         self._prepare_dir()
 
     def __repr__(self) -> str:

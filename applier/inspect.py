@@ -15,6 +15,7 @@ from applier.config import Config
 from applier.decoder import Decoder, Keepalive, XLogData, render_message
 from applier.lsn import LSN
 from applier.source.base import Source, SourceError, StreamOptions
+from applier.source.recorded import RecordWriter
 from applier.source.sql import SqlSlotSource
 from applier.source.walsender import WalSender
 from applier.text import one_line
@@ -59,7 +60,9 @@ def current_wal_insert_lsn(dsn: str, flush: bool = False) -> LSN:
     """
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            lsn = LSN.parse(conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])
+            row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
+            assert row is not None
+            lsn = LSN.parse(row[0])
             if flush:
                 conn.execute("SELECT pg_current_xact_id()")
             return lsn
@@ -70,8 +73,6 @@ def current_wal_insert_lsn(dsn: str, flush: bool = False) -> LSN:
 def record_stream(cfg: Config, out: Path, limit: int | None = None, until: LSN | None = None,
                   idle: float = 10.0) -> tuple[int, LSN]:
     """Record the slot's stream to ``out`` without confirming anything; returns (frames, LSN reached)."""
-    from applier.source.recorded import RecordWriter
-
     target = until if until is not None else current_wal_insert_lsn(cfg.source["dsn"])
     ws = WalSender(cfg.source["dsn"], connect_timeout=cfg.source["connect_timeout"])
     try:
@@ -92,7 +93,7 @@ def record_stream(cfg: Config, out: Path, limit: int | None = None, until: LSN |
                     reached = LSN(max(reached, frame.wal_end))
                 elif isinstance(frame, Keepalive):
                     reached = LSN(max(reached, frame.wal_end))
-                if reached >= target and (type(frame) is Keepalive or frame.payload[:1] in (b"C", b"K", b"r", b"c", b"P", b"p", b"A")):
+                if reached >= target and (isinstance(frame, Keepalive) or frame.payload[:1] in (b"C", b"K", b"r", b"c", b"P", b"p", b"A")):
                     break
             return writer.count, reached
     finally:

@@ -41,6 +41,7 @@ def init(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, pub
 
       applier init --dsn "host=db dbname=app user=rep" -p app_pub --target sqlite:////var/lib/replica.db
     """
+    # here, not at the top: start-up time (`applier --help` and the other commands do not load the engine)
     from applier.admin import init as do_init
 
     def go() -> None:
@@ -52,6 +53,7 @@ def init(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, pub
 
 def _apply(catchup: bool, config: Path | None, dsn: str | None, slot: str | None, publication: list[str] | None,
            target: str | None) -> None:
+    # here, not at the top: start-up time (`applier --help` and the other commands do not load the engine)
     from applier.admin import check_source, check_target
     from applier.engine.heartbeat import Bar, Heartbeat
     from applier.engine.runner import Runner
@@ -131,6 +133,7 @@ def status(config: ConfigOpt = None, as_json: Annotated[bool, typer.Option("--js
 
       applier status -c applier.toml --json
     """
+    # here, not at the top: start-up time (`applier --help` and the other commands do not load the engine)
     from applier.admin import status as do_status
 
     def go() -> None:
@@ -157,6 +160,7 @@ def skip(lsn: Annotated[str, typer.Option("--lsn", help="Finish LSN of the faili
 
       applier skip -c applier.toml --lsn 0/16F4428
     """
+    # here, not at the top: start-up time (`applier --help` and the other commands do not load the engine)
     from applier.admin import skip as do_skip
 
     def go() -> None:
@@ -184,6 +188,7 @@ def demo(
 
       applier demo --rows 100000 --target-file /tmp/demo.db
     """
+    # here, not at the top: start-up time (`applier --help` and the other commands do not load the engine)
     from applier.demo import run_demo
 
     run_guarded(run_demo, rows, out, typer.echo)

@@ -47,6 +47,7 @@ def sync(
 
       applier sync -c applier.toml --master spark://spark-master:7077 --partitions 16
     """
+    # here, not at the top: start-up time (only sync/verify load alembic/SQLAlchemy and pyspark)
     from applier.migrate.spark.progress import open_reporter
     from applier.migrate.sync import sync as do_sync
 
@@ -84,6 +85,7 @@ def verify(
 
       applier verify -c applier.toml --json --keys 100 > report.json
     """
+    # here, not at the top: start-up time (only sync/verify load alembic/SQLAlchemy and pyspark)
     from applier.migrate.spark.verify import verify as do_verify
 
     def go() -> Any:

@@ -29,6 +29,7 @@ def decode(
 
       applier decode --peek --dsn "host=127.0.0.1 dbname=app" --slot applier -p applier_pub
     """
+    # here, not at the top: start-up time (the other commands do not load the decoder and sources)
     from applier.inspect import decode_stream, open_peek_source
     from applier.source.recorded import RecordedSource
 
@@ -67,6 +68,7 @@ def record(
 
       applier record --dsn "host=127.0.0.1 dbname=app" --slot s -p pub -o s.rec --limit 1000
     """
+    # here, not at the top: start-up time (the other commands do not load the decoder and sources)
     from applier.inspect import record_stream
 
     def go() -> None:

@@ -95,16 +95,20 @@ class _Reader:
         return self.buf[self._need(1, field)]
 
     def i16(self, field: str) -> int:
-        return _I16.unpack_from(self.buf, self._need(2, field))[0]
+        v: int = _I16.unpack_from(self.buf, self._need(2, field))[0]
+        return v
 
     def u32(self, field: str) -> int:
-        return _U32.unpack_from(self.buf, self._need(4, field))[0]
+        v: int = _U32.unpack_from(self.buf, self._need(4, field))[0]
+        return v
 
     def i32(self, field: str) -> int:
-        return _I32.unpack_from(self.buf, self._need(4, field))[0]
+        v: int = _I32.unpack_from(self.buf, self._need(4, field))[0]
+        return v
 
     def i64(self, field: str) -> int:
-        return _I64.unpack_from(self.buf, self._need(8, field))[0]
+        v: int = _I64.unpack_from(self.buf, self._need(8, field))[0]
+        return v
 
     def lsn(self, field: str) -> LSN:
         return int.__new__(LSN, _U64.unpack_from(self.buf, self._need(8, field))[0])
@@ -216,9 +220,10 @@ def _read_text_tuple(buf: bytes, pos: int, end: int) -> tuple[TupleData, int] | 
     if nulls:
         kinds = bytes([NULL if v is None else TEXT for v in values])
     else:
-        kinds = _ALL_TEXT.get(ncols)
-        if kinds is None:
-            kinds = _ALL_TEXT[ncols] = b"t" * ncols
+        cached = _ALL_TEXT.get(ncols)
+        if cached is None:
+            cached = _ALL_TEXT[ncols] = b"t" * ncols
+        kinds = cached
     return _new_tuple(TupleData, (kinds, tuple(values))), pos
 
 

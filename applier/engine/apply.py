@@ -1,7 +1,7 @@
 """The apply engine: decoded messages in, target transactions out.
 
 Like PostgreSQL's worker.c, one ``handle_<message>`` per message kind. The
-engine owns the relation and type caches, the open source transaction, the
+engine owns the relation map (``applier.engine.relation``), the open source transaction, the
 batch of consecutive same-kind changes to one table, and the *group*: the open
 target transaction into which one or more whole source transactions are
 applied before it commits.
@@ -51,10 +51,11 @@ from applier.decoder.messages import (
 )
 from applier.decoder.pgoutput import decode_message
 from applier.engine.batch import Batch
-from applier.engine.spool import Spool, SpoolSet, record, records
+from applier.engine.relation import RawMessage, RelationMap
+from applier.engine.spool import Spool, SpoolSet, records
 from applier.errors import ApplyError
 from applier.lsn import LSN
-from applier.targets.base import Binding, describe_values, log_missing, source_name
+from applier.targets.base import Binding, Target, describe_values, log_missing, source_name
 from applier.text import one_line
 
 log = logging.getLogger("applier.engine")
@@ -100,7 +101,7 @@ class SourceTxn:
 class ApplyEngine:
     """Applies a stream of pgoutput messages to a target; see the module header."""
 
-    def __init__(self, target: Any, *, applied: LSN, skip_lsn: LSN | None = None, work_dir: Path, name: str = "applier",
+    def __init__(self, target: Target, *, applied: LSN, skip_lsn: LSN | None = None, work_dir: Path, name: str = "applier",
                  skip_origins: Sequence[str] = (), group_delay: float = 0.2, group_rows: int = 20000,
                  careful: bool = False, binary: bool = False) -> None:
         self.target = target
@@ -112,14 +113,12 @@ class ApplyEngine:
         self.careful = careful
         self.binary = binary
         self.batch_rows = 1 if careful else BATCH_ROWS
-        self.relations: dict[int, Relation] = {}
-        self.types: dict[int, Type] = {}
-        self.bindings: dict[int, Binding] = {}
-        # raw Relation/Type messages by ('R'|'Y', oid): a prepared transaction kept in a table carries them
-        self.meta_raw: dict[tuple[str, int], tuple[bool, bytes]] = {}
-        self._raw: tuple[bool, bytes] = (False, b"")
+        self.relmap = RelationMap(target, binary)
+        self.bindings = self.relmap.bindings  # the map's own dict (never replaced), for the per-row lookup
+        # the message in hand as a spool record: set by ``handle`` for a Relation/Type message and by
+        # ``replay`` for every one; the relation map keeps it for prepared transactions kept in a table
+        self.raw_message: RawMessage = (False, b"")
         self.name = name
-        self.table_prepare = not getattr(target, "native_prepare", False)
         self.spools = SpoolSet(work_dir)
         self.stream_xid: int | None = None
         self.txn: SourceTxn | None = None
@@ -167,7 +166,7 @@ class ApplyEngine:
             if kind is not Relation and kind is not Type:
                 return
         if kind is Relation or kind is Type:
-            self._raw = (False, raw)
+            self.raw_message = (False, raw)
         self._handlers[kind](msg)
 
     def set_careful(self, careful: bool, group_delay: float) -> None:
@@ -289,28 +288,17 @@ class ApplyEngine:
 
     def handle_relation(self, m: Relation) -> None:
         """Cache the relation; a new message for a known OID replaces it and re-reads the target."""
-        old = self.bindings.get(m.oid)
-        if old is not None:
-            self.flush_batch()
-            del self.bindings[m.oid]
-        self.relations[m.oid] = m
-        self.meta_raw[("R", m.oid)] = self._raw
+        if m.oid in self.bindings:
+            self.flush_batch()  # what was queued under the old binding goes first
+        self.relmap.add_relation(m, self.raw_message)
 
     def handle_type(self, m: Type) -> None:
         """Cache the type (user-defined types: enums, composites, domains)."""
-        self.types[m.oid] = m
-        self.meta_raw[("Y", m.oid)] = self._raw
+        self.relmap.add_type(m, self.raw_message)
 
     def binding(self, oid: int) -> Binding:
         """The binding of a relation OID (reflecting the target table on first use)."""
-        b = self.bindings.get(oid)
-        if b is None:
-            rel = self.relations.get(oid)
-            if rel is None:
-                raise ApplyError(f"change for relation OID {oid} before its Relation message "
-                                 f"(transaction finished at {self.txn_lsn()})")
-            b = self.bindings[oid] = self.target.bind(rel, self.types, self.txn_lsn(), self.binary)
-        return b
+        return self.relmap.binding(oid, self.txn_lsn())
 
     def txn_lsn(self) -> LSN:
         """The finish LSN of the transaction in hand (what `applier skip --lsn` takes)."""
@@ -329,10 +317,10 @@ class ApplyEngine:
             try:
                 b = self.binding(oid)
             except ApplyError as exc:  # no target table or column: name the change as _error does
-                rel = self.relations.get(oid)
+                rel = self.relmap.relations.get(oid)
                 if rel is None:
                     raise
-                key = _key_text(rel, op, row, self.types if self.binary else None)
+                key = _key_text(rel, op, row, self.relmap.types if self.binary else None)
                 raise ApplyError(f"{op} on table {source_name(rel)} (key {key}) in transaction "
                                  f"{txn.xid} finished at {txn.final_lsn}: {exc}") from exc
         self.stats.rows += 1
@@ -406,6 +394,7 @@ class ApplyEngine:
 
     def _error(self, op: str, b: Binding, rows: list[Any], txn: SourceTxn | None, exc: BaseException) -> ApplyError:
         where = f"in transaction {txn.xid} finished at {txn.final_lsn}" if txn else ""
+        idx: Sequence[int]
         if len(rows) == 1:
             r = rows[0]
             if op == "INSERT":
@@ -465,51 +454,32 @@ class ApplyEngine:
         handlers = self._handlers
         for in_stream, raw in recs:
             msg = decode_message(raw, in_stream)
-            self._raw = (in_stream, raw)
+            self.raw_message = (in_stream, raw)
             handlers[type(msg)](msg)
 
     def replay_isolated(self, blob: bytes) -> None:
         """Replay a kept prepared transaction with its own relation cache (it carries its definitions)."""
-        saved = self.relations, self.types, self.bindings, self.meta_raw
-        self.relations, self.types, self.bindings, self.meta_raw = {}, {}, {}, {}
-        try:
+        with self.relmap.isolated():
             self.replay(records(blob))
             self.flush_batch()
-        finally:
-            self.relations, self.types, self.bindings, self.meta_raw = saved
-
-    def meta_blob(self) -> bytes:
-        """Spool records of every cached Relation and Type message (types first)."""
-        out = bytearray()
-        for _key, (in_stream, raw) in sorted(self.meta_raw.items(), key=lambda kv: kv[0][0] != "Y"):
-            out += record(in_stream, raw)
-        return bytes(out)
 
     # -- two-phase (protocol 3+) ---------------------------------------------------
     #
-    # A PostgreSQL target with max_prepared_transactions > 0 runs the changes and PREPARE
-    # TRANSACTION under target_gid(xid); the progress goes in a transaction of its own right
-    # after (a progress row updated inside the prepared transaction would stay locked until
-    # COMMIT PREPARED and block every transaction in between). Anything else (SQLite) keeps the
-    # prepared transaction's changes in applier_prepared, with the progress, in one transaction;
-    # COMMIT PREPARED replays them with the progress in one transaction. Either way a restart
-    # finds what was prepared (pg_prepared_xacts or the table) and neither prepares twice nor
-    # loses it.
-
-    def target_gid(self, xid: int) -> str:
-        """The target's PREPARE TRANSACTION id: this applier's name and the source xid."""
-        return f"applier_{self.name}_{xid}"
-
-    def _prepared_before(self, gid: str, xid: int) -> bool:
-        if self.table_prepare:
-            return self.target.load_prepared(gid) is not None
-        return self.target_gid(xid) in self.target.prepared_gids()
+    # A PostgreSQL target with max_prepared_transactions > 0 (``target.native_prepare``) runs the
+    # changes and PREPARE TRANSACTION under prepared_gid(name, xid); the progress goes in a
+    # transaction of its own right after (a progress row updated inside the prepared transaction
+    # would stay locked until COMMIT PREPARED and block every transaction in between). Anything
+    # else (SQLite) keeps the prepared transaction's changes in applier_prepared, with the
+    # progress, in one transaction; COMMIT PREPARED replays them with the progress in one
+    # transaction. Either way a restart finds what was prepared (``target.is_prepared``:
+    # pg_prepared_xacts or the table) and neither prepares twice nor loses it. How each step is
+    # done on the target is the target's (``Target``); when each is done is the engine's.
 
     def _start_prepared(self, xid: int, prepare_lsn: LSN, gid: str) -> SourceTxn:
         self.flush_group()
-        self.target.preparing = not self.table_prepare
+        self.target.set_preparing(True)
         skip = self.should_skip(prepare_lsn)
-        if skip is None and self._prepared_before(gid, xid):
+        if skip is None and self.target.is_prepared(xid, gid):
             skip = Skip.PREPARED_BEFORE
         return SourceTxn(xid, prepare_lsn, skip)
 
@@ -521,7 +491,7 @@ class ApplyEngine:
     def handle_begin_prepare(self, m: BeginPrepare) -> None:
         """Start a transaction that will be prepared."""
         txn = self._start_prepared(m.xid, m.prepare_lsn, m.gid)
-        if not txn.skip and self.table_prepare:
+        if not txn.skip and not self.target.native_prepare:
             txn.spool = self.spools.open(m.xid, True)
         self.txn = txn
 
@@ -540,7 +510,7 @@ class ApplyEngine:
         try:
             if txn.skip or sp is None:
                 pass
-            elif self.table_prepare:
+            elif not self.target.native_prepare:
                 txn.spool = sp
                 sp = None
             else:
@@ -556,7 +526,7 @@ class ApplyEngine:
         try:
             self._prepare(txn, gid, prepare_lsn, end_lsn, when)
         finally:
-            self.target.preparing = False
+            self.target.set_preparing(False)
 
     def _prepare(self, txn: SourceTxn, gid: str, prepare_lsn: LSN, end_lsn: LSN, when: int) -> None:
         if end_lsn > self.last_commit_end:
@@ -574,7 +544,7 @@ class ApplyEngine:
             self._progress_only(end_lsn, when)
             return
         if txn.spool is not None:
-            blob = self.meta_blob() + txn.spool.read_all()
+            blob = self.relmap.meta_blob() + txn.spool.read_all()
             txn.spool.remove()
             self.ensure_group()
             self.target.store_prepared(gid, txn.xid, prepare_lsn, end_lsn, when, blob)
@@ -584,7 +554,7 @@ class ApplyEngine:
             with rolled_back_on_error(self, lambda exc: ApplyError(
                     f"PREPARE TRANSACTION of source transaction {txn.xid} ({gid!r}) prepared at {prepare_lsn} "
                     f"failed on the target: {one_line(exc)}")):
-                self.target.prepare(self.target_gid(txn.xid))
+                self.target.prepare(txn.xid)
             self.group_open = False
         self.stats.transactions += 1
         self._progress_only(end_lsn, when)
@@ -608,19 +578,18 @@ class ApplyEngine:
         with rolled_back_on_error(self, lambda exc: ApplyError(
                 f"{what} of source transaction {xid} ({gid!r}) ending at {end_lsn} failed on the target: "
                 f"{one_line(exc)}")):
-            if self.table_prepare:
+            blob = self.target.kept_prepared(gid)  # None: prepared on the target (or not at all)
+            if blob is None:
+                self.target.finish_prepared(xid, commit)
+            else:
                 self.ensure_group()
-                blob = self.target.load_prepared(gid)
-                if blob is not None and commit:
+                if commit:
                     self.txn = SourceTxn(xid, lsn, None)
                     try:
                         self.replay_isolated(blob)
                     finally:
                         self.txn = None
-                if blob is not None:
-                    self.target.delete_prepared(gid)
-            elif self.target_gid(xid) in self.target.prepared_gids():
-                self.target.finish_prepared(self.target_gid(xid), commit)
+                self.target.delete_prepared(gid)
         self._progress_only(end_lsn, when)
 
 

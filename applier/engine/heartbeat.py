@@ -14,6 +14,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from applier.lsn import LSN
 from applier.text import human_bytes
@@ -72,14 +73,14 @@ class Heartbeat:
         if self.start is None and applied > 0:
             self.start = applied
 
-    def beat(self, now: float, applied: LSN, source_end: LSN, goal: LSN | None, rows: int) -> None:
+    def beat(self, now: float, applied: LSN, source_end: int, goal: LSN | None, rows: int) -> None:
         """Show where the run is; the next beat is due ``interval`` seconds from now."""
         rate = (rows - self._rows) / (now - self._at) if now > self._at else 0.0
         self._rows, self._at = rows, now
         self.due = now + self.interval
         if self.start is None:
             self.start = applied
-        self.show(Beat(applied, source_end, goal, self.start, rows, rate))
+        self.show(Beat(applied, LSN(source_end), goal, self.start, rows, rate))
 
 
 class Bar:
@@ -100,7 +101,7 @@ class Bar:
     def show(self, beat: Beat) -> None:
         """Move the bar to ``beat``."""
         total = max(1, beat.goal - beat.start) if beat.goal is not None else 1
-        fields = {"where": f"target at {beat.applied} of {beat.goal}", "rate": f"{beat.rows:,} rows, "
+        fields: dict[str, Any] = {"where": f"target at {beat.applied} of {beat.goal}", "rate": f"{beat.rows:,} rows, "
                   f"{beat.rate:,.0f} rows/s"}
         if self.task is None:
             self.progress.start()

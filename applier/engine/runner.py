@@ -45,10 +45,12 @@ from applier.errors import ApplyError
 from applier.inspect import current_wal_insert_lsn, stream_options
 from applier.lsn import LSN
 from applier.progress.store import Progress
+from applier.rows import one_row
 from applier.source.base import SlotInUseError, Source, SourceError
 from applier.source.chunks import ChunkReader
 from applier.source.sql import SqlSlotSource
-from applier.source.walsender import WalSender
+from applier.source.walsender import WalSender, session_dsn
+from applier.targets import opener
 from applier.text import one_line, quote_literal
 
 log = logging.getLogger("applier.runner")
@@ -81,17 +83,6 @@ class Summary:
                 + (f" (goal {self.goal})" if self.goal is not None else "") + f" in {self.seconds:.1f}s")
 
 
-def open_target(cfg: Config, applying: bool = True) -> Any:
-    """The target of the config (PostgreSQL or SQLite); ``applying=False`` to only look at it."""
-    t = cfg.target
-    if cfg.target_dialect == "sqlite":
-        from applier.targets.sqlite import SqliteTarget
-        return SqliteTarget(t["url"], cfg.apply["name"], t["tables"])
-    from applier.targets.postgres import PostgresTarget
-    return PostgresTarget(t["url"], cfg.apply["name"], t["synchronous_commit"], t["tables"],
-                          use_origin=applying, two_phase_mode=t["two_phase_mode"])
-
-
 def open_source(cfg: Config, progress: Progress, wrap: Callable[[Source], Source] | None = None) -> ChunkReader:
     """The source of the config, started at the recorded position (0/0: the slot's), read in chunks.
 
@@ -110,12 +101,12 @@ def open_source(cfg: Config, progress: Progress, wrap: Callable[[Source], Source
             row = sql.conn.execute(SLOT_CONFIRMED, [s["slot"]]).fetchone()
             check_progress_owner(cfg, progress, None, LSN.parse(row[0]) if row and row[0] else None)
             if s["binary"]:
-                money = money_of_probe(sql.conn.execute(MONEY_PROBE).fetchone())
+                money = money_of_probe(one_row(sql.conn.execute(MONEY_PROBE)))
         except BaseException:
             sql.close()
             raise
     else:
-        src = ws = WalSender(_session_dsn(s["dsn"]), status_interval=s["status_interval"],
+        src = ws = WalSender(session_dsn(s["dsn"]), status_interval=s["status_interval"],
                              connect_timeout=s["connect_timeout"])
         try:
             system = ws.identify_system()["systemid"]
@@ -169,16 +160,7 @@ def check_progress_owner(cfg: Config, progress: Progress, system: str | None, co
             f"(`applier sync --force`)")
 
 
-def _session_dsn(dsn: str) -> str:
-    """The source DSN with the walsender's output settings pinned (ISO dates, UTC)."""
-    from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
-    opts = conninfo_to_dict(dsn).get("options") or ""
-    pinned = "-c datestyle=ISO -c intervalstyle=postgres -c timezone=UTC -c extra_float_digits=3"
-    return make_conninfo(dsn, options=f"{opts} {pinned}".strip())
-
-
-def goal_reached(position: LSN, goal: LSN) -> bool:
+def goal_reached(position: int, goal: int) -> bool:
     """True when a WAL position has reached the catch-up goal (see the module header)."""
     if position >= goal:
         return True
@@ -275,7 +257,7 @@ class Runner:
         """One connection's worth of applying; True when the run is complete."""
         cfg = self.cfg
         self.ended_careful = careful
-        target = open_target(cfg)
+        target = opener.open(cfg)
         engine: ApplyEngine | None = None
         source: ChunkReader | None = None
         failure: BaseException | None = None
@@ -342,8 +324,8 @@ class Runner:
     def _loop(self, engine: ApplyEngine, source: ChunkReader, target: Any, careful: bool, fail_point: LSN) -> bool:
         handle = engine.handle
         goal = self.goal
-        reached = LSN(0)
-        keepalive_end = LSN(0)
+        reached: int = LSN(0)  # plain ints from the frames on the hot path
+        keepalive_end: int = LSN(0)
         last_confirm = time.monotonic()
         # catching up: idle means the goal may lie in WAL that publishes nothing; ask the server where it is
         idle_wait = 0.02 if goal is not None else 0.5
@@ -375,7 +357,7 @@ class Runner:
                         and time.monotonic() - engine.last_flush >= self.cfg.source["status_interval"]):
                     # Nothing published for a while, everything received is applied: record the server's
                     # WAL end as applied, so the slot stops holding back WAL for a quiet publication.
-                    engine.advance(keepalive_end)
+                    engine.advance(LSN(keepalive_end))
                 now = time.monotonic()
                 if now >= heartbeat.due:
                     heartbeat.beat(now, engine.applied, reached, goal, self.summary.rows + engine.stats.rows)
@@ -386,7 +368,7 @@ class Runner:
             done = False
             for frame, msg in chunk:
                 if msg is not None:
-                    payload = frame.payload
+                    payload = frame.payload  # type: ignore[union-attr] # a message comes only in XLogData
                     handle(msg, payload)
                     if payload[0] not in _ENDS:  # a change inside a transaction: nothing else to look at
                         continue

@@ -8,9 +8,9 @@ PostgreSQL 15+. A table in several publications gets the union of the column
 lists and the OR of the row filters (no filter if any publication has none),
 as the walsender does.
 
-Target tables are named as the apply engine names them (``target.tables``,
-else the source's schema and name on PostgreSQL and ``sqlite_table_name`` on
-SQLite), so the copy and the stream write to the same table.
+Target tables are named as the apply engine names them (one function,
+``applier.targets.naming.target_table``), so the copy and the stream write to
+the same table.
 
 Created on PostgreSQL: the published columns with the source's types
 (``format_type``), collations other than the type's default, NOT NULL,
@@ -50,7 +50,7 @@ import psycopg
 
 from applier.config import ConfigError
 from applier.decoder.messages import Column, Relation
-from applier.targets.sqlite import sqlite_table_name
+from applier.targets.naming import quoted_name, shown_name, target_table
 from applier.targets.values import sqlite_text_converters
 from applier.text import quote_ident
 
@@ -168,19 +168,26 @@ def read_source_tables(conn: psycopg.Connection[Any], publications: list[str]) -
     return tables
 
 
+def _one(conn: psycopg.Connection[Any], sql: str, params: list[Any]) -> tuple[Any, ...]:
+    """The one row a catalog query returns."""
+    row = conn.execute(sql, params).fetchone()
+    if row is None:
+        raise SchemaError(f"the catalog query returned no row: {sql[:80]}")
+    return tuple(row)
+
+
 def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
                 entries: list[tuple[list[str] | None, str | None]]) -> SourceTable:
-    row = conn.execute(
-        "SELECT c.oid, c.relkind, c.relreplident, c.reltuples::bigint FROM pg_class c "
-        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
-        [schema, name]).fetchone()
-    oid, relkind, replident, reltuples = row
-    published: set[str] | None = set()
+    oid, relkind, replident, reltuples = _one(
+        conn, "SELECT c.oid, c.relkind, c.relreplident, c.reltuples::bigint FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s", [schema, name])
+    listed: set[str] = set()
+    published: set[str] | None = listed
     for attnames, _ in entries:
         if attnames is None:
             published = None
             break
-        published |= set(attnames)
+        listed |= set(attnames)
     filters = [f for _, f in entries]
     distinct = list(dict.fromkeys(filters))
     if any(f is None for f in distinct):
@@ -223,10 +230,10 @@ def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
         pages_sql = ("SELECT coalesce(max(pg_relation_size(relid)), 0) / current_setting('block_size')::int, "
                      "sum(greatest(c.reltuples, 0))::bigint, bool_or(c.reltuples < 0) "
                      "FROM pg_partition_tree(%s) t JOIN pg_class c ON c.oid = t.relid WHERE t.isleaf")
-        pages, leaf_rows, unknown = conn.execute(pages_sql, [oid]).fetchone()
+        pages, leaf_rows, unknown = _one(conn, pages_sql, [oid])
         estimated = None if unknown else leaf_rows
     else:
-        pages = conn.execute("SELECT pg_relation_size(%s) / current_setting('block_size')::int", [oid]).fetchone()[0]
+        pages = _one(conn, "SELECT pg_relation_size(%s) / current_setting('block_size')::int", [oid])[0]
         estimated = reltuples if reltuples is not None and reltuples >= 0 else None
     return SourceTable(schema, name, oid, relkind, replident, cols, pk, ident, rowfilter, int(pages or 0),
                        None if estimated is None else int(estimated), unpublished)
@@ -234,27 +241,11 @@ def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
 
 # -- target names ------------------------------------------------------------------
 
-def pg_target_name(table: SourceTable, table_map: dict[str, str]) -> tuple[str | None, str]:
-    """(schema or None for the search path, table) on a PostgreSQL target, as the apply engine names it."""
-    mapped = table_map.get(table.qualified)
-    if mapped:
-        schema, _, name = mapped.rpartition(".")
-        return (schema or None), name
-    return table.schema, table.name
-
-
-def pg_qname(schema: str | None, name: str) -> str:
-    """Quoted, optionally schema-qualified, table name."""
-    return (quote_ident(schema) + "." if schema else "") + quote_ident(name)
-
-
 def target_table_name(table: SourceTable, dialect: str, table_map: dict[str, str]) -> tuple[str, str]:
-    """(name for people, quoted name for SQL) of the target table."""
-    if dialect == "sqlite":
-        name = sqlite_table_name(table.relation(), table_map)
-        return name, quote_ident(name)
-    schema, name = pg_target_name(table, table_map)
-    return (f"{schema}.{name}" if schema else name), pg_qname(schema, name)
+    """(name for people, quoted name for SQL) of the target table, as the apply engine names it
+    (``applier.targets.naming``)."""
+    schema, name = target_table(table.relation(), dialect, table_map)
+    return shown_name(schema, name), quoted_name(schema, name)
 
 
 # -- SQLite mapping ------------------------------------------------------------------
@@ -302,7 +293,7 @@ class Prepared:
 
 def pg_create_statements(table: SourceTable, schema: str | None, name: str) -> list[str]:
     """CREATE TABLE (and index / replica identity) statements for a PostgreSQL target."""
-    qt = pg_qname(schema, name)
+    qt = quoted_name(schema, name)
     parts = []
     for c in table.columns:
         s = f"{quote_ident(c.name)} {c.type_sql}"
@@ -349,7 +340,7 @@ def sqlite_create_statements(table: SourceTable, name: str) -> list[str]:
 
 def check_pg_table(conn: psycopg.Connection[Any], table: SourceTable, schema: str | None, name: str) -> list[str] | None:
     """Problems of an existing PostgreSQL target table (one line each), or None if it does not exist."""
-    reg = conn.execute("SELECT to_regclass(%s)::oid", [pg_qname(schema, name)]).fetchone()[0]
+    reg = _one(conn, "SELECT to_regclass(%s)::oid", [quoted_name(schema, name)])[0]
     if reg is None:
         return None
     have = {r[0]: r[1:] for r in conn.execute(
@@ -398,13 +389,13 @@ def prepare_pg_tables(conn: psycopg.Connection[Any], tables: list[SourceTable], 
     missing: list[SourceTable] = []
     out = Prepared()
     for t in tables:
-        schema, name = pg_target_name(t, table_map)
-        shown = f"{schema}.{name}" if schema else name
+        schema, name = target_table(t.relation(), "postgresql", table_map)
+        shown = shown_name(schema, name)
         found = check_pg_table(conn, t, schema, name)
         if found is None:
             missing.append(t)
             for c in t.columns:
-                if c.type_schema != "pg_catalog" and conn.execute("SELECT to_regtype(%s)", [c.type_sql]).fetchone()[0] is None:
+                if c.type_schema != "pg_catalog" and _one(conn, "SELECT to_regtype(%s)", [c.type_sql])[0] is None:
                     problems.append(f"target table {shown}, column {c.name}: type {c.type_sql} does not exist on the "
                                     f"target (create it first)")
         else:
@@ -414,10 +405,10 @@ def prepare_pg_tables(conn: psycopg.Connection[Any], tables: list[SourceTable], 
         raise SchemaError("the target does not fit the source:\n  " + "\n  ".join(problems))
     with conn.transaction():
         for t in missing:
-            schema, name = pg_target_name(t, table_map)
+            schema, name = target_table(t.relation(), "postgresql", table_map)
             for stmt in pg_create_statements(t, schema, name):
                 conn.execute(stmt)
-            out.created.append(f"{schema}.{name}" if schema else name)
+            out.created.append(shown_name(schema, name))
     return out
 
 
@@ -427,7 +418,7 @@ def prepare_sqlite_tables(conn: sqlite3.Connection, tables: list[SourceTable], t
     missing: list[tuple[SourceTable, str]] = []
     out = Prepared()
     for t in tables:
-        name = sqlite_table_name(t.relation(), table_map)
+        name = target_table(t.relation(), "sqlite", table_map)[1]
         if not t.columns:
             problems.append(f"source table {t.qualified} publishes no columns (all dropped or generated): a SQLite "
                             f"table needs one; leave it out of the publication or add a column to it")

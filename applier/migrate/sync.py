@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import sqlite3
 import time
 import uuid
 from collections.abc import Iterator
@@ -77,10 +76,14 @@ from applier.migrate.schema import (
     read_source_tables,
     target_table_name,
 )
+from applier.migrate.spark.progress import Reporter
+from applier.migrate.spark.session import is_local, spark_for
 from applier.progress.migrate import migrate
 from applier.progress.store import PG_SQL, SQLITE_SQL
+from applier.rows import one_row
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
+from applier.targets import opener
 from applier.targets.claim import FileClaim, claim_target
 from applier.text import one_line, quote_ident
 
@@ -138,19 +141,12 @@ class TargetDb:
         self.dialect = cfg.target_dialect
         self.table_map = cfg.target["tables"]
         self._claim: FileClaim | None = None
+        where = opener.location(cfg)
+        self.where = str(Path(where).resolve()) if self.dialect == "sqlite" else where  # the claim's key
+        self.conn: Any = opener.open(cfg, plain=True, autocommit=True)
         if self.dialect == "sqlite":
-            from applier.targets.sqlite import sqlite_path
-
-            self.where = str(Path(sqlite_path(cfg.target["url"])).resolve())
-            self.conn: Any = sqlite3.connect(self.where, isolation_level=None, timeout=60, check_same_thread=False)
             self.conn.execute("PRAGMA journal_mode = WAL")
-            self.ph = "?"
-        else:
-            from applier.targets.postgres import libpq_dsn
-
-            self.where = libpq_dsn(cfg.target["url"])
-            self.conn = psycopg.connect(self.where, autocommit=True)
-            self.ph = "%s"
+        self.ph = "?" if self.dialect == "sqlite" else "%s"
 
     def claim(self, command: str) -> None:
         """Hold ``apply.name``'s progress row until ``close`` (see applier.targets.claim); InUseError if taken."""
@@ -273,7 +269,7 @@ class TargetDb:
 
     def ensure_sync_tables(self) -> None:
         """Create applier_sync and applier_sync_parts if missing."""
-        from applier.migrate.spark.copy import PARTS_DDL
+        from applier.migrate.spark.copy import PARTS_DDL  # start-up time: spark.copy loads pyspark
 
         self.transaction([(STATE_DDL, []), (PARTS_DDL, [])])
 
@@ -303,7 +299,7 @@ class TargetDb:
 
     def parts(self, name: str, run: str, tbl: str) -> dict[int, tuple[int, int]]:
         """Finished partitions of a table in this run: part -> (rows, bytes)."""
-        from applier.migrate.spark.copy import parts_sql
+        from applier.migrate.spark.copy import parts_sql  # start-up time: spark.copy loads pyspark
 
         return {int(p): (int(r), int(b)) for p, r, b in self.execute(parts_sql(self.ph)[2], [name, run, tbl])}
 
@@ -320,7 +316,7 @@ class TargetDb:
         ], durable=True)
 
 
-def _slot_row(cfg: Config) -> tuple[bool, int | None] | None:
+def slot_row(cfg: Config) -> tuple[bool, int | None] | None:
     """(active, active pid) of the configured slot, or None if it does not exist."""
     with source_connect(cfg) as conn:
         row = conn.execute("SELECT active, active_pid FROM pg_replication_slots WHERE slot_name = %s",
@@ -381,13 +377,11 @@ def count_in_snapshot(cfg: Config, snapshot: str | None, table: SourceTable) -> 
     if table.rowfilter:
         sql += f" WHERE ({table.rowfilter})"
     with _in_snapshot(cfg, snapshot) as conn:
-        return int(conn.execute(sql).fetchone()[0])
+        return int(one_row(conn.execute(sql))[0])
 
 
 def check_spark_target(cfg: Config) -> None:
     """A SQLite target file is written by the Spark workers: it needs a local master."""
-    from applier.migrate.spark.session import is_local
-
     if cfg.target_dialect == "sqlite" and not is_local(cfg.spark["master"]):
         raise ConfigError(f"{cfg.where('spark', 'master')}: a SQLite target needs a local Spark master "
                           f"(local[*]), not {cfg.spark['master']!r}: the workers write the file")
@@ -400,8 +394,6 @@ def sync(cfg: Config, *, force: bool = False, spark: Any = None, reporter: Any =
     ``say(line)`` gets the messages for people (mode, slot, restarts, retries);
     ``reporter`` the per-table progress (``applier.migrate.spark.progress``).
     """
-    from applier.migrate.spark.progress import Reporter
-
     say = say or (lambda line: None)
     reporter = reporter or Reporter()
     try:
@@ -448,7 +440,7 @@ def _sync(cfg: Config, force: bool, spark: Any, reporter: Any, say: Any, partiti
             if full:
                 raise SyncError("target tables already hold rows: " + ", ".join(full)
                                 + "; sync copies into empty tables (use --force to empty them first)")
-        slot_state = _slot_row(cfg)
+        slot_state = slot_row(cfg)
         if slot_state is not None and slot_state[0]:
             raise SyncError(f"{cfg.where('source', 'slot')}: slot {slot!r} is in use (pid {slot_state[1]}); "
                             f"stop `applier run` first")
@@ -489,11 +481,9 @@ def _copy_with_new_slot(cfg: Config, target: TargetDb, tables: list[SourceTable]
             target.empty_tables(in_snapshot)
         result = SyncResult(mode, slot, info.consistent_point)
         if spark is None:
-            from applier.migrate.spark.session import spark_for
-
             spark = spark_for(cfg)
         started = time.monotonic()
-        from applier.migrate.spark.copy import CopyError  # with pyspark: imported when copying (start-up time)
+        from applier.migrate.spark.copy import CopyError  # start-up time: spark.copy loads pyspark
 
         failed: list[str] = []
         with source_connect(cfg) as poll:
@@ -538,6 +528,7 @@ def _drop_incomplete_slot(cfg: Config, say: Any) -> None:
 
 def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, run: str, snapshot: str | None,
                 nparts: int, spark: Any, reporter: Any, say: Any, poll: psycopg.Connection[Any]) -> TableCopy:
+    # start-up time: spark.copy and spark.source load pyspark
     from applier.migrate.spark.copy import CopyError, CopyWatcher, run_copy_job, running_copies, target_plan
     from applier.migrate.spark.source import ctid_ranges, pg_plan
 
@@ -579,7 +570,7 @@ def _copy_rowless(cfg: Config, target: TargetDb, table: SourceTable, run: str, s
                   label: str) -> None:
     """Copy a table that publishes no columns (a PostgreSQL target; SQLite refuses it): as many rows as the
     source has in the snapshot, recorded as its partition 0 in the same transaction (written once)."""
-    from applier.migrate.spark.copy import CopyError, parts_sql
+    from applier.migrate.spark.copy import CopyError, parts_sql  # start-up time: spark.copy loads pyspark
 
     name = cfg.apply["name"]
     if target.parts(name, run, table.qualified):

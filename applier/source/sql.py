@@ -48,7 +48,7 @@ class SqlSlotSource:
         self.exhausted = False
         self._buffer: list[XLogData] = []
         self._pos = 0
-        self._last: tuple[LSN, bool] = (LSN(0), False)
+        self._last: tuple[int, bool] = (LSN(0), False)
         self._confirmed: LSN = LSN(0)
 
     def _peek(self) -> list[XLogData]:

@@ -25,11 +25,20 @@ from collections.abc import Sequence
 
 import psycopg
 from psycopg import pq
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from applier.decoder.framing import Frame, Keepalive, XLogData, encode_standby_status, read_frame
 from applier.lsn import LSN
 from applier.source.base import SlotInfo, SourceError, StreamOptions, slot_in_use
 from applier.text import one_line, quote_ident, quote_literal
+
+
+def session_dsn(dsn: str) -> str:
+    """The source DSN with the output settings of the applying walsender session pinned (ISO dates, UTC):
+    the text values it sends, and those read beside it (``applier.migrate.spark.source``), look the same."""
+    opts = conninfo_to_dict(dsn).get("options") or ""
+    pinned = "-c datestyle=ISO -c intervalstyle=postgres -c timezone=UTC -c extra_float_digits=3"
+    return make_conninfo(dsn, options=f"{opts} {pinned}".strip())
 
 
 class WalSender:
@@ -47,7 +56,7 @@ class WalSender:
         self.status_interval = status_interval
         self.streaming = False
         self._flush = LSN(0)
-        self._received = LSN(0)
+        self._received: int = LSN(0)  # a frame's WAL end (plain ints on the hot path)
         self._last_status = 0.0
         self._dirty = False
         self._frames = 0

@@ -35,9 +35,9 @@ from __future__ import annotations
 import datetime as dt
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from applier.decoder.messages import NULL, UNCHANGED_TOAST, Relation, TupleData
+from applier.decoder.messages import NULL, UNCHANGED_TOAST, Relation, TupleData, Type
 from applier.errors import ApplyError
 from applier.lsn import LSN
 from applier.progress.store import Progress, ProgressSQL
@@ -47,6 +47,20 @@ log = logging.getLogger("applier.targets")
 
 Converter = Callable[[bytes], Any]
 
+
+
+def prepared_gid(name: str, xid: int | str = "") -> str:
+    """The id a source transaction ``xid`` is prepared under on the target by the applier ``name``
+    (``applier_<name>_<xid>``); without ``xid``, the prefix every id of that applier starts with."""
+    return f"applier_{name}_{xid}"
+
+
+def prepared_xid(name: str, gid: str) -> int | None:
+    """The source xid of a ``prepared_gid`` of the applier ``name`` (None: not one of its ids)."""
+    prefix = prepared_gid(name)
+    if not gid.startswith(prefix) or not gid[len(prefix):].isdigit():
+        return None
+    return int(gid[len(prefix):])
 
 
 def source_name(rel: Relation) -> str:
@@ -331,17 +345,75 @@ class _AllColumns(dict[int, tuple[int, ...]]):
 _ALL_COLUMNS = _AllColumns()
 
 
-class TargetBase:
-    """What both targets do the same way: the control tables, through ``sql`` on ``cur``.
+class Target(Protocol):
+    """What the engine and the runner may rely on from a target (PostgreSQL and SQLite alike).
 
-    Contract of a target (PostgreSQL and SQLite alike):
-    - ``begin``/``commit(source_lsn, commit_time)``/``rollback``: one explicit transaction at a time;
-    - ``insert``/``run_many``/``truncate`` change rows inside it; ``write_progress`` records the
-      applied source LSN inside it (the same transaction as the rows);
-    - ``durable_lsn()`` is the highest source LSN whose commit is on disk; ``wait_durable()`` makes
-      every commit so far durable; only these may be confirmed to the source;
-    - prepared transactions: ``native_prepare`` targets ``prepare``/``finish_prepared``/``prepared_gids``;
-      every target can keep one in ``applier_prepared`` (``store_prepared``/``load_prepared``/``delete_prepared``).
+    Transactions: ``begin``/``commit(source_lsn, commit_time)``/``rollback``, one explicit target
+    transaction at a time. ``insert``/``update_rows``/``delete_rows``/``truncate`` change rows inside
+    it and ``write_progress`` records the applied source LSN inside it: rows and progress commit
+    together or not at all, so after a crash the recorded position says exactly what was applied.
+
+    Durability: a commit may return before it is on disk (PostgreSQL with ``synchronous_commit =
+    off``). ``durable_lsn()`` is the highest source LSN whose target commit is on disk; only it may be
+    confirmed to the source slot. ``wait_durable()`` makes every commit so far durable (it does not
+    run inside an open transaction).
+
+    Work in flight (PostgreSQL): an insert may leave a COPY open and a batch's set-based UPDATE/DELETE
+    may be sent without waiting for its result. Both are settled before the connection is next used
+    (any call that touches it: the next change, ``write_progress``, ``commit``, ``truncate``,
+    ``bind``…), so a row the server rejects fails that next call, inside the same transaction;
+    ``rollback`` abandons them. Rows an update or delete did not find are logged and skipped, when
+    their result is read.
+
+    The claim: ``claim(command)`` holds the target's progress row for this session (InUseError naming
+    the holder if another has it) until ``close``; ``holder()`` says who holds it.
+
+    Prepared transactions (two-phase, under ``prepared_gid(name, xid)``): ``native_prepare`` says how
+    the target keeps one. True (PostgreSQL with max_prepared_transactions > 0 and two_phase_mode =
+    prepare): the changes run in the open transaction and ``prepare(xid)`` runs PREPARE TRANSACTION;
+    ``finish_prepared(xid, commit)`` runs COMMIT/ROLLBACK PREPARED outside any transaction if the
+    transaction is prepared there. False (every other target): the engine keeps the changes in
+    ``applier_prepared`` (``store_prepared``) with the progress, in one transaction; ``kept_prepared``
+    returns them for the commit, ``delete_prepared`` forgets them. ``is_prepared(xid, gid)`` tells a
+    restart that a transaction was prepared (either way), so it is neither prepared twice nor lost;
+    ``set_preparing(on)`` tells the target whether the open transaction will be prepared.
+    """
+
+    name: str
+    native_prepare: bool
+    # changes to different tables may be applied out of source order (neither triggers nor foreign
+    # key checks run on the target session, so no table can observe another mid-transaction)
+    reorder_tables: bool
+
+    def bind(self, rel: Relation, types: dict[int, Type], lsn: LSN, binary: bool = False) -> Binding: ...
+    def begin(self) -> None: ...
+    def commit(self, source_lsn: LSN, commit_time: int | None = None) -> None: ...
+    def rollback(self) -> None: ...
+    def insert(self, b: Binding, rows: Sequence[TupleData], lsn: LSN) -> None: ...
+    def update_rows(self, b: Binding, rows: Sequence[Any], lsn: LSN) -> int: ...
+    def delete_rows(self, b: Binding, rows: Sequence[Any], lsn: LSN) -> int: ...
+    def truncate(self, bindings: Sequence[Binding], cascade: bool, restart_identity: bool) -> None: ...
+    def read_progress(self) -> Progress: ...
+    def write_progress(self, lsn: LSN, commit_time: int | None, clear_skip: bool = False) -> None: ...
+    def record_error(self, message: str) -> None: ...
+    def durable_lsn(self) -> LSN: ...
+    def wait_durable(self) -> None: ...
+    def set_preparing(self, on: bool) -> None: ...
+    def is_prepared(self, xid: int, gid: str) -> bool: ...
+    def prepare(self, xid: int) -> None: ...
+    def finish_prepared(self, xid: int, commit: bool) -> None: ...
+    def store_prepared(self, gid: str, xid: int, prepare_lsn: LSN, end_lsn: LSN, when: int, changes: bytes) -> None: ...
+    def kept_prepared(self, gid: str) -> bytes | None: ...
+    def delete_prepared(self, gid: str) -> None: ...
+    def claim(self, command: str) -> None: ...
+    def holder(self) -> str | None: ...
+    def close(self) -> None: ...
+
+
+class TargetBase:
+    """What both targets do the same way: the control tables, through ``sql`` on ``cur``; the
+    contract is ``Target``'s. Prepared transactions are kept in ``applier_prepared`` unless a target
+    prepares them itself (``native_prepare``).
     """
 
     sql: ProgressSQL
@@ -349,14 +421,23 @@ class TargetBase:
     cur: Any
     conn: Any
     native_prepare = False
-    preparing = False  # the open transaction will be prepared (PostgreSQL: no temporary tables then)
-    # changes to different tables may be applied out of source order (neither triggers nor foreign
-    # key checks run on the target session, so no table can observe another mid-transaction)
-    reorder_tables = False
+    reorder_tables = False  # see ``Target``
     source_system: str | None = None  # the source's system identifier, recorded with each progress write
     slot: str | None = None  # the replication slot the applied LSNs come from, recorded likewise
     # binary mode: money as the source session prints it (``applier.targets.binary.money_text``), if known
     money_text: Converter | None = None
+
+    def begin(self) -> None:
+        """Open a transaction (each target's own)."""
+        raise NotImplementedError
+
+    def commit(self, source_lsn: LSN, commit_time: int | None = None) -> None:
+        """Commit the open transaction (each target's own)."""
+        raise NotImplementedError
+
+    def rollback(self) -> None:
+        """Roll back the open transaction, if any (each target's own)."""
+        raise NotImplementedError
 
     def run_many(self, sql: str, params: list[list[Any]]) -> int:
         """Execute one statement for many parameter rows; total rows affected."""
@@ -364,7 +445,8 @@ class TargetBase:
             self.cur.execute(sql, params[0])
         else:
             self.cur.executemany(sql, params)
-        return self.cur.rowcount
+        affected: int = self.cur.rowcount
+        return affected
 
     def update_rows(self, b: Binding, rows: Sequence[Any], lsn: LSN) -> int:
         """Apply Update messages in order, one statement per run of the same shape; rows not found."""
@@ -479,6 +561,27 @@ class TargetBase:
             self.rollback()
             raise
         self.commit(LSN(0))
+
+    # -- prepared transactions (see ``Target``): kept in applier_prepared -----------------
+
+    def set_preparing(self, on: bool) -> None:
+        """Whether the open transaction will be prepared: nothing to change when the changes are kept."""
+
+    def is_prepared(self, xid: int, gid: str) -> bool:
+        """Whether source transaction ``xid`` (source gid ``gid``) is prepared: kept in applier_prepared."""
+        return self.load_prepared(gid) is not None
+
+    def prepare(self, xid: int) -> None:
+        """PREPARE TRANSACTION: only a ``native_prepare`` target can."""
+        raise ApplyError(f"target {self.name} keeps prepared transactions in applier_prepared: it cannot "
+                         f"prepare source transaction {xid}")
+
+    def finish_prepared(self, xid: int, commit: bool) -> None:
+        """COMMIT/ROLLBACK PREPARED: nothing is prepared on a target that keeps the changes."""
+
+    def kept_prepared(self, gid: str) -> bytes | None:
+        """The changes of the prepared transaction ``gid`` kept in applier_prepared, or None."""
+        return self.load_prepared(gid)
 
     def store_prepared(self, gid: str, xid: int, prepare_lsn: LSN, end_lsn: LSN, when: int, changes: bytes) -> None:
         """Keep a prepared transaction's changes, in the open transaction."""

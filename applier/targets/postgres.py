@@ -38,8 +38,18 @@ from applier.decoder.messages import Relation, TupleData, Type, pg_timestamp
 from applier.errors import ApplyError
 from applier.lsn import LSN
 from applier.progress.store import PG_SQL
-from applier.targets.base import POSTGRES, Binding, TargetBase, log_missing, present_columns, source_name
+from applier.rows import one_row
+from applier.targets.base import (
+    POSTGRES,
+    Binding,
+    TargetBase,
+    log_missing,
+    prepared_gid,
+    present_columns,
+    source_name,
+)
 from applier.targets.claim import claim_target, target_holder
+from applier.targets.naming import target_table
 from applier.targets.url import parse_target_url
 from applier.text import one_line, quote_ident
 
@@ -71,7 +81,7 @@ def copy_data(rows: Iterable[Sequence[bytes | None]]) -> bytes:
         if line.count(b"\t") != seps or b"\\" in line or b"\n" in line or b"\r" in line:
             line = b"\t".join(b"\\N" if v is None else _copy_escape(v) for v in vals)
         elif nulls:
-            line = b"\t".join([b"\\N" if v is None else v for v in vals])  # type: ignore[misc]
+            line = b"\t".join([b"\\N" if v is None else v for v in vals])
         lines.append(line)
     lines.append(b"")
     return b"\n".join(lines)
@@ -130,11 +140,11 @@ class PostgresTarget(TargetBase):
         self.sync = synchronous_commit
         self._cur = self.conn.cursor()
         self.in_txn = False
-        self.preparing = False  # the open transaction will be prepared: no temporary tables
+        self.preparing = False  # the open transaction will be prepared: no temporary tables (``set_preparing``)
         self._stages = 0
         self._pending: deque[tuple[LSN, LSN]] = deque()  # (target WAL end of commit, source LSN)
         self._durable = LSN(0)
-        max_prepared = int(self.conn.execute("SHOW max_prepared_transactions").fetchone()[0])
+        max_prepared = int(one_row(self.conn.execute("SHOW max_prepared_transactions"))[0])
         self.native_prepare = two_phase_mode == "prepare" and max_prepared > 0
         self.origin = f"applier_{name}"
         self.use_origin = use_origin
@@ -205,19 +215,15 @@ class PostgresTarget(TargetBase):
     # -- relations ------------------------------------------------------------
 
     def target_table(self, rel: Relation) -> tuple[str | None, str]:
-        """(schema, table) on the target for a source relation."""
-        mapped = self.table_map.get(source_name(rel))
-        if mapped:
-            schema, _, table = mapped.rpartition(".")
-            return (schema or None), table
-        return rel.namespace or "public", rel.name
+        """(schema, table) on the target for a source relation (applier.targets.naming)."""
+        return target_table(rel, "postgresql", self.table_map)
 
     def bind(self, rel: Relation, types: dict[int, Type], lsn: LSN, binary: bool = False) -> Binding:
         """Read the target table from the catalog and build the binding; errors name table, column and LSN."""
         schema, table = self.target_table(rel)
         shown = f"{schema}.{table}" if schema else table
         qtable = (quote_ident(schema) + "." if schema else "") + quote_ident(table)
-        if self.conn.execute("SELECT to_regclass(%s)", [qtable]).fetchone()[0] is None:
+        if one_row(self.conn.execute("SELECT to_regclass(%s)", [qtable]))[0] is None:
             raise ApplyError(f"target table {shown} (for source table {source_name(rel)}) does not exist (at LSN {lsn})")
         # each column's type as the target declares it, its base type's name (an array's element type),
         # whether it is an identity column and which kind ('a': ALWAYS), and whether it is generated
@@ -277,7 +283,7 @@ class PostgresTarget(TargetBase):
         self.cur.execute("COMMIT")
         self.in_txn = False
         if self.sync == "off":
-            row = self.cur.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
+            row = one_row(self.cur.execute("SELECT pg_current_wal_insert_lsn()::text"))
             self._pending.append((LSN.parse(row[0]), source_lsn))
         else:
             self._durable = LSN(max(self._durable, source_lsn))
@@ -299,8 +305,7 @@ class PostgresTarget(TargetBase):
     def durable_lsn(self) -> LSN:
         """The highest source LSN whose target commit is flushed to disk."""
         if self._pending and not self.in_txn:
-            row = self.cur.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()
-            flushed = LSN.parse(row[0])
+            flushed = LSN.parse(one_row(self.cur.execute("SELECT pg_current_wal_flush_lsn()::text"))[0])
             while self._pending and self._pending[0][0] <= flushed:
                 self._durable = LSN(max(self._durable, self._pending.popleft()[1]))
         return self._durable
@@ -403,22 +408,40 @@ class PostgresTarget(TargetBase):
             sql += " CASCADE"
         self.cur.execute(sql)
 
-    # -- prepared transactions ------------------------------------------------------
+    # -- prepared transactions (see ``Target``): PREPARE TRANSACTION when ``native_prepare`` -----------
 
-    def prepare(self, gid: str) -> None:
-        """PREPARE TRANSACTION the open transaction as ``gid``."""
-        self.cur.execute(psql.SQL("PREPARE TRANSACTION {}").format(psql.Literal(gid)))
+    def set_preparing(self, on: bool) -> None:
+        """Whether the open transaction will be prepared (then no temporary tables: ``_set_based``)."""
+        self.preparing = on and self.native_prepare
+
+    def is_prepared(self, xid: int, gid: str) -> bool:
+        """Whether source transaction ``xid`` is prepared here (in pg_prepared_xacts, or kept in the table)."""
+        if not self.native_prepare:
+            return super().is_prepared(xid, gid)
+        return prepared_gid(self.name, xid) in self.prepared_gids()
+
+    def prepare(self, xid: int) -> None:
+        """PREPARE TRANSACTION the open transaction under ``prepared_gid`` of source transaction ``xid``."""
+        if not self.native_prepare:
+            super().prepare(xid)
+        self.cur.execute(psql.SQL("PREPARE TRANSACTION {}").format(psql.Literal(prepared_gid(self.name, xid))))
         self.in_txn = False
 
-    def finish_prepared(self, gid: str, commit: bool) -> None:
-        """COMMIT PREPARED or ROLLBACK PREPARED ``gid``."""
-        verb = "COMMIT PREPARED {}" if commit else "ROLLBACK PREPARED {}"
-        self.cur.execute(psql.SQL(verb).format(psql.Literal(gid)))
+    def finish_prepared(self, xid: int, commit: bool) -> None:
+        """COMMIT PREPARED or ROLLBACK PREPARED source transaction ``xid``, if it is prepared here."""
+        gid = prepared_gid(self.name, xid)
+        if self.native_prepare and gid in self.prepared_gids():
+            verb = "COMMIT PREPARED {}" if commit else "ROLLBACK PREPARED {}"
+            self.cur.execute(psql.SQL(verb).format(psql.Literal(gid)))
+
+    def kept_prepared(self, gid: str) -> bytes | None:
+        """The changes kept in applier_prepared (None when prepared transactions are prepared here)."""
+        return None if self.native_prepare else super().kept_prepared(gid)
 
     def prepared_gids(self) -> set[str]:
         """GIDs of transactions this applier has prepared on the target and not finished."""
         rows = self.conn.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database() "
-                                 "AND starts_with(gid, %s)", [f"applier_{self.name}_"]).fetchall()
+                                 "AND starts_with(gid, %s)", [prepared_gid(self.name)]).fetchall()
         return {r[0] for r in rows}
 
     # -- the claim (applier.targets.claim) ----------------------------------------------

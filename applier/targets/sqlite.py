@@ -19,6 +19,7 @@ from applier.lsn import LSN
 from applier.progress.store import SQLITE_SQL
 from applier.targets.base import SQLITE, Binding, TargetBase, present_columns, source_name
 from applier.targets.claim import FileClaim, claim_target, target_holder
+from applier.targets.naming import target_table
 from applier.targets.url import parse_target_url
 from applier.targets.values import sqlite_text_converters
 from applier.text import quote_ident
@@ -27,16 +28,6 @@ from applier.text import quote_ident
 def sqlite_path(url: str) -> str:
     """The database file of a sqlite:/// URL (':memory:' for sqlite://)."""
     return parse_target_url(url).database or ":memory:"
-
-
-def sqlite_table_name(rel: Relation, table_map: dict[str, str]) -> str:
-    """The SQLite table for a source relation (see the module header)."""
-    mapped = table_map.get(source_name(rel))
-    if mapped:
-        return mapped
-    if rel.namespace in ("public", ""):
-        return rel.name
-    return f"{rel.namespace}.{rel.name}"
 
 
 class SqliteTarget(TargetBase):
@@ -66,8 +57,8 @@ class SqliteTarget(TargetBase):
         self._claim: FileClaim | None = None
 
     def target_table(self, rel: Relation) -> tuple[str | None, str]:
-        """(None, table) on the target for a source relation."""
-        return None, sqlite_table_name(rel, self.table_map)
+        """(None, table) on the target for a source relation (applier.targets.naming)."""
+        return target_table(rel, "sqlite", self.table_map)
 
     def bind(self, rel: Relation, types: dict[int, Type], lsn: LSN, binary: bool = False) -> Binding:
         """Read the target table's columns and build the binding; errors name table, column and LSN."""

@@ -4,7 +4,7 @@ The same rows are captured twice from one slot, with and without ``binary = true
 every binary-mode value must convert to exactly what text mode stores; for PostgreSQL, the
 binary-mode values inserted into an identical table on the target must read back with the
 same text as the source. The text output is produced under the walsender's pinned settings
-(``applier.engine.runner._session_dsn``), which the capturing session copies.
+(``applier.source.walsender.session_dsn``), which the capturing session copies.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from applier.targets.values import sqlite_text_converters
 from applier.text import quote_ident
 from tests.plugins.clusters import ScratchDb
 
-# What the walsender session is pinned to (applier/engine/runner.py, _session_dsn).
+# What the walsender session is pinned to (applier/source/walsender.py, session_dsn).
 PINNED = "-c datestyle=ISO -c intervalstyle=postgres -c timezone=UTC -c extra_float_digits=3"
 
 USER_TYPES = """

@@ -39,11 +39,13 @@ def canon(v: Any) -> bytes | None:
     if t is int:
         return b"i%d" % v
     if t is str:
-        return b"s" + v.encode()
+        text: bytes = b"s" + v.encode()
+        return text
     if t is float:
         return b"f" + repr(v).encode()
     if t is bytes:
-        return b"x" + v.hex().encode()
+        raw: bytes = b"x" + v.hex().encode()
+        return raw
     if t is bool:
         return b"i%d" % int(v)
     return b"s" + str(v).encode()

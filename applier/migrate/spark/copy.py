@@ -146,9 +146,11 @@ def write_pg_partition(plan: dict[str, Any], part: int, batches: Iterator[pa.Rec
 
 def _sqlite_column(arr: pa.Array, conv: Callable[[bytes], Any]) -> list[Any]:
     if conv is bytes.decode:
-        return arr.cast(pa.string()).to_pylist()
+        out: list[Any] = arr.cast(pa.string()).to_pylist()
+        return out
     if conv is int:
-        return pc.cast(arr.cast(pa.string()), pa.int64()).to_pylist()
+        out = pc.cast(arr.cast(pa.string()), pa.int64()).to_pylist()
+        return out
     return [None if v is None else conv(v) for v in arr.to_pylist()]
 
 

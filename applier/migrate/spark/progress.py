@@ -47,11 +47,14 @@ class LineReporter(Reporter):
     """Plain lines (not a terminal): one at start, one every ``every`` seconds, one at the end of a table."""
 
     def __init__(self, out: TextIO | Callable[[str], None] = sys.stderr, every: float = 5.0, verb: str = "copy") -> None:
-        self.say: Callable[[str], Any] = out if callable(out) else (lambda s: print(s, file=out, flush=True))
+        self._out: Callable[[str], Any] = out if callable(out) else (lambda s: print(s, file=out, flush=True))
         self.every = every
         self.verb = verb
         self._state: dict[str, tuple[float, float, int | None]] = {}  # table -> (started, last line, total)
         self._lock = threading.Lock()
+
+    def say(self, line: str) -> None:
+        self._out(line)
 
     def start(self, table: str, total: int | None) -> None:
         now = time.monotonic()

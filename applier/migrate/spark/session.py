@@ -42,6 +42,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import applier
+
 _LOG4J = """\
 rootLogger.level = warn
 rootLogger.appenderRef.stderr.ref = console
@@ -132,6 +134,7 @@ def register(spark: Any) -> None:
     """Register applier's Python data sources on this session (once)."""
     if id(spark) in _REGISTERED:
         return
+    # here, not at the top: start-up time (both load pyspark; sync imports this module before it needs Spark)
     from applier.migrate.spark.copy import TargetSink
     from applier.migrate.spark.source import PgRangeSource, SqliteRangeSource
 
@@ -146,8 +149,6 @@ _ZIP: list[str] = []
 def _applier_zip() -> str:
     """The applier package as a zip for the executors (built once per process)."""
     if not _ZIP:
-        import applier
-
         root = Path(applier.__file__).resolve().parent
         fd, name = tempfile.mkstemp(prefix="applier-", suffix=".zip")
         with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_DEFLATED) as zf:

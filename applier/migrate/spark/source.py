@@ -48,6 +48,9 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import BinaryType, StructField, StructType
 
+from applier.migrate.spark.canonical import canonical_rows_batch, sqlite_source_canonicalizer
+from applier.source.walsender import session_dsn
+
 CHUNK_BYTES = 4 << 20  # COPY data parsed at a time, per partition
 SQLITE_BATCH = 10000
 MIN_PAGES_PER_PARTITION = 16
@@ -55,9 +58,7 @@ MIN_PAGES_PER_PARTITION = 16
 
 def pinned_dsn(dsn: str, application_name: str | None = None) -> str:
     """``dsn`` with the output settings of the walsender session (runner) plus hex bytea and UTF-8."""
-    from applier.engine.runner import _session_dsn
-
-    base = _session_dsn(dsn)
+    base = session_dsn(dsn)
     opts = conninfo_to_dict(base).get("options") or ""
     extra: dict[str, Any] = {"options": f"{opts} -c bytea_output=hex -c client_encoding=UTF8".strip()}
     if application_name:
@@ -123,12 +124,12 @@ class _RangeReader(DataSourceReader):
 
 
 class _PgReader(_RangeReader):
-    def read(self, partition: RangePartition) -> Iterator[pa.RecordBatch]:
+    def read(self, partition: RangePartition) -> Iterator[pa.RecordBatch]:  # type: ignore[override] # ours only
         yield from read_pg_range(self.plan, partition.index, partition.lo, partition.hi)
 
 
 class _SqliteReader(_RangeReader):
-    def read(self, partition: RangePartition) -> Iterator[pa.RecordBatch]:
+    def read(self, partition: RangePartition) -> Iterator[pa.RecordBatch]:  # type: ignore[override] # ours only
         yield from read_sqlite_range(self.plan, partition.lo, partition.hi)
 
 
@@ -180,7 +181,6 @@ def read_pg_range(plan: dict[str, Any], index: int, lo: int | None, hi: int | No
     names = [f"c{i}" for i in range(len(plan["columns"]))]
     transform = None
     if plan.get("canonical") is not None:
-        from applier.migrate.spark.canonical import sqlite_source_canonicalizer
         transform = sqlite_source_canonicalizer(plan["canonical"])
     conn = psycopg.connect(pinned_dsn(plan["dsn"], f"{plan['app']} p{index}"), autocommit=True)
     try:
@@ -224,8 +224,6 @@ def csv_batches(chunks: Iterator[bytes], names: list[str]) -> Iterator[pa.Record
 
 def read_sqlite_range(plan: dict[str, Any], lo: int | None, hi: int | None) -> Iterator[pa.RecordBatch]:
     """Canonical record batches of one rowid range of a SQLite table."""
-    from applier.migrate.spark.canonical import canonical_rows_batch
-
     names = [f"c{i}" for i in range(len(plan["columns"]))]
     conds, params = [], []
     if lo is not None:

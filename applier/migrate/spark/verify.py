@@ -62,10 +62,15 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from applier.admin import check_source, check_target, read_progress
 from applier.config import Config, ConfigError
 from applier.decoder.framing import Keepalive, XLogData
+from applier.engine.runner import Runner
 from applier.lsn import LSN
+from applier.migrate.spark.session import spark_for
+from applier.migrate.sync import TargetDb, check_spark_target, count_in_snapshot, read_tables_in_snapshot, slot_row
 from applier.source.base import Source, SourceError
+from applier.source.walsender import WalSender
 from applier.text import quote_ident
 
 log = logging.getLogger("applier.verify")
@@ -139,8 +144,6 @@ class StopBefore:
 
 def catch_up_to(cfg: Config, point: LSN) -> Any:
     """Apply exactly the transactions committed before ``point`` (see the module header); the Summary."""
-    from applier.engine.runner import Runner
-
     stoppers: list[StopBefore] = []
 
     def wrap(src: Source) -> Source:
@@ -303,7 +306,7 @@ def compare(spark: Any, source_plan: str, target_plan: str, target_format: str, 
     """Compare one table (see the module header); fills a TableResult (table names left to the caller)."""
     from pyspark.sql import functions as F
 
-    from applier.migrate.spark.canonical import display
+    from applier.migrate.spark.canonical import display  # start-up time: pyarrow, as pyspark above
 
     ncols = len(columns)
     key_idx = [columns.index(k) for k in key]
@@ -345,6 +348,7 @@ def compare(spark: Any, source_plan: str, target_plan: str, target_format: str, 
             same = cond if same is None else same & cond
         kind = (F.when(F.col("b_n").isNull(), F.lit("missing")).when(F.col("a_n").isNull(), F.lit("extra"))
                 .otherwise(F.lit("changed" if key else "count")))
+        assert same is not None  # a table without columns is compared by counts, before this
         diff = joined.where(~same).withColumn("kind", kind).persist()
         try:
             counts = {r["kind"]: r["count"] for r in diff.groupBy("kind").count().collect()}
@@ -377,10 +381,7 @@ def compare(spark: Any, source_plan: str, target_plan: str, target_format: str, 
 def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = None,
            partitions: int | None = None) -> VerifyReport:
     """Compare every published table at one consistent moment (see the module header)."""
-    from applier.admin import check_source, check_target, read_progress
-    from applier.migrate.spark.source import pg_plan, sqlite_plan, sqlite_rowid_ranges
-    from applier.migrate.sync import TargetDb, _slot_row, check_spark_target, count_in_snapshot, read_tables_in_snapshot
-    from applier.source.walsender import WalSender
+    from applier.migrate.spark.source import pg_plan, sqlite_plan, sqlite_rowid_ranges  # start-up time: pyspark
 
     say = say or (lambda line: None)
     nparts = partitions or cfg.spark["partitions"]
@@ -389,7 +390,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
     check_target(cfg)
 
     def slot_idle(when: str) -> None:
-        row = _slot_row(cfg)
+        row = slot_row(cfg)
         if row is not None and row[0]:
             raise ConfigError(f"{cfg.where('source', 'slot')}: slot {cfg.source['slot']!r} is in use "
                               f"(pid {row[1]}) {when}; stop `applier run` while verifying")
@@ -411,7 +412,6 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                               f"changes meanwhile; stop `applier run` and verify again")
         report = VerifyReport(str(point), str(applied), summary.transactions)
         if spark is None:
-            from applier.migrate.spark.session import spark_for
             spark = spark_for(cfg)
         tables = read_tables_in_snapshot(cfg, info.snapshot_name)
         target = TargetDb(cfg)
@@ -450,7 +450,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                     res = compare(spark, src_plan, tgt_plan, fmt, cols + nulls, t.key_columns, target.dialect,
                                   max_keys, t.qualified)
                 except Exception as exc:  # noqa: BLE001 - one table's failure is reported, the others go on
-                    from applier.migrate.spark.copy import spark_error_line
+                    from applier.migrate.spark.copy import spark_error_line  # start-up time: pyspark
                     log.debug("comparing %s failed", t.qualified, exc_info=exc)
                     res = TableResult(res_name, shown, t.key_columns, error=spark_error_line(exc))
                 res.table, res.target = res_name, shown

@@ -18,10 +18,10 @@ from applier import admin
 from applier.decoder import Decoder, XLogData
 from applier.decoder.messages import Commit, Relation
 from applier.engine.apply import ApplyEngine
-from applier.engine.runner import open_target
 from applier.errors import ApplyError
 from applier.inspect import open_peek_source
 from applier.lsn import LSN
+from applier.targets import opener
 
 from .conftest import Rig, run_cli
 
@@ -156,7 +156,7 @@ def test_a_row_refused_inside_a_batch_is_named_and_nothing_is_half_applied(rig: 
 
 
 def engine_for(rig: Rig, **kw) -> ApplyEngine:
-    target = open_target(rig.cfg())
+    target = opener.open(rig.cfg())
     return ApplyEngine(target, applied=target.read_progress().lsn, work_dir=rig.tmp / "spool", careful=True, **kw)
 
 

@@ -36,6 +36,7 @@ from applier.engine.runner import Runner, Summary
 from applier.inspect import stream_options
 from applier.lsn import LSN
 from applier.source.sql import SqlSlotSource
+from applier.targets.base import prepared_gid, prepared_xid
 from tests.plugins.cli import applier_script, clean_env, toml_value
 from tests.plugins.clusters import ScratchDb
 from tests.plugins.target_side import TargetSide
@@ -341,7 +342,7 @@ class TpRig(TargetSide):
 
     def target_gid(self, xid: int) -> str:
         """The gid applier prepares a source transaction under on a PostgreSQL target."""
-        return f"applier_{self.name}_{xid}"
+        return prepared_gid(self.name, xid)
 
     def pg_prepared_gids(self) -> list[str]:
         """Prepared transactions of the target database (PostgreSQL targets)."""
@@ -357,8 +358,7 @@ class TpRig(TargetSide):
         """Source xids of the prepared transactions waiting on the target, however they are kept."""
         xids = {x for _, x in self.kept_prepared()}
         if self.target is not None:
-            prefix = f"applier_{self.name}_"
-            xids |= {int(g[len(prefix):]) for g in self.pg_prepared_gids() if g.startswith(prefix)}
+            xids |= {x for x in (prepared_xid(self.name, g) for g in self.pg_prepared_gids()) if x is not None}
         return xids
 
     def status_waiting(self) -> list[dict[str, str]]:

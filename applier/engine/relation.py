@@ -1,0 +1,93 @@
+"""The relation map: source relations and types by OID, and their bindings to target tables.
+
+As PostgreSQL's relation.c does for its subscriber, this module owns the remote→local map:
+- ``relations``/``types``: the latest Relation and Type message of each OID;
+- ``bindings``: each relation OID bound to its target table (``target.bind``), made on first use;
+- ``meta_raw``: the raw bytes of those Relation and Type messages, so that a prepared transaction
+  kept in the target's table carries the definitions its changes need (``meta_blob``).
+
+Invariants:
+- a new Relation message for an OID drops that OID's binding, so the next change re-reads the
+  target table (the caller applies what was queued under the old binding first);
+- the dicts are never replaced, only changed in place (``isolated`` included): the engine may keep a
+  reference to ``bindings`` for its per-row lookup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from applier.decoder.messages import Relation, Type
+from applier.engine.spool import record
+from applier.errors import ApplyError
+from applier.lsn import LSN
+from applier.targets.base import Binding, Target
+
+RawMessage = tuple[bool, bytes]  # (in a stream block, the message's bytes): one spool record
+
+
+class RelationMap:
+    """Source relations and types by OID, their raw messages and their target bindings; see the module header."""
+
+    __slots__ = ("target", "binary", "relations", "types", "bindings", "meta_raw")
+
+    def __init__(self, target: Target, binary: bool = False) -> None:
+        self.target = target
+        self.binary = binary
+        self.relations: dict[int, Relation] = {}
+        self.types: dict[int, Type] = {}
+        self.bindings: dict[int, Binding] = {}
+        # raw Relation/Type messages by ('R'|'Y', oid): a prepared transaction kept in a table carries them
+        self.meta_raw: dict[tuple[str, int], RawMessage] = {}
+
+    def add_relation(self, m: Relation, raw: RawMessage) -> None:
+        """Cache a Relation message; a binding made from an earlier one for its OID is dropped."""
+        self.bindings.pop(m.oid, None)
+        self.relations[m.oid] = m
+        self.meta_raw[("R", m.oid)] = raw
+
+    def add_type(self, m: Type, raw: RawMessage) -> None:
+        """Cache a Type message (user-defined types: enums, composites, domains)."""
+        self.types[m.oid] = m
+        self.meta_raw[("Y", m.oid)] = raw
+
+    def binding(self, oid: int, lsn: LSN) -> Binding:
+        """The binding of a relation OID, reflecting the target table on first use (``lsn``: the
+        finish LSN of the transaction in hand, for error messages)."""
+        b = self.bindings.get(oid)
+        if b is None:
+            rel = self.relations.get(oid)
+            if rel is None:
+                raise ApplyError(f"change for relation OID {oid} before its Relation message "
+                                 f"(transaction finished at {lsn})")
+            b = self.bindings[oid] = self.target.bind(rel, self.types, lsn, self.binary)
+        return b
+
+    def meta_blob(self) -> bytes:
+        """Spool records of every cached Relation and Type message (types first)."""
+        out = bytearray()
+        for _key, (in_stream, raw) in sorted(self.meta_raw.items(), key=lambda kv: kv[0][0] != "Y"):
+            out += record(in_stream, raw)
+        return bytes(out)
+
+    @contextmanager
+    def isolated(self) -> Iterator[None]:
+        """An empty map for the duration (a kept prepared transaction carries its own definitions),
+        then the one before, as it was."""
+        saved = (dict(self.relations), dict(self.types), dict(self.bindings), dict(self.meta_raw))
+        self._clear()
+        try:
+            yield
+        finally:
+            self._clear()
+            self.relations.update(saved[0])
+            self.types.update(saved[1])
+            self.bindings.update(saved[2])
+            self.meta_raw.update(saved[3])
+
+    def _clear(self) -> None:
+        self.relations.clear()
+        self.types.clear()
+        self.bindings.clear()
+        self.meta_raw.clear()

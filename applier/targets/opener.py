@@ -1,0 +1,66 @@
+"""Opening the target of a config: the one way in, for the apply engine and for everything else.
+
+``open(cfg)`` gives the target the engine applies to (``PostgresTarget`` / ``SqliteTarget``, chosen by
+``target.url``); ``open(cfg, plain=True)`` a bare DB-API connection (psycopg or sqlite3) for the commands that
+only check or read the target (``applier.admin``) or copy into it (``applier.migrate.sync``).
+
+Invariants:
+- A target that cannot be reached is one line. The engine's target raises ``ApplyError`` naming "cannot
+  connect to the target" (the runner retries it as a lost connection); a plain connection raises
+  ``ConfigError`` naming ``target.url`` (its password redacted).
+- Nothing here imports SQLAlchemy or alembic (``applier.targets.url`` parses the URL): the apply commands'
+  start-up stays fast.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+import psycopg
+
+from applier.config import Config, ConfigError, redact_dsn
+from applier.text import one_line
+
+# What a plain SQLite connection waits for a lock held by another process (the engine's target waits as long).
+SQLITE_TIMEOUT = 60
+
+
+def open(cfg: Config, *, plain: bool = False, applying: bool = True, autocommit: bool = False) -> Any:
+    """The target of ``cfg``.
+
+    ``plain=False``: the engine's target; ``applying=False`` to only look at it (no replication origin set up).
+    ``plain=True``: a DB-API connection (psycopg or sqlite3; ``autocommit``: every statement its own
+    transaction, else the caller commits); ConfigError naming ``target.url`` if it cannot be opened.
+    """
+    t = cfg.target
+    if not plain:
+        # here, not at the top: start-up time (only the dialect in use is loaded; postgres.py is ~15 ms)
+        if cfg.target_dialect == "sqlite":
+            from applier.targets.sqlite import SqliteTarget
+
+            return SqliteTarget(t["url"], cfg.apply["name"], t["tables"])
+        from applier.targets.postgres import PostgresTarget
+
+        return PostgresTarget(t["url"], cfg.apply["name"], t["synchronous_commit"], t["tables"],
+                              use_origin=applying, two_phase_mode=t["two_phase_mode"])
+    try:
+        if cfg.target_dialect == "sqlite":
+            return sqlite3.connect(location(cfg), timeout=SQLITE_TIMEOUT, check_same_thread=False,
+                                   isolation_level=None if autocommit else "DEFERRED")
+        return psycopg.connect(location(cfg), autocommit=autocommit, connect_timeout=cfg.source["connect_timeout"])
+    except (psycopg.Error, sqlite3.Error) as exc:
+        raise ConfigError(f"{cfg.where('target', 'url')}: cannot open the target "
+                          f"({redact_dsn(t['url'])}): {one_line(exc)[:300]}") from None
+
+
+def location(cfg: Config) -> str:
+    """Where the target is: the SQLite database file (as given; ':memory:' for sqlite://), or a libpq conninfo."""
+    # here, not at the top: start-up time (only the dialect in use is loaded; postgres.py is ~15 ms)
+    if cfg.target_dialect == "sqlite":
+        from applier.targets.sqlite import sqlite_path
+
+        return sqlite_path(cfg.target["url"])
+    from applier.targets.postgres import libpq_dsn
+
+    return libpq_dsn(cfg.target["url"])
