@@ -248,6 +248,7 @@ class PostgresTarget(TargetBase):
             "AND a.attnum = ANY(i.indkey)), 0 = ANY(i.indkey::int2[]) OR i.indexprs IS NOT NULL "
             "FROM pg_index i WHERE i.indrelid = %s::regclass AND i.indisunique", [qtable]).fetchall()
         if binary:
+            # here, not at the top: start-up time (text mode never loads the binary converters)
             from applier.targets.binary import binary_converters, register_pg_binary, value_texts
             register_pg_binary(self.cur)
             convert: list[Any] = binary_converters(rel, types, "postgresql")

@@ -73,6 +73,7 @@ class SqliteTarget(TargetBase):
                 raise ApplyError(f"target table {table!r} has no column {c.name!r} that source table "
                                  f"{source_name(rel)} sends (at LSN {lsn})")
         if binary:
+            # here, not at the top: start-up time (text mode never loads the binary converters)
             from applier.targets.binary import binary_converters, value_texts
             convert = binary_converters(rel, types, "sqlite", self.money_text)
         else:
