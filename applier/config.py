@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from applier.targets.url import parse_target_url
+from applier.text import file_safe
 
 REQUIRED = object()
 
@@ -98,7 +99,7 @@ class Config:
     def spool_dir(self) -> Path:
         """Where streamed transactions are spooled: ``apply.work_dir``/spool/<apply.name>, so that appliers
         sharing a work directory (each with its own name and slot) never touch each other's files."""
-        return Path(self.apply["work_dir"]) / "spool" / re.sub(r"[^A-Za-z0-9_.-]", "_", self.apply["name"])
+        return Path(self.apply["work_dir"]) / "spool" / file_safe(self.apply["name"])
 
     def where(self, section: str, key: str) -> str:
         """Where a key's value came from, for error messages."""
@@ -212,7 +213,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 def redact_dsn(dsn: str) -> str:
     """A DSN or URL with any password replaced by ***, safe to log."""
-    import re
 
     dsn = re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", dsn, flags=re.I)
     return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", dsn)

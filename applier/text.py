@@ -6,6 +6,8 @@ Quoting follows PostgreSQL's rules, which SQLite shares for identifiers; replica
 
 from __future__ import annotations
 
+import re
+
 
 def quote_ident(name: str) -> str:
     """Quote an identifier (same rule for PostgreSQL, SQLite and replication commands)."""
@@ -15,6 +17,11 @@ def quote_ident(name: str) -> str:
 def quote_literal(value: str) -> str:
     """Quote a string literal for a replication command."""
     return "'" + value.replace("'", "''") + "'"
+
+
+def file_safe(name: str) -> str:
+    """``name`` as a file name part: anything but letters, digits, ``_ . -`` becomes ``_``."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
 def one_line(exc: BaseException | str) -> str:

@@ -101,7 +101,7 @@ class SourceTxn:
 class ApplyEngine:
     """Applies a stream of pgoutput messages to a target; see the module header."""
 
-    def __init__(self, target: Target, *, applied: LSN, skip_lsn: LSN | None = None, work_dir: Path, name: str = "applier",
+    def __init__(self, target: Target, *, applied: LSN, skip_lsn: LSN | None = None, work_dir: Path,
                  skip_origins: Sequence[str] = (), group_delay: float = 0.2, group_rows: int = 20000,
                  careful: bool = False, binary: bool = False) -> None:
         self.target = target
@@ -118,7 +118,6 @@ class ApplyEngine:
         # the message in hand as a spool record: set by ``handle`` for a Relation/Type message and by
         # ``replay`` for every one; the relation map keeps it for prepared transactions kept in a table
         self.raw_message: RawMessage = (False, b"")
-        self.name = name
         self.spools = SpoolSet(work_dir)
         self.stream_xid: int | None = None
         self.txn: SourceTxn | None = None

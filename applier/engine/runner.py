@@ -214,12 +214,8 @@ class Runner:
         while True:
             applied_before = self.summary.applied
             try:
-                done = self.session(careful)
-                careful = False
-                if done:
-                    break
-                delay = self.cfg.apply["retry_initial"]
-                failures = 0
+                self.session(careful)  # returns once the run is complete; a failure raises
+                break
             except (ApplyError, SourceError, psycopg.Error, sqlite3.Error) as exc:
                 msg = one_line(exc)
                 if applied_before is not None and self.summary.applied is not None \
@@ -253,8 +249,8 @@ class Runner:
         self.summary.seconds = time.monotonic() - started
         return self.summary
 
-    def session(self, careful: bool) -> bool:
-        """One connection's worth of applying; True when the run is complete."""
+    def session(self, careful: bool) -> None:
+        """One connection's worth of applying, until the run is complete (or a failure, raised)."""
         cfg = self.cfg
         self.ended_careful = careful
         target = opener.open(cfg)
@@ -266,7 +262,6 @@ class Runner:
             progress = target.read_progress()
             engine = ApplyEngine(
                 target, applied=progress.lsn, skip_lsn=progress.skip_lsn, work_dir=cfg.spool_dir,
-                name=cfg.apply["name"],
                 skip_origins=cfg.apply["skip_origins"], group_delay=cfg.apply["group_commit_delay"],
                 careful=careful, binary=cfg.source["binary"])
             source = open_source(cfg, progress, self.wrap_source)  # first: is this the source of the progress?
@@ -275,8 +270,8 @@ class Runner:
             target.slot = cfg.source["slot"]
             if self.catchup and self.goal is not None and goal_reached(progress.lsn, self.goal):
                 self.summary.applied = progress.lsn
-                return True
-            return self._loop(engine, source, target, careful, self.fail_lsn)
+                return
+            self._loop(engine, source, target, careful, self.fail_lsn)
         except (ApplyError, SourceError, psycopg.Error, sqlite3.Error) as exc:
             failure = exc
             raise
@@ -321,7 +316,7 @@ class Runner:
         self.summary.rows += stats.rows
         self.summary.skipped += stats.skipped
 
-    def _loop(self, engine: ApplyEngine, source: ChunkReader, target: Any, careful: bool, fail_point: LSN) -> bool:
+    def _loop(self, engine: ApplyEngine, source: ChunkReader, target: Any, careful: bool, fail_point: LSN) -> None:
         handle = engine.handle
         goal = self.goal
         reached: int = LSN(0)  # plain ints from the frames on the hot path
@@ -393,4 +388,3 @@ class Runner:
                 source.confirm(target.durable_lsn())
                 last_confirm = time.monotonic()
         engine.flush_group()
-        return True

@@ -32,6 +32,7 @@ from typing import Any
 
 from applier.errors import InUseError
 from applier.targets.base import utc_now
+from applier.text import file_safe
 
 
 def who_am_i(command: str, limit: int = 0) -> str:
@@ -126,8 +127,7 @@ def pg_holder(conn: Any, name: str) -> str | None:
 
 def sqlite_claim_path(db_path: str, name: str) -> Path:
     """The lock file of progress row ``name`` of the SQLite database ``db_path``."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
-    return Path(f"{Path(db_path).resolve()}.applier-{safe}.lock")
+    return Path(f"{Path(db_path).resolve()}.applier-{file_safe(name)}.lock")
 
 
 class FileClaim:

@@ -232,13 +232,18 @@ def test_daemon_logs_a_heartbeat_at_the_configured_interval(cli_rig: Rig, tmp_pa
     assert "heartbeat" not in run_cli("catchup", "-c", str(cfg)).stderr  # catchup reports toward its goal
 
 
-def test_catchup_of_a_backlog_prints_progress_lines_when_not_on_a_terminal(cli_rig: Rig) -> None:
-    rig = cli_rig
+def backlog(rig: Rig, transactions: int) -> Rig:
+    """Table t published and ``transactions`` transactions of 5,000 rows waiting in the slot."""
     rig.both("CREATE TABLE t (id int PRIMARY KEY, pad text)")
     rig.publish("t")
     rig.init()
-    for i in range(40):
+    for i in range(transactions):
         rig.src("INSERT INTO t SELECT g, 'row ' || g FROM generate_series(%s::int, %s::int) g", [i * 5000, i * 5000 + 4999])
+    return rig
+
+
+def test_catchup_of_a_backlog_prints_progress_lines_when_not_on_a_terminal(cli_rig: Rig) -> None:
+    rig = backlog(cli_rig, 40)
     cfg = rig.config_file(apply_heartbeat_interval=0.2)
     done = run_cli("catchup", "-c", str(cfg))
     assert done.returncode == 0, done.stderr
@@ -258,13 +263,7 @@ def test_catchup_of_a_backlog_prints_progress_lines_when_not_on_a_terminal(cli_r
 
 
 def test_catchup_on_a_terminal_draws_a_bar(cli_rig: Rig) -> None:
-    rig = cli_rig
-    rig.both("CREATE TABLE t (id int PRIMARY KEY, pad text)")
-    rig.publish("t")
-    rig.init()
-    for i in range(30):
-        rig.src("INSERT INTO t SELECT g, 'row ' || g FROM generate_series(%s::int, %s::int) g",
-                [i * 5000, i * 5000 + 4999])
+    rig = backlog(cli_rig, 30)
     cfg = rig.config_file()
     master, slave = pty.openpty()  # stderr is a terminal, stdout is not
     try:
