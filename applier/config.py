@@ -160,6 +160,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raw = tomllib.loads(p.read_text())
         except FileNotFoundError:
             raise ConfigError(f"{p}: config file not found") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{p}: not a text file ({exc.reason} at byte {exc.start})") from None
+        except OSError as exc:  # a directory, no permission, ``-c ""``
+            raise ConfigError(f"{p}: cannot read the config file: {exc.strerror or exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: not valid TOML: {exc}") from None
     values: dict[str, dict[str, Any]] = {s: {} for s in SCHEMA}

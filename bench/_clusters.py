@@ -11,6 +11,11 @@ and one function per consumer that runs it and times it:
   from start to exit and its peak RSS (VmHWM; not ``os.wait4``'s ru_maxrss, which
   includes the parent's);
 * ``run_applier_profiled``: the same in-process under cProfile (for the profile).
+
+For W7 (lag under steady load): ``ApplierDaemon`` (``applier run`` until SIGTERM),
+``wait_streaming`` (a consumer is following its slot), ``sample_lag`` (bytes and
+seconds behind, every 100 ms, through a ``ProgressProbe``) and ``wait_matching``
+(the target caught up with the quiet source).
 """
 
 from __future__ import annotations
@@ -22,11 +27,14 @@ import json
 import os
 import pstats
 import re
+import signal
 import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, tzinfo
 from pathlib import Path
 from typing import Any
 
@@ -77,11 +85,15 @@ def client_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("PG", "APPLIER_"))}
 
 
+def client_argv(cluster: Cluster, program: str, args: list[str], dbname: str) -> list[str]:
+    """The command line of a client program (pgbench, …) of the cluster's install against ``dbname``."""
+    return [str(cluster.install.bin(program)), "-h", "127.0.0.1", "-p", str(cluster.port), "-U", "postgres",
+            *args, dbname]
+
+
 def run_client(cluster: Cluster, program: str, args: list[str], dbname: str, timeout: float = 3600) -> float:
     """Run a client program (pgbench, …) against ``dbname``; seconds it took. Raises on failure."""
-    argv = [str(cluster.install.bin(program)), "-h", "127.0.0.1", "-p", str(cluster.port), "-U", "postgres",
-            *args, dbname]
-    return timed_run(argv, f"{program} {' '.join(args)}", timeout)
+    return timed_run(client_argv(cluster, program, args, dbname), f"{program} {' '.join(args)}", timeout)
 
 
 def timed_run(argv: list[str], what: str, timeout: float) -> float:
@@ -246,14 +258,16 @@ def create_native_subscription(dst: Cluster, dst_db: str, name: str, src_dsn: st
     ).format(sql.Identifier(name), sql.Literal(src_dsn), sql.Identifier(publication), sql.Literal(slot)), dst_db)
 
 
+_NATIVE_ERRORS = ("SELECT coalesce(sum(apply_error_count + sync_error_count), 0) FROM pg_stat_subscription_stats"
+                  " WHERE subname = %s")
+
+
 def time_native(dst: Cluster, dst_db: str, name: str, end: LSN, poll: float, timeout: float) -> float:
     """Seconds from ALTER SUBSCRIPTION … ENABLE until the subscription's origin has applied ``end``."""
     with psycopg.connect(dst.dsn(dst_db), autocommit=True) as conn:
         (suboid,) = conn.execute("SELECT oid FROM pg_subscription WHERE subname = %s", [name]).fetchone()
         origin = f"pg_{suboid}"
         q = "SELECT remote_lsn::text FROM pg_replication_origin_status WHERE external_id = %s"
-        errors_q = ("SELECT coalesce(sum(apply_error_count + sync_error_count), 0) FROM pg_stat_subscription_stats"
-                    " WHERE subname = %s")
         enable = sql.SQL("ALTER SUBSCRIPTION {} ENABLE").format(sql.Identifier(name))
         t0 = time.perf_counter()
         conn.execute(enable)
@@ -266,13 +280,21 @@ def time_native(dst: Cluster, dst_db: str, name: str, end: LSN, poll: float, tim
                 break
             if now - checked > 1.0:
                 checked = now
-                if conn.execute(errors_q, [name]).fetchone()[0]:
+                if conn.execute(_NATIVE_ERRORS, [name]).fetchone()[0]:
                     raise RuntimeError(f"the native subscription {name} failed to apply (see {dst.log_path})")
             if now - t0 > timeout:
                 raise RuntimeError(f"the native subscription {name} did not reach {end} in {timeout:.0f}s")
             time.sleep(poll)
         conn.execute(sql.SQL("ALTER SUBSCRIPTION {} DISABLE").format(sql.Identifier(name)))
     return elapsed
+
+
+def native_check(dst: Cluster, dst_db: str, name: str) -> Callable[[], None]:
+    """A check that raises once the native subscription ``name`` has counted an apply error."""
+    def check() -> None:
+        if dst.execute(_NATIVE_ERRORS, dst_db, [name])[0][0]:
+            raise RuntimeError(f"the native subscription {name} failed to apply (see {dst.log_path})")
+    return check
 
 
 def drop_native_subscription(dst: Cluster, dst_db: str, name: str) -> None:
@@ -347,27 +369,56 @@ def _vm_hwm_kb(pid: int) -> int | None:
 
 
 class ProgressProbe:
-    """Reads applier's applied LSN from the target's progress row (PostgreSQL or SQLite), cheaply and often."""
+    """Reads a consumer's applied position on its target, cheaply and often, over one connection.
 
-    def __init__(self, target_url: str, name: str) -> None:
-        self.name = name
+    The position is the end LSN of the last source transaction committed on the target: applier's
+    progress row (``applier_progress.lsn``, PostgreSQL or SQLite) or, for the native subscription, its
+    replication origin's ``remote_lsn``. With ``newest_sql`` (a one-value query, e.g. the newest
+    timestamp of a table) ``sample`` reads that too, on the same connection.
+    """
+
+    def __init__(self, conn: Any, query: str, params: list[Any], newest_sql: str | None = None) -> None:
+        self.conn = conn
+        self.query = query
+        self.params = params
+        self.newest_sql = newest_sql
+
+    @classmethod
+    def applier(cls, target_url: str, name: str, newest_sql: str | None = None) -> ProgressProbe:
+        """applier's progress row ``name`` on the target at ``target_url``."""
         if target_url.startswith("sqlite:"):
             from applier.targets.sqlite import sqlite_path
 
-            self.conn: Any = sqlite3.connect(sqlite_path(target_url), isolation_level=None, timeout=1)
-            self.query = "SELECT lsn FROM applier_progress WHERE name = ?"
-        else:
-            from applier.targets.postgres import libpq_dsn
+            conn: Any = sqlite3.connect(sqlite_path(target_url), isolation_level=None, timeout=1)
+            return cls(conn, "SELECT lsn FROM applier_progress WHERE name = ?", [name], newest_sql)
+        from applier.targets.postgres import libpq_dsn
 
-            self.conn = psycopg.connect(libpq_dsn(target_url), autocommit=True)
-            self.query = "SELECT lsn FROM applier_progress WHERE name = %s"
+        conn = psycopg.connect(libpq_dsn(target_url), autocommit=True)
+        return cls(conn, "SELECT lsn FROM applier_progress WHERE name = %s", [name], newest_sql)
+
+    @classmethod
+    def native(cls, dst: Cluster, dbname: str, subscription: str, newest_sql: str | None = None) -> ProgressProbe:
+        """The replication origin (``pg_<suboid>``) of the native subscription ``subscription``."""
+        conn = psycopg.connect(dst.dsn(dbname), autocommit=True)
+        (suboid,) = conn.execute("SELECT oid FROM pg_subscription WHERE subname = %s", [subscription]).fetchone()
+        return cls(conn, "SELECT remote_lsn::text FROM pg_replication_origin_status WHERE external_id = %s",
+                   [f"pg_{suboid}"], newest_sql)
 
     def applied(self) -> LSN:
         try:
-            row = self.conn.execute(self.query, [self.name]).fetchone()
+            row = self.conn.execute(self.query, self.params).fetchone()
         except (sqlite3.Error, psycopg.Error):
             return LSN(0)  # busy or locked a moment: try again at the next poll
         return LSN.parse(row[0]) if row and row[0] else LSN(0)
+
+    def sample(self) -> tuple[LSN, Any]:
+        """The applied position and ``newest_sql``'s value (None if no rows or busy a moment)."""
+        lsn = self.applied()
+        try:
+            newest = self.conn.execute(self.newest_sql).fetchone()[0] if self.newest_sql else None
+        except (sqlite3.Error, psycopg.Error):
+            newest = None
+        return lsn, newest
 
     def close(self) -> None:
         self.conn.close()
@@ -473,3 +524,130 @@ def _trim_pstats(text: str) -> str:
             break
     site = re.compile(r"\S*/(site-packages|lib/python3\.\d+)/")
     return "\n".join(site.sub("", re.sub(r"\S*/(applier/)", r"\1", ln)) for ln in lines if ln.strip())
+
+
+# -- lag under steady load (W7) -----------------------------------------------------------------------------------
+
+
+def wait_streaming(src: Cluster, slot: str, timeout: float, check: Callable[[], None] | None = None) -> float:
+    """Seconds until a walsender streams ``slot`` (its consumer is connected and following it).
+
+    ``check`` is called between polls and raises if the consumer has failed (e.g. its process exited).
+    """
+    q = ("SELECT r.state FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid"
+         " WHERE s.slot_name = %s")
+    t0 = time.monotonic()
+    with psycopg.connect(src.dsn(), autocommit=True) as conn:
+        while True:
+            row = conn.execute(q, [slot]).fetchone()
+            if row is not None and row[0] == "streaming":
+                return time.monotonic() - t0
+            if check is not None:
+                check()
+            if time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"no walsender streamed slot {slot} within {timeout:.0f}s")
+            time.sleep(0.05)
+
+
+def _epoch(value: Any, tz: tzinfo) -> float | None:
+    """A timestamp without time zone (datetime from PostgreSQL, ISO text from SQLite) in ``tz``, as Unix time."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=tz)
+    return float(value.timestamp())
+
+
+def sample_lag(src: Cluster, probe: ProgressProbe, until: subprocess.Popen[Any], floor_lsn: LSN, floor_time: float,
+               tz: tzinfo, interval: float, check: Callable[[], None] | None = None) -> list[tuple[float, int, float]]:
+    """Every ``interval`` seconds until the process ``until`` exits: (seconds since the first sample, bytes lag,
+    seconds lag). ``check`` (called once a second) raises if the consumer has failed.
+
+    One sample reads, in this order: the consumer's applied position and the newest ``probe.newest_sql``
+    value on the target, the wall clock, then the source's ``pg_current_wal_lsn()``. So bytes lag =
+    source position - applied position is never negative (it may include the ~1 ms between the two
+    reads), and seconds lag = that clock - the newest value (a source timestamp without time zone,
+    read in ``tz``). Before the consumer has applied anything of this run, the applied position counts
+    as ``floor_lsn`` and the newest value as ``floor_time`` (the source's position and the clock when
+    the run began, when there was nothing to apply). Samples the schedule misses (a slow read) are skipped.
+    """
+    out: list[tuple[float, int, float]] = []
+    with psycopg.connect(src.dsn(), autocommit=True) as conn:
+        start = time.monotonic()
+        next_check = start + 1.0
+        i = 0
+        while until.poll() is None:
+            applied, newest = probe.sample()
+            now = time.time()
+            (current,) = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+            newest_s = _epoch(newest, tz)
+            out.append((round(time.monotonic() - start, 4), LSN.parse(current) - max(applied, floor_lsn),
+                        round(now - max(newest_s if newest_s is not None else floor_time, floor_time), 4)))
+            mono = time.monotonic()
+            if check is not None and mono >= next_check:
+                check()
+                next_check = mono + 1.0
+            i = max(i + 1, int((mono - start) / interval) + 1)
+            time.sleep(max(0.0, start + i * interval - time.monotonic()))
+    return out
+
+
+def wait_matching(read: Callable[[], list[tuple[int, ...]]], expected: list[tuple[int, ...]], probe: ProgressProbe,
+                  timeout: float, check: Callable[[], None] | None = None, stall: float = 10.0,
+                  poll: float = 0.1) -> tuple[float, bool]:
+    """(seconds, True) once ``read()`` (the target's checksums) equals ``expected`` (the quiet source's);
+    (seconds, False) once the consumer's applied position has not moved for ``stall`` seconds while the
+    target still differs. Raises after ``timeout`` seconds, or if ``check`` does."""
+    t0 = moved = time.monotonic()
+    last = probe.applied()
+    while read() != expected:
+        now = time.monotonic()
+        if check is not None:
+            check()
+        applied = probe.applied()
+        if applied != last:
+            last, moved = applied, now
+        elif now - moved > stall:
+            return now - t0, False
+        if now - t0 > timeout:
+            raise RuntimeError(f"the target did not match the source within {timeout:.0f}s after the load ended")
+        time.sleep(poll)
+    return time.monotonic() - t0, True
+
+
+class ApplierDaemon:
+    """``applier run -c config`` as a child process, stopped with SIGTERM."""
+
+    def __init__(self, config: Path, log_dir: Path) -> None:
+        self.err_path = log_dir / f"{config.stem}.err"
+        with open(log_dir / f"{config.stem}.out", "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen([*applier_argv(), "run", "-c", str(config)], stdin=subprocess.DEVNULL,
+                                         stdout=out, stderr=err, env=client_env())
+
+    def stderr_tail(self) -> str:
+        return " ".join(self.err_path.read_text(errors="replace").split())[-700:]
+
+    def check(self) -> None:
+        """Raises if the process has exited (it should run until ``stop``)."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"applier run exited early with {self.proc.returncode}: …{self.stderr_tail()}")
+
+    def stop(self, timeout: float = 60.0) -> tuple[int, float]:
+        """SIGTERM and wait: (exit code, the child's peak RSS in MB, read just before the signal)."""
+        hwm = _vm_hwm_kb(self.proc.pid) or 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"applier run did not exit within {timeout:.0f}s of SIGTERM") from None
+        return code, hwm / 1024
+
+    def kill(self) -> None:
+        """Best effort, after a failure: the process gone."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

@@ -13,12 +13,17 @@ then measures on the same stream, one after the other:
    child process, wall time from spawn to exit, peak RSS = the child's VmHWM; the
    summary line's own time is reported next to it.
 
+W7 is different: lag under steady load. Per rate, each consumer (native, ``applier run``
+→ PostgreSQL, → SQLite) follows its own ``pgbench -R <rate> -T <seconds>`` run, and its
+lag (bytes and seconds) is sampled every 100 ms; p50/p99/max are printed side by side.
+
 Rates are row changes (inserts + updates + deletes in the stream) per second.
 Prints a table with the goals (PASS/FAIL) and writes bench/results/apply-<pg>.json.
 
     python bench/apply.py                       # PostgreSQL 15, all workloads
     python bench/apply.py --pg 18 --only W1,W3 --scale 0.1
     python bench/apply.py --only W1,W2 --profile W1,W2,W1:sqlite
+    python bench/apply.py --only W7 --w7-rates 500 --w7-seconds 10
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -36,24 +42,31 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import _clusters as C
-from _workloads import ALL, DB, Workload, make
+from _workloads import ALL, DB, W7, Workload, make
 from psycopg import sql
 
 from applier.admin import init
 from applier.config import load_config
 from applier.embedded import Cluster, find_install
 from applier.inspect import stream_options
+from applier.lsn import LSN
+from applier.text import one_line as _one_line
 
 POLL_S = 0.01
+LAG_INTERVAL_S = 0.1  # W7: one lag sample every 100 ms
+LAG_CONSUMERS = {"native": "native subscription", "applier_pg": "applier run > PG", "applier_sqlite": "applier run > SQLite"}
 SNAPSHOT_ENV = "BENCH_APPLIER_SNAPSHOT"
 RESULTS = Path(__file__).resolve().parent / "results"
 
 # (goal name, workloads, threshold)
-GOAL_PG_NATIVE = {"W1": 1.0, "W2": 2.0, "W3": 1.0, "W4": 1.0, "W5": 1.0, "W6": 1.0}
-GOAL_PG_LIMIT = {"W1": 0.9}
-GOAL_SQLITE_RATE = {"W1": 50_000, "W3": 50_000, "W4": 50_000}
+# issue 14's goals: PostgreSQL target >= native on W1-W6 and >= 0.9 x the walsender's rate on W1-W5 (W6 is bound
+# by the target's TOAST work); SQLite target >= 0.8 x the walsender's rate on W1, W3, W4, W5
+GOAL_PG_NATIVE = {"W1": 1.0, "W2": 1.0, "W3": 1.0, "W4": 1.0, "W5": 1.0, "W6": 1.0}
+GOAL_PG_LIMIT = {"W1": 0.9, "W2": 0.9, "W3": 0.9, "W4": 0.9, "W5": 0.9}
+GOAL_SQLITE_LIMIT = {"W1": 0.8, "W3": 0.8, "W4": 0.8, "W5": 0.8}
 GOAL_RSS_MB = 300.0
 
 
@@ -68,6 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run applier in-process under cProfile (after the timed runs, on slots of their own) "
                         "and print the top 20 functions: 'all', or e.g. W1,W2,W1:sqlite (W1 alone = PG target)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds any one consumer may take (default 1800)")
+    p.add_argument("--w7-rates", default="1000,3000",
+                   help="W7: pgbench transactions/s, one run per rate and consumer (default 1000,3000)")
+    p.add_argument("--w7-seconds", type=float, default=30.0,
+                   help="W7: seconds each pgbench run lasts, times --scale (default 30)")
     p.add_argument("--out", type=Path, default=None, help="JSON results (default bench/results/apply-<pg>.json)")
     p.add_argument("--live", action="store_true",
                    help="measure the applier package as it is on disk during the run, instead of a copy taken "
@@ -81,10 +98,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.profile_targets = _profile_spec(p, args.profile, keys)
     if args.scale <= 0:
         p.error("--scale must be positive")
+    try:
+        args.w7_rates = tuple(int(r) for r in args.w7_rates.split(",") if r.strip())
+    except ValueError:
+        p.error(f"--w7-rates: {args.w7_rates!r} is not a list of whole transactions/s like 1000,3000")
+    if not args.w7_rates or min(args.w7_rates) <= 0:
+        p.error("--w7-rates: give at least one rate, all positive")
+    if args.w7_seconds <= 0:
+        p.error("--w7-seconds must be positive")
     return args
 
 
 def _profile_spec(p: argparse.ArgumentParser, spec: str, keys: list[str]) -> set[tuple[str, str]]:
+    keys = [k for k in keys if ALL[k].kind == "catchup"]  # W7 follows, it has no catch-up to profile
     if not spec:
         return set()
     if spec == "all":
@@ -94,7 +120,7 @@ def _profile_spec(p: argparse.ArgumentParser, spec: str, keys: list[str]) -> set
         key, _, target = item.strip().upper().partition(":")
         target = (target or "pg").lower()
         if key not in keys or target not in ("pg", "sqlite"):
-            p.error(f"--profile: {item!r} is not <workload>[:pg|:sqlite] of a selected workload")
+            p.error(f"--profile: {item!r} is not <workload>[:pg|:sqlite] of a selected workload (W1-W6)")
         out.add((key, target))
     return out
 
@@ -122,7 +148,7 @@ def code_identity() -> dict[str, Any]:
 
     pkg = Path(applier.__file__).resolve().parent
     h = hashlib.sha1()
-    for f in sorted([*pkg.rglob("*.py"), *(pkg.parent / "migrations").rglob("*.py")]):
+    for f in sorted([*pkg.rglob("*.py"), *pkg.rglob("*.pyx"), *(pkg.parent / "migrations").rglob("*.py")]):
         h.update(str(f.relative_to(pkg.parent)).encode() + b"\0" + f.read_bytes())
     origin = Path(os.environ.get("BENCH_APPLIER_ORIGIN", pkg.parent))
     out: dict[str, Any] = {"measured_dir": str(pkg), "snapshot_of": str(origin) if os.environ.get(SNAPSHOT_ENV)
@@ -136,6 +162,9 @@ def code_identity() -> dict[str, Any]:
 
     out["git_head"] = git("rev-parse", "HEAD").strip() or None
     out["uncommitted"] = [ln[3:] for ln in git("status", "--porcelain", "--", "applier", "migrations").splitlines()]
+    # which row path the applier processes run (applier._cmodule; APPLIER_PURE_PYTHON=1 asks for the pure one)
+    out["row_path"] = subprocess.run([sys.executable, "-c", "import applier._cmodule as c; print(c.IMPLEMENTATION)"],
+                                     capture_output=True, text=True, timeout=60).stdout.strip() or None
     return out
 
 
@@ -160,6 +189,8 @@ class Bench:
     def pg_target(self, w: Workload, dbname: str) -> None:
         self.dst.create_database(dbname)
         w.create_pg_tables(self.dst, dbname)
+        for stmt in w.target_sql:
+            self.dst.execute(stmt, dbname)
         if w.preloaded:
             for t in w.tables:
                 C.copy_table_pg(self.src, DB, self.dst, dbname, t.name)
@@ -173,6 +204,8 @@ class Bench:
             db.execute("PRAGMA journal_mode = WAL")
             for t in w.tables:
                 db.execute(t.sqlite_ddl)
+            for stmt in w.target_sql:
+                db.execute(stmt)
             db.commit()
         finally:
             db.close()
@@ -193,13 +226,12 @@ class Bench:
         pg_dbs = {"native": f"native_{k}", "pg": f"applier_{k}", "prof_pg": f"profile_{k}"}
         sqlite_files = {"sqlite": wdir / f"applier_{k}.db", "prof_sqlite": wdir / f"profile_{k}.db"}
         checks = [q for t in w.tables for q in t.checks]
-        res: dict[str, Any] = {"title": w.title, "params": w.params, "tables": [t.name for t in w.tables]}
+        res: dict[str, Any] = {"title": w.title, "params": w.params, "kind": w.kind,
+                               "tables": [t.name for t in w.tables]}
 
         log(f"{w.key}: {w.title}")
         t0 = time.perf_counter()
-        w.load(src, wdir)
-        src.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
-            sql.Identifier(w.publication), sql.SQL(", ").join(sql.Identifier(t.name) for t in w.tables)), DB)
+        self.load(w, wdir)
         for c in ["native", "pg"] + (["prof_pg"] if "pg" in profiles else []):
             self.pg_target(w, pg_dbs[c])
         for c in ["sqlite"] + (["prof_sqlite"] if "sqlite" in profiles else []):
@@ -250,6 +282,12 @@ class Bench:
                 res[f"profile_{t}"] = {"error": one_line(exc)}
         self.cleanup(w)
         return res
+
+    def load(self, w: Workload, wdir: Path) -> None:
+        """The workload's tables on the source (with their rows if preloaded) and its publication."""
+        w.load(self.src, wdir)
+        self.src.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
+            sql.Identifier(w.publication), sql.SQL(", ").join(sql.Identifier(t.name) for t in w.tables)), DB)
 
     def cleanup(self, w: Workload) -> None:
         """Drop what ``measure`` made for ``w`` (best effort: also after a failure half-way)."""
@@ -307,9 +345,7 @@ class Bench:
     def _native(self, dbname: str, sub: str, end: Any, checks: list[str], expected: Any) -> dict[str, Any]:
         # The launcher starts apply workers at most once per wal_retrieve_retry_interval (PostgreSQL 15: for
         # all subscriptions together), so an ENABLE soon after the previous workload's would wait for that.
-        wait = self.last_enable + self.retry_interval + 0.2 - time.monotonic()
-        if wait > 0:
-            time.sleep(wait)
+        self._wait_launcher()
         secs = C.time_native(self.dst, dbname, sub, end, POLL_S, self.args.timeout)
         self.last_enable = time.monotonic() - secs
         C.drop_native_subscription(self.dst, dbname, sub)
@@ -317,9 +353,16 @@ class Bench:
         log(f"  native subscription      {secs:8.3f} s{'' if got == expected else '  TARGET DIFFERS'}")
         return {"seconds": secs, "target_matches": got == expected}
 
+    def _wait_launcher(self) -> None:
+        """Sleep until the launcher will start an apply worker for the next ENABLE (see ``_native``)."""
+        wait = self.last_enable + self.retry_interval + 0.2 - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+
     def _applier(self, c: str, cfg: Path, wdir: Path, dbname: str | None, path: Path | None, checks: list[str],
                  expected: Any, changes: int, end: Any) -> dict[str, Any]:
-        probe = C.ProgressProbe(self.dst.url(dbname) if c == "pg" else f"sqlite:///{path}", f"bench_{wdir.name}_{c}")
+        probe = C.ProgressProbe.applier(self.dst.url(dbname) if c == "pg" else f"sqlite:///{path}",
+                                        f"bench_{wdir.name}_{c}")
         try:
             run = C.run_applier_cli(cfg, wdir, self.args.timeout, probe, end, POLL_S)
         finally:
@@ -341,13 +384,142 @@ class Bench:
                 "stderr_tail": run.stderr_tail if not ok else ""}
 
 
+    # -- W7: lag under steady load --------------------------------------------------------------------
+
+    def measure_lag(self, w: W7) -> dict[str, Any]:
+        """Per rate, each consumer follows its own pgbench run (same rate and duration); lag sampled meanwhile."""
+        wdir = self.tmp / w.key.lower()
+        wdir.mkdir()
+        log(f"{w.key}: {w.title}")
+        self.load(w, wdir)
+        tz = ZoneInfo(self.src.execute("SHOW TimeZone", DB)[0][0])  # the zone of pgbench's CURRENT_TIMESTAMP
+        res: dict[str, Any] = {"title": w.title, "params": w.params, "kind": w.kind,
+                               "tables": [t.name for t in w.tables], "interval_s": LAG_INTERVAL_S, "rates": {}}
+        for rate in w.params["rates"]:
+            runs: dict[str, Any] = {}
+            for c in LAG_CONSUMERS:
+                try:
+                    runs[c] = self._lag_run(w, wdir, rate, c, tz)
+                except Exception as exc:  # noqa: BLE001 - one consumer failing must not stop the others
+                    log(f"    FAILED: {one_line(exc)}")
+                    if os.environ.get("BENCH_TRACEBACK"):
+                        traceback.print_exc()
+                    runs[c] = {"error": one_line(exc)}
+            res["rates"][str(rate)] = runs
+        self.cleanup(w)
+        return res
+
+    def _lag_run(self, w: W7, wdir: Path, rate: int, c: str, tz: ZoneInfo) -> dict[str, Any]:
+        """One consumer, started and streaming before pgbench starts, sampled until pgbench ends, then drained
+        (the target's checksums equal the quiet source's) and stopped; its slot and target dropped."""
+        src, dst = self.src, self.dst
+        k = w.key.lower()
+        slot, sub, name = f"bench_{k}_{c}", f"sub_{k}", f"bench_{k}_{c}"
+        dbname = f"native_{k}" if c == "native" else f"applier_{k}"
+        path = wdir / f"{name}.db"
+        checks = [q for t in w.tables for q in t.checks]
+        cleanup: list[Any] = []  # undone in reverse order, whatever happens
+        try:
+            w.reset(src)
+            if c == "applier_sqlite":
+                self.sqlite_target(w, path)
+                cleanup.append(lambda: [f.unlink() for f in wdir.glob(f"{name}.db*")])
+            else:
+                self.pg_target(w, dbname)
+                cleanup.append(lambda: dst.drop_database(dbname))
+            C.create_slots(src, DB, [slot])
+            cleanup.append(lambda: C.drop_slots(src, [slot]))
+            if c == "native":
+                C.create_native_subscription(dst, dbname, sub, src.dsn(DB), w.publication, slot)
+                cleanup.append(lambda: C.drop_native_subscription(dst, dbname, sub))
+                probe = C.ProgressProbe.native(dst, dbname, sub, W7.newest_sql)
+            else:
+                url = f"sqlite:///{path}" if c == "applier_sqlite" else dst.url(dbname)
+                o = C.config_overrides(src.dsn(DB), slot, w.publication, url, name, wdir / f"work_{c}")
+                init(load_config(None, o, env={}))
+                cfg = C.write_config(wdir / f"{name}.toml", **_config_kwargs(o))
+                probe = C.ProgressProbe.applier(url, name, W7.newest_sql)
+            cleanup.append(probe.close)
+            src.execute("CHECKPOINT")
+            dst.execute("CHECKPOINT")
+            before = (C.checkpoint_count(src), C.checkpoint_count(dst))
+
+            daemon: C.ApplierDaemon | None = None
+            if c == "native":
+                self._wait_launcher()
+                dst.execute(sql.SQL("ALTER SUBSCRIPTION {} ENABLE").format(sql.Identifier(sub)), dbname)
+                self.last_enable = time.monotonic()
+                check = C.native_check(dst, dbname, sub)
+            else:
+                daemon = C.ApplierDaemon(cfg, wdir)
+                cleanup.append(daemon.kill)
+                check = daemon.check
+            started_s = C.wait_streaming(src, slot, 120.0, check)
+
+            floor_lsn = LSN.parse(src.execute("SELECT pg_current_wal_lsn()::text")[0][0])
+            floor_time = time.time()
+            out_path = wdir / f"pgbench_{rate}_{c}.out"
+            with open(out_path, "wb") as out:
+                pgbench = subprocess.Popen(w.pgbench_argv(src, rate), stdin=subprocess.DEVNULL, stdout=out,
+                                           stderr=subprocess.STDOUT, env=C.client_env())
+            try:
+                samples = C.sample_lag(src, probe, pgbench, floor_lsn, floor_time, tz, LAG_INTERVAL_S, check)
+            finally:
+                if pgbench.poll() is None:
+                    pgbench.kill()
+                pgbench.wait()
+            text = out_path.read_text(errors="replace")
+            if pgbench.returncode != 0:
+                raise RuntimeError(f"pgbench failed ({pgbench.returncode}): {one_line(text)[-500:]}")
+
+            expected = C.pg_checksum(src, DB, checks)
+            read = ((lambda: C.sqlite_checksum(path, checks)) if c == "applier_sqlite"
+                    else (lambda: C.pg_checksum(dst, dbname, checks)))
+            drain_s, matches = C.wait_matching(read, expected, probe, self.args.timeout, check)
+            after = (C.checkpoint_count(src), C.checkpoint_count(dst))
+            out_res: dict[str, Any] = {
+                "pgbench": {**w.parse_pgbench(text), "rate": rate, "clients": w.clients(rate)},
+                "bytes": lag_stats([b for _t, b, _s in samples]),
+                "seconds": lag_stats([x for _t, _b, x in samples]),
+                "samples": len(samples), "started_s": started_s, "drain_s": drain_s, "target_matches": matches,
+                "checkpoints_during": (after[0] - before[0]) + (after[1] - before[1]),
+                "series": [list(x) for x in samples],
+            }
+            if daemon is not None:
+                code, rss = daemon.stop()
+                out_res["exit_code"], out_res["peak_rss_mb"] = code, rss
+                if code != 0:
+                    raise RuntimeError(f"applier run exited with {code} after SIGTERM: …{daemon.stderr_tail()}")
+            else:
+                dst.execute(sql.SQL("ALTER SUBSCRIPTION {} DISABLE").format(sql.Identifier(sub)), dbname)
+            b, x = out_res["bytes"], out_res["seconds"]
+            log(f"  {rate:,}/s {LAG_CONSUMERS[c]:<22} lag p50/p99/max {b['p50']:,}/{b['p99']:,}/{b['max']:,} bytes, "
+                f"{x['p50']:.3f}/{x['p99']:.3f}/{x['max']:.3f} s; {out_res['pgbench'].get('tps') or 0:,.0f} tps; "
+                f"drained in {drain_s:.2f} s{'' if matches else '  TARGET DIFFERS'}")
+            return out_res
+        finally:
+            for step in reversed(cleanup):
+                try:
+                    step()
+                except Exception as exc:  # noqa: BLE001 - clean up what can be
+                    log(f"  clean-up: {one_line(exc)}")
+
+
+def lag_stats(values: list[Any]) -> dict[str, Any]:
+    """p50, p99 (nearest rank) and max of the samples; None each without samples."""
+    v = sorted(values)
+    if not v:
+        return {"p50": None, "p99": None, "max": None}
+    return {"p50": v[math.ceil(0.50 * len(v)) - 1], "p99": v[math.ceil(0.99 * len(v)) - 1], "max": v[-1]}
+
+
 def _config_kwargs(o: dict[str, Any]) -> dict[str, Any]:
     return {"source_dsn": o["source.dsn"], "slot": o["source.slot"], "publication": o["source.publications"][0],
             "target_url": o["target.url"], "name": o["apply.name"], "work_dir": Path(o["apply.work_dir"])}
 
 
 def one_line(exc: BaseException) -> str:
-    return one_line(exc)[:1000]
+    return _one_line(exc)[:1000]
 
 
 # -- results ------------------------------------------------------------------------------------------------------
@@ -367,6 +539,7 @@ def ratios(r: dict[str, Any]) -> dict[str, float | None]:
         "pg_engine_vs_native": div(rate("applier_pg", "engine_rows_per_s"), nat),
         "pg_applied_vs_native": div(rate("applier_pg", "applied_rows_per_s"), nat),
         "pg_engine_vs_limit": div(rate("applier_pg", "engine_rows_per_s"), lim),
+        "sqlite_engine_vs_limit": div(rate("applier_sqlite", "engine_rows_per_s"), lim),
     }
 
 
@@ -385,6 +558,9 @@ def evaluate_goals(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                       "engine_pass": engine_ok})
 
     for key, r in results.items():
+        if r.get("kind") == "lag":
+            goals += lag_goals(key, r)
+            continue
         q = r["ratios"]
         if key in GOAL_PG_NATIVE:
             need = GOAL_PG_NATIVE[key]
@@ -398,16 +574,38 @@ def evaluate_goals(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             v, e = q["pg_vs_limit"], q["pg_engine_vs_limit"]
             add(f"PG target applier/limit >= {need:.1f}", key, v, good and v is not None and v >= need,
                 e, good and e is not None and e >= need)
-        if key in GOAL_SQLITE_RATE:
-            need = GOAL_SQLITE_RATE[key]
-            s = r.get("applier_sqlite", {})
-            v, e = s.get("rows_per_s"), s.get("engine_rows_per_s")
-            good = _ok(r, "applier_sqlite")
-            add(f"SQLite target >= {need:,} rows/s", key, v, good and v is not None and v >= need,
+        if key in GOAL_SQLITE_LIMIT:
+            need = GOAL_SQLITE_LIMIT[key]
+            good = _ok(r, "applier_sqlite") and "error" not in r.get("limit", {"error": 1})
+            v, e = q["sqlite_vs_limit"], q["sqlite_engine_vs_limit"]
+            add(f"SQLite target applier/limit >= {need:.1f}", key, v, good and v is not None and v >= need,
                 e, good and e is not None and e >= need)
         for c, name in (("applier_pg", "PG"), ("applier_sqlite", "SQLite")):
             rss = r.get(c, {}).get("peak_rss_mb")
             add(f"RSS < {GOAL_RSS_MB:.0f} MB ({name} target)", key, rss, rss is not None and rss < GOAL_RSS_MB)
+    return goals
+
+
+def lag_goals(key: str, r: dict[str, Any]) -> list[dict[str, Any]]:
+    """W7, per rate: applier's p99 lag (seconds and bytes) <= the native subscription's, PostgreSQL target;
+    applier's peak RSS below the limit. A consumer that failed or left its target different fails them."""
+    goals = []
+
+    def good(x: dict[str, Any]) -> bool:
+        return "error" not in x and x.get("target_matches", False)
+
+    for rate in r["params"]["rates"]:
+        runs = r.get("rates", {}).get(str(rate), {})
+        nat, pg = runs.get("native", {}), runs.get("applier_pg", {})
+        for measure in ("seconds", "bytes"):
+            a, n = pg.get(measure, {}).get("p99"), nat.get(measure, {}).get("p99")
+            goals.append({"goal": f"{rate:,}/s: PG target applier p99 {measure} lag <= native", "workload": key,
+                          "value": a, "native_value": n, "unit": measure,
+                          "pass": good(nat) and good(pg) and a is not None and n is not None and a <= n})
+        for c, name in (("applier_pg", "PG"), ("applier_sqlite", "SQLite")):
+            rss = runs.get(c, {}).get("peak_rss_mb")
+            goals.append({"goal": f"{rate:,}/s: RSS < {GOAL_RSS_MB:.0f} MB ({name} target)", "workload": key,
+                          "value": rss, "pass": rss is not None and rss < GOAL_RSS_MB})
     return goals
 
 
@@ -416,11 +614,38 @@ def _f(v: float | None, fmt: str, width: int) -> str:
 
 
 def print_report(meta: dict[str, Any], results: dict[str, dict[str, Any]], goals: list[dict[str, Any]]) -> None:
+    lag = {k: r for k, r in results.items() if r.get("kind") == "lag"}
+    results = {k: r for k, r in results.items() if k not in lag}
     print()
     print(f"apply benchmark: PostgreSQL {meta['pg_version']} (server {meta['server_version_num']}, "
           f"proto_version {meta['proto_version']}), scale {meta['scale']}, fsync on, "
           f"logical_decoding_work_mem {meta['logical_decoding_work_mem']}, {meta['cpus']} CPUs, "
           f"load average {meta['loadavg_start'][0]:.2f} at start / {meta['loadavg_end'][0]:.2f} at end")
+    if results:
+        print_catchup(results)
+    print_lag(lag)
+    print()
+    print("goals" + (" (on wall-time rates; in brackets: the same on the summary line's time)" if results else ""))
+    width = max([36, *(len(g["goal"]) for g in goals)])
+    for g in goals:
+        if "native_value" in g:
+            fmt = ".3f" if g["unit"] == "seconds" else ",.0f"
+            shown = f"{_f(g['value'], fmt, 8)} vs {_f(g['native_value'], fmt, 0)} {'s' if g['unit'] == 'seconds' else 'bytes'}"
+        elif "RSS" in g["goal"]:
+            shown = _f(g["value"], ".0f", 8) + " MB"
+        elif "rows/s" in g["goal"]:
+            shown = _f(g["value"], ",.0f", 8) + f"  [{_f(g['engine_value'], ',.0f', 0)}: " \
+                    f"{'PASS' if g['engine_pass'] else 'FAIL'}]"
+        else:
+            shown = _f(g["value"], ".2f", 8) + f"  [{_f(g['engine_value'], '.2f', 0)}: " \
+                    f"{'PASS' if g['engine_pass'] else 'FAIL'}]"
+        print(f"  {'PASS' if g['pass'] else 'FAIL'}  {g['workload']:3} {g['goal']:<{width}} {shown}")
+    passed = sum(g["pass"] for g in goals)
+    print(f"  {passed}/{len(goals)} goals met")
+
+
+def print_catchup(results: dict[str, dict[str, Any]]) -> None:
+    """The tables of W1-W6: rates, ratios and RSS, then seconds."""
     print("rows/s = row changes in the stream / seconds. applier = `applier catchup` process, spawn to exit; "
           "(applied) = spawn until the target's progress row shows the last commit; (engine) = the summary line's time")
     print()
@@ -464,20 +689,39 @@ def print_report(meta: dict[str, Any], results: dict[str, dict[str, Any]], goals
               f"{_f(g['applier_sqlite'].get('seconds'), '.3f', 15)} {_f(g['applier_sqlite'].get('applied_s'), '.3f', 9)} "
               f"{_f(g['applier_sqlite'].get('engine_s'), '.3f', 9)}  {r['stream']['transactions']:>7,}  "
               f"{'; '.join(notes)}")
-    print()
-    print("goals (on wall-time rates; in brackets: the same on the summary line's time)")
-    for g in goals:
-        if g["goal"].startswith("RSS"):
-            shown = _f(g["value"], ".0f", 8) + " MB"
-        elif "rows/s" in g["goal"]:
-            shown = _f(g["value"], ",.0f", 8) + f"  [{_f(g['engine_value'], ',.0f', 0)}: " \
-                    f"{'PASS' if g['engine_pass'] else 'FAIL'}]"
-        else:
-            shown = _f(g["value"], ".2f", 8) + f"  [{_f(g['engine_value'], '.2f', 0)}: " \
-                    f"{'PASS' if g['engine_pass'] else 'FAIL'}]"
-        print(f"  {'PASS' if g['pass'] else 'FAIL'}  {g['workload']:3} {g['goal']:<36} {shown}")
-    passed = sum(g["pass"] for g in goals)
-    print(f"  {passed}/{len(goals)} goals met")
+
+
+def print_lag(results: dict[str, dict[str, Any]]) -> None:
+    """W7: one table per rate, a line per consumer (each followed its own pgbench run at that rate)."""
+    for key, r in results.items():
+        print()
+        if "error" in r:
+            print(f"{key} FAILED: {r['error'][:300]}")
+            continue
+        print(f"{key} {r['title']}. Lag sampled every {r['interval_s'] * 1000:.0f} ms: bytes = source "
+              "pg_current_wal_lsn() - the applied commit end; seconds = now - newest pgbench_history.mtime applied")
+        for rate, runs in r["rates"].items():
+            print()
+            print(f"{key} at {int(rate):,} transactions/s ({W7.clients(int(rate))} pgbench client(s), "
+                  f"{r['params']['seconds']} s per consumer)")
+            print(f"{'consumer':<22} {'bytes lag p50':>13} {'p99':>11} {'max':>11}  {'seconds lag p50':>15} "
+                  f"{'p99':>7} {'max':>7}  {'tps':>7} {'drain s':>7} {'RSS MB':>6}  notes")
+            for c, label in LAG_CONSUMERS.items():
+                x = runs.get(c, {})
+                if "error" in x:
+                    print(f"{label:<22} FAILED: {x['error'][:300]}")
+                    continue
+                b, t = x["bytes"], x["seconds"]
+                notes = [] if x.get("target_matches") else ["target differs from the source"]
+                if x.get("checkpoints_during"):
+                    notes.append(f"{x['checkpoints_during']} checkpoint(s) during the run")
+                sched = x["pgbench"].get("schedule_lag_max_ms")
+                if sched is not None and sched > 100:
+                    notes.append(f"pgbench fell behind its schedule by up to {sched:,.0f} ms")
+                print(f"{label:<22} {_f(b['p50'], ',', 13)} {_f(b['p99'], ',', 11)} {_f(b['max'], ',', 11)}  "
+                      f"{_f(t['p50'], '.3f', 15)} {_f(t['p99'], '.3f', 7)} {_f(t['max'], '.3f', 7)}  "
+                      f"{_f(x['pgbench'].get('tps'), ',.0f', 7)} {_f(x.get('drain_s'), '.2f', 7)} "
+                      f"{_f(x.get('peak_rss_mb'), '.0f', 6)}  {'; '.join(notes)}")
 
 
 def print_profiles(results: dict[str, dict[str, Any]]) -> None:
@@ -510,14 +754,14 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     install = find_install(args.pg)
     code = code_identity()
-    workloads = make(args.keys, args.scale)
+    workloads = make(args.keys, args.scale, args.w7_rates, args.w7_seconds)
     meta: dict[str, Any] = {"benchmark": "apply", "pg_version": install.version, "scale": args.scale,
                             "logical_decoding_work_mem": args.work_mem, "cpus": os.cpu_count(),
                             "loadavg_start": os.getloadavg()}
     log(f"PostgreSQL {install.version} ({install.bindir}); workloads {', '.join(args.keys)}, scale {args.scale}")
     log(f"applier measured from {code['measured_dir']}" + (f" (a copy of {code['snapshot_of']})" if
         code["snapshot_of"] else "") + f"; git {(code['git_head'] or '?')[:10]}, "
-        f"{len(code['uncommitted'])} uncommitted file(s) in applier/ and migrations/")
+        f"{len(code['uncommitted'])} uncommitted file(s) in applier/ and migrations/; row path: {code['row_path']}")
     results: dict[str, dict[str, Any]] = {}
     src, dst = C.start_clusters(install, args.work_mem)
     try:
@@ -530,14 +774,15 @@ def run(args: argparse.Namespace) -> int:
             bench = Bench(args, src, dst, Path(tmp))
             for w in workloads:
                 try:
-                    r = bench.measure(w)
+                    r = bench.measure_lag(w) if isinstance(w, W7) else bench.measure(w)
                 except Exception as exc:  # noqa: BLE001 - one workload failing must not lose the others
                     log(f"{w.key} FAILED: {one_line(exc)}")
                     if os.environ.get("BENCH_TRACEBACK"):
                         traceback.print_exc()
                     bench.cleanup(w)
-                    r = {"title": w.title, "params": w.params, "error": one_line(exc)}
-                r["ratios"] = ratios(r)
+                    r = {"title": w.title, "params": w.params, "kind": w.kind, "error": one_line(exc)}
+                if w.kind == "catchup":
+                    r["ratios"] = ratios(r)
                 results[w.key] = r
     finally:
         src.stop()
@@ -559,6 +804,14 @@ def run(args: argparse.Namespace) -> int:
                    "summary line's time (Runner.run()); peak RSS = the child's VmHWM sampled every 10 ms until exit "
                    "(os.wait4's ru_maxrss, kept as ru_maxrss_wait4_mb, includes this script's own peak)",
         "goals_on": "wall-time rates",
+        "lag": "W7: per rate, each consumer (native subscription; `applier run -c FILE`, stopped with SIGTERM) in its "
+               "own `pgbench -b tpcb-like -R rate -T seconds` run, started and streaming before pgbench; every "
+               f"{LAG_INTERVAL_S * 1000:.0f} ms: bytes = source pg_current_wal_lsn() - applied position (applier: "
+               "applier_progress.lsn on the target; native: pg_replication_origin_status.remote_lsn of its origin; "
+               "both the end LSN of the last source transaction committed on the target), seconds = now - "
+               "max(pgbench_history.mtime) on the target (mtime = CURRENT_TIMESTAMP, the source transaction's "
+               "start); before anything is applied: the source position / time when pgbench started. "
+               "p50/p99 nearest rank. drain_s = pgbench's end until the target's checksums equal the source's",
     }, "argv": sys.argv[1:], "applier_code": code, "workloads": results, "goals": goals,
         "python": platform.python_version(), "machine": platform.machine(),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

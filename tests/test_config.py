@@ -151,6 +151,15 @@ def test_missing_file() -> None:
         load_config("/nonexistent/applier.toml", env={})
 
 
+def test_a_directory_or_a_binary_file_is_one_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}: cannot read the config file: Is a directory$"):
+        load_config(tmp_path, env={})
+    binary = tmp_path / "applier.toml"
+    binary.write_bytes(b"\xff\xfe[source]\n")
+    with pytest.raises(ConfigError, match=rf"^{binary}: not a text file"):
+        load_config(binary, env={})
+
+
 def test_target_tables_from_the_file(tmp_path: Path) -> None:
     path = write(tmp_path, FILE + '\n[target.tables]\n"public.orders" = "orders_replica"\n"sales.x" = "y"\n')
     cfg = load_config(path, env={})

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
-import signal
-import sys
-import threading
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from applier.cli.quick import apply
 from applier.cli.root import (
     ConfigOpt,
     DsnOpt,
@@ -51,47 +48,6 @@ def init(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, pub
     run_guarded(go)
 
 
-def _apply(catchup: bool, config: Path | None, dsn: str | None, slot: str | None, publication: list[str] | None,
-           target: str | None) -> None:
-    # here, not at the top: start-up time (`applier --help` and the other commands do not load the engine)
-    from applier.admin import check_source, check_target
-    from applier.engine.heartbeat import Bar, Heartbeat
-    from applier.engine.runner import Runner
-
-    cfg = make_config(config, dsn, slot, publication, target)
-    check_source(cfg)
-    check_target(cfg)
-    stop = threading.Event()
-    if not catchup:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-    tune_gc()
-    # catchup on a terminal: a bar instead of progress lines (the runner logs lines otherwise)
-    bar = Bar() if catchup and cfg.apply["heartbeat_interval"] > 0 and sys.stderr.isatty() else None
-    runner = Runner(cfg, catchup=catchup, stop=stop,
-                    heartbeat=Heartbeat(Bar.EVERY, bar.show) if bar is not None else None)
-    complete = False
-    try:
-        summary = runner.run()
-        complete = True
-    finally:
-        if bar is not None:
-            bar.close(complete)
-    typer.echo(summary.line())
-
-
-def tune_gc() -> None:
-    """Collect rarely while applying: every change allocates a few tuples, none of them in a cycle.
-
-    With the default threshold (700) the collector walks the frames waiting in the
-    receive queue thousands of times a second, a third of decoding's time; start-up
-    objects are frozen so that no collection walks them again.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(100_000, 50, 1000)
-
-
 @app.command()
 def catchup(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publication: PubOpt = None,
             target: TargetOpt = None) -> None:
@@ -103,7 +59,7 @@ def catchup(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, 
 
       APPLIER_TARGET_URL=sqlite:////tmp/r.db applier catchup -c applier.toml
     """
-    run_guarded(_apply, True, config, dsn, slot, publication, target)
+    run_guarded(apply, True, config, dsn, slot, publication, target)
 
 
 @app.command()
@@ -117,7 +73,7 @@ def run(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publ
 
       applier -v run -c applier.toml   # with debug logging
     """
-    run_guarded(_apply, False, config, dsn, slot, publication, target)
+    run_guarded(apply, False, config, dsn, slot, publication, target)
 
 
 @app.command()

@@ -1,18 +1,27 @@
-"""The ``applier`` command: every command module registered on the root app.
+"""The entry point of the ``applier`` script.
 
-Imports run one way: this module imports the command modules, which import ``applier.cli.root``.
+A plain ``applier catchup`` or ``applier run`` command line runs without typer
+(``applier.cli.quick``: typer and the pydantic it builds validators with are a
+third of a one-shot catch-up's start); every other command line, ``--help`` and
+the usage errors included, goes to the typer app (``applier.cli.app``).
 """
 
 from __future__ import annotations
 
-from applier.cli import engine_commands, spark_commands, stream_commands
-from applier.cli.root import app
+import sys
 
-COMMAND_MODULES = (engine_commands, spark_commands, stream_commands)  # each registers its commands on ``app``
+from applier.cli import quick
 
-__all__ = ["app", "main"]
+__all__ = ["main"]
 
 
 def main() -> None:
     """Entry point of the ``applier`` script."""
+    call = quick.parse(sys.argv[1:])
+    if call is not None:
+        quick.run(call)
+        return
+    # here, not at the top: start-up time (catchup and run above do without typer and pydantic)
+    from applier.cli.app import app
+
     app()

@@ -1,25 +1,26 @@
-"""The root of the command line: the app, its shared options and how every command runs.
+"""The root of the command line: the app and its shared options (typer).
 
-Every command turns its options into a ``Config`` (file, then environment, then
-flags), calls one library function, and turns the known errors (bad config,
-source or target failures, bad input) into one line on stderr and exit code 2.
-Command modules (``*_commands``) import this one and register on ``app``;
-``applier.cli.main`` imports them all (imports run one way: main → commands → root).
+How every command runs (config, logging, known errors as one line and exit 2) is
+``applier.cli.guard``, shared with the typer-free way into ``catchup`` and ``run``
+(``applier.cli.quick``). Command modules (``*_commands``) import this one and
+register on ``app``; ``applier.cli.app`` imports them all (imports run one way:
+app → commands → root → guard).
 """
 
 from __future__ import annotations
 
-import logging
-import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-from applier.config import Config, ConfigError, load_config
-from applier.decoder import DecodeError
-from applier.errors import ApplyError, InUseError
-from applier.source.base import SourceError
+from applier import __version__
+from applier._cmodule import describe
+from applier.cli import guard
+from applier.cli.guard import UserError, fail, make_config, run_guarded, setup_logging
+
+__all__ = ["ConfigOpt", "DsnOpt", "PubOpt", "SlotOpt", "TargetOpt", "UserError", "app", "fail", "make_config",
+           "run_guarded"]
 
 app = typer.Typer(
     help="Apply PostgreSQL logical replication (pgoutput) to PostgreSQL or SQLite, exactly once.",
@@ -28,52 +29,24 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file (see config.example.toml).")]
-DsnOpt = Annotated[str | None, typer.Option("--dsn", help="Source conninfo or URI (source.dsn).")]
-SlotOpt = Annotated[str | None, typer.Option("--slot", help="Replication slot (source.slot).")]
-PubOpt = Annotated[list[str] | None, typer.Option("--publication", "-p", help="Publication, repeatable (source.publications).")]
-TargetOpt = Annotated[str | None, typer.Option("--target", help="Target URL (target.url).")]
+ConfigOpt = Annotated[Path | None, typer.Option(*guard.CONFIG, help="TOML config file (see config.example.toml).")]
+DsnOpt = Annotated[str | None, typer.Option(*guard.DSN, help="Source conninfo or URI (source.dsn).")]
+SlotOpt = Annotated[str | None, typer.Option(*guard.SLOT, help="Replication slot (source.slot).")]
+PubOpt = Annotated[list[str] | None, typer.Option(*guard.PUBLICATION,
+                                                  help="Publication, repeatable (source.publications).")]
+TargetOpt = Annotated[str | None, typer.Option(*guard.TARGET, help="Target URL (target.url).")]
 
 
-class UserError(Exception):
-    """An error to print as one line, exit 2."""
-
-
-def fail(message: str) -> None:
-    """Print one line to stderr and exit 2."""
-    typer.echo(f"applier: error: {message}", err=True)
-    raise typer.Exit(2)
-
-
-def make_config(config: Path | None, dsn: str | None = None, slot: str | None = None,
-                publications: list[str] | None = None, target: str | None = None,
-                need_target: bool = True) -> Config:
-    """Load the config with flag overrides."""
-    overrides: dict[str, Any] = {"source.dsn": dsn, "source.slot": slot,
-                                 "source.publications": publications or None, "target.url": target}
-    return load_config(config, overrides, need_target=need_target)
-
-
-def run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call a library function, turning known errors into one line and exit 2 (and, with -v, the traceback)."""
-    try:
-        return fn(*args, **kwargs)
-    except (ConfigError, SourceError, DecodeError, UserError, ApplyError, InUseError) as exc:
-        logging.getLogger("applier.cli").debug("the command failed:", exc_info=exc)
-        fail(str(exc))
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
-    return None
-
-
-def setup_logging(verbose: bool) -> None:
-    """Log lines to stderr: time, level, message."""
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"applier {__version__}, {describe()}")
+        raise typer.Exit()
 
 
 @app.callback()
-def _root(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
+def _root(verbose: Annotated[bool, typer.Option(*guard.VERBOSE, help="Debug logging.")] = False,
+          version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_version,
+                                                help="Print the version and which row path runs, then exit.")]
+          = False) -> None:
     """applier: follow a PostgreSQL publication into PostgreSQL or SQLite."""
     setup_logging(verbose)

@@ -1,7 +1,8 @@
 """The decoder: bytes from a walsender into typed, immutable messages. Pure, no I/O."""
 
-from applier.decoder.framing import Frame, Keepalive, XLogData, encode_standby_status, read_frame
+from applier.decoder.framing import Frame, encode_standby_status, read_frame
 from applier.decoder.messages import *  # noqa: F403
+from applier.decoder.messages import Keepalive, XLogData
 from applier.decoder.pgoutput import DecodeError, Decoder, decode_message
 from applier.decoder.render import render_message
 

@@ -10,35 +10,16 @@ from __future__ import annotations
 
 import struct
 import time
-from typing import NamedTuple
+from collections.abc import Callable
 
-from applier.decoder.messages import PG_EPOCH_UNIX
+from applier._cmodule import rowpath
+from applier.decoder.messages import PG_EPOCH_UNIX, Keepalive, XLogData
 from applier.decoder.pgoutput import DecodeError
 from applier.lsn import LSN
 
 _W = struct.Struct(">QQq")
 _K = struct.Struct(">QqB")
 _R = struct.Struct(">cQQQqB")
-
-
-class XLogData(NamedTuple):
-    """One WAL payload: start LSN (0/0 for some messages), WAL end, send time, message bytes.
-
-    The LSNs are plain ints here (one of these is built per change: ``LSN(frame.start)`` to print).
-    """
-
-    start: int
-    wal_end: int
-    send_time: int
-    payload: bytes
-
-
-class Keepalive(NamedTuple):
-    """Primary keepalive: the server's WAL end, send time, and whether it wants a reply now."""
-
-    wal_end: LSN
-    send_time: int
-    reply_requested: bool
 
 
 _new_tuple = tuple.__new__  # XLogData without its Python-level __new__ (one per change)
@@ -48,6 +29,19 @@ Frame = XLogData | Keepalive
 
 def read_frame(data: bytes | memoryview) -> Frame:
     """Parse one CopyData payload from a walsender (a memoryview is read in place; the payload is copied out)."""
+    if _read_c is not None:
+        frame = _read_c(data)
+        if frame is not None:
+            return frame
+    return read_frame_pure(data)
+
+
+# the compiled twin (applier._cmodule): XLogData and well-formed keepalives; None for anything else
+_read_c: Callable[[bytes | memoryview], Frame | None] | None = rowpath.read_frame if rowpath is not None else None
+
+
+def read_frame_pure(data: bytes | memoryview) -> Frame:
+    """``read_frame`` in Python: every frame, and the errors (the compiled twin returns None for those)."""
     if not data:
         raise DecodeError("CopyData", "kind", 0, "no bytes")
     kind = data[0]

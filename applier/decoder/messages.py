@@ -210,3 +210,26 @@ PgOutputMessage = (
 
 # Messages that carry the subtransaction xid inside Stream Start … Stream Stop.
 STREAMED_XID_MESSAGES = frozenset(b"MRYIUDT")
+
+
+# The streaming replication protocol's frames around the messages (applier.decoder.framing reads them).
+
+
+class XLogData(NamedTuple):
+    """One WAL payload: start LSN (0/0 for some messages), WAL end, send time, message bytes.
+
+    The LSNs are plain ints here (one of these is built per change: ``LSN(frame.start)`` to print).
+    """
+
+    start: int
+    wal_end: int
+    send_time: int
+    payload: bytes
+
+
+class Keepalive(NamedTuple):
+    """Primary keepalive: the server's WAL end, send time, and whether it wants a reply now."""
+
+    wal_end: LSN
+    send_time: int
+    reply_requested: bool

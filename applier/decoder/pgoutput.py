@@ -17,6 +17,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
+from applier._cmodule import rowpath
 from applier.decoder.messages import (
     BINARY,
     NULL,
@@ -459,15 +460,27 @@ _FAST: dict[int, Callable[[bytes], PgOutputMessage | None]] = {
     ord("C"): _fast_commit,
 }
 
+FastDecode = Callable[[bytes, bool], PgOutputMessage | None]
+
+
+def fast_decode_pure(data: bytes, in_stream: bool = False) -> PgOutputMessage | None:
+    """Begin, Commit, Insert, Update or Delete outside a stream, read on the common path; None: use the
+    field-checking readers (anything else, anything inside a stream, or bytes they must judge).
+    Twin of ``applier._rowpath.fast_decode`` (which also reads changes inside a stream)."""
+    fast = _FAST.get(data[0]) if data and not in_stream else None
+    return fast(data) if fast is not None else None
+
+
+# the compiled twin when it is built and not turned off (applier._cmodule)
+fast_decode: FastDecode = rowpath.fast_decode if rowpath is not None else fast_decode_pure
+
 
 def decode_message(data: bytes, in_stream: bool = False) -> PgOutputMessage:
     """Decode exactly one pgoutput message; ``in_stream`` when inside Stream Start … Stop."""
-    if data and not in_stream:
-        fast = _FAST.get(data[0])
-        if fast is not None:
-            msg = fast(bytes(data))
-            if msg is not None:
-                return msg
+    if data:
+        msg = fast_decode(data if type(data) is bytes else bytes(data), in_stream)
+        if msg is not None:
+            return msg
     return _read_message(data, in_stream)
 
 
@@ -488,19 +501,19 @@ def _read_message(data: bytes, in_stream: bool) -> PgOutputMessage:
 class Decoder:
     """Decodes a sequence of messages, tracking Stream Start … Stream Stop for the extra xid."""
 
-    __slots__ = ("in_stream",)
+    __slots__ = ("in_stream", "_fast")
 
-    def __init__(self) -> None:
+    def __init__(self, fast: FastDecode | None = None) -> None:
+        """``fast``: the common-path reader (``fast_decode_pure`` or the compiled twin; default: ``fast_decode``)."""
         self.in_stream = False
+        self._fast = fast or fast_decode
 
     def decode(self, data: bytes) -> PgOutputMessage:
         """Decode one message of the sequence; Stream Start/Stop switch the streamed-xid mode."""
-        if not self.in_stream and data:  # the hot path: a change, Begin or Commit outside a stream
-            fast = _FAST.get(data[0])
-            if fast is not None:
-                msg = fast(data if type(data) is bytes else bytes(data))
-                if msg is not None:
-                    return msg
+        if data:  # the hot path: a change, Begin or Commit
+            msg = self._fast(data if type(data) is bytes else bytes(data), self.in_stream)
+            if msg is not None:
+                return msg
         msg = _read_message(data, self.in_stream)
         kind = data[0]
         if kind == 0x53:  # 'S'

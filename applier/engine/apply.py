@@ -476,7 +476,6 @@ class ApplyEngine:
 
     def _start_prepared(self, xid: int, prepare_lsn: LSN, gid: str) -> SourceTxn:
         self.flush_group()
-        self.target.set_preparing(True)
         skip = self.should_skip(prepare_lsn)
         if skip is None and self.target.is_prepared(xid, gid):
             skip = Skip.PREPARED_BEFORE
@@ -522,10 +521,7 @@ class ApplyEngine:
 
     def _finish_prepare(self, txn: SourceTxn, gid: str, prepare_lsn: LSN, end_lsn: LSN, when: int) -> None:
         self.txn = None
-        try:
-            self._prepare(txn, gid, prepare_lsn, end_lsn, when)
-        finally:
-            self.target.set_preparing(False)
+        self._prepare(txn, gid, prepare_lsn, end_lsn, when)
 
     def _prepare(self, txn: SourceTxn, gid: str, prepare_lsn: LSN, end_lsn: LSN, when: int) -> None:
         if end_lsn > self.last_commit_end:

@@ -28,13 +28,13 @@ class Batch:
         self.txn = txn
         self.rows: list[Any] = [row]
         # row key -> index in rows (foldable tables); an insert batch builds it only once a change folds into it
-        self.keys: dict[tuple[bytes | None, ...], int] | None = None
+        self.keys: dict[Any, int] | None = None
         self.alone = False  # a key-changing update: apply it before anything joins
         if b.foldable and op == "UPDATE":
             key, self.alone = b.update_key(row)
             self.keys = {key: 0}
 
-    def _index(self) -> dict[tuple[bytes | None, ...], int]:
+    def _index(self) -> dict[Any, int]:
         keys = self.keys
         if keys is None:
             key_of = self.b.key_of
@@ -56,10 +56,13 @@ class Batch:
                     self.keys[b.key_of(row)] = len(rows)
                 rows.append(row)
                 return True
-            key, moved = b.update_key(row)
-            if moved:
-                return False
-            keys = self._index()
+            if row.old_kind is None:  # found by its new tuple's key, which cannot have changed
+                key = b.key_values(row.new.values)
+            else:
+                key, moved = b.update_key(row)
+                if moved:
+                    return False
+            keys = self.keys if self.keys is not None else self._index()
             i = keys.get(key)
             if i is None:
                 keys[key] = len(rows)

@@ -25,7 +25,8 @@ import struct
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from applier.decoder.framing import Frame, Keepalive, XLogData
+from applier.decoder.framing import Frame
+from applier.decoder.messages import Keepalive, XLogData
 from applier.lsn import LSN
 from applier.source.base import SourceError
 

@@ -21,7 +21,8 @@ import time
 
 import psycopg
 
-from applier.decoder.framing import Frame, XLogData
+from applier.decoder.framing import Frame
+from applier.decoder.messages import XLogData
 from applier.lsn import LSN
 from applier.source.base import SourceError, StreamOptions, slot_in_use
 from applier.text import one_line

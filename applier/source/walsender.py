@@ -27,7 +27,8 @@ import psycopg
 from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from applier.decoder.framing import Frame, Keepalive, XLogData, encode_standby_status, read_frame
+from applier.decoder.framing import Frame, encode_standby_status, read_frame
+from applier.decoder.messages import Keepalive, XLogData
 from applier.lsn import LSN
 from applier.source.base import SlotInfo, SourceError, StreamOptions, slot_in_use
 from applier.text import one_line, quote_ident, quote_literal
@@ -130,49 +131,46 @@ class WalSender:
 
     def read(self, timeout: float) -> Frame | None:
         """Next frame, or None after ``timeout`` seconds; answers keepalives that ask for a reply."""
-        try:
-            return self._read(timeout)
+        deadline = -1.0  # set when first needed: a frame that is already here costs no clock read
+        pgconn = self.pgconn
+        try:  # one frame: no call between here and the frame but get_copy_data and read_frame (once per change)
+            while True:
+                nbytes, data = pgconn.get_copy_data(1)
+                if nbytes > 0:
+                    frame = read_frame(data)
+                    if type(frame) is XLogData:
+                        if frame.wal_end > self._received:
+                            self._received = frame.wal_end
+                        self._frames += 1
+                        if self._frames & 1023:  # look at the clock for status updates every 1024 changes
+                            return frame
+                    else:
+                        assert isinstance(frame, Keepalive)
+                        if frame.wal_end > self._received:
+                            self._received = frame.wal_end
+                        if frame.reply_requested:
+                            self.send_status()
+                    self._maybe_send_status()
+                    return frame
+                if nbytes == -1:
+                    self._finish_copy()
+                    raise SourceError("the source ended replication (server shut down or walsender terminated)")
+                if nbytes < -1:
+                    raise SourceError(f"replication connection failed: {_pg_error(pgconn)}")
+                self._maybe_send_status()
+                if deadline < 0:
+                    deadline = time.monotonic() + timeout
+                remaining = max(0.0, deadline - time.monotonic())
+                ready, _, _ = select.select([pgconn.socket], [], [], min(remaining, self.status_interval))
+                if not ready and remaining <= 0:
+                    return None
+                if ready:
+                    pgconn.consume_input()
+                    if pgconn.status == pq.ConnStatus.BAD:
+                        raise SourceError(f"replication connection lost: {_pg_error(pgconn)}")
         except psycopg.Error as exc:
             self.streaming = False
             raise SourceError(f"replication connection lost: {one_line(exc)}") from None
-
-    def _read(self, timeout: float) -> Frame | None:
-        deadline = -1.0  # set when first needed: a frame that is already here costs no clock read
-        pgconn = self.pgconn
-        while True:
-            nbytes, data = pgconn.get_copy_data(1)
-            if nbytes > 0:
-                frame = read_frame(data)
-                if type(frame) is XLogData:
-                    if frame.wal_end > self._received:
-                        self._received = frame.wal_end
-                    self._frames += 1
-                    if self._frames & 1023:  # look at the clock for status updates every 1024 changes
-                        return frame
-                else:
-                    assert isinstance(frame, Keepalive)
-                    if frame.wal_end > self._received:
-                        self._received = frame.wal_end
-                    if frame.reply_requested:
-                        self.send_status()
-                self._maybe_send_status()
-                return frame
-            if nbytes == -1:
-                self._finish_copy()
-                raise SourceError("the source ended replication (server shut down or walsender terminated)")
-            if nbytes < -1:
-                raise SourceError(f"replication connection failed: {_pg_error(pgconn)}")
-            self._maybe_send_status()
-            if deadline < 0:
-                deadline = time.monotonic() + timeout
-            remaining = max(0.0, deadline - time.monotonic())
-            ready, _, _ = select.select([pgconn.socket], [], [], min(remaining, self.status_interval))
-            if not ready and remaining <= 0:
-                return None
-            if ready:
-                pgconn.consume_input()
-                if pgconn.status == pq.ConnStatus.BAD:
-                    raise SourceError(f"replication connection lost: {_pg_error(pgconn)}")
 
     def confirm(self, lsn: LSN) -> None:
         """Set the flush position (only ever forwards); sent on the next status update."""

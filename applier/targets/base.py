@@ -35,8 +35,10 @@ from __future__ import annotations
 import datetime as dt
 import logging
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 from typing import Any, Protocol
 
+from applier._cmodule import rowpath
 from applier.decoder.messages import NULL, UNCHANGED_TOAST, Relation, TupleData, Type
 from applier.errors import ApplyError
 from applier.lsn import LSN
@@ -72,8 +74,8 @@ class Binding:
     """One source relation mapped onto one target table; builds and caches statements."""
 
     __slots__ = ("rel", "table", "qtable", "names", "qnames", "convert", "key_idx", "dialect", "_sql",
-                 "text_compare", "keyed", "foldable", "set_based", "pg_types", "plain_convert", "always",
-                 "fast_set", "carry", "show")
+                 "text_compare", "keyed", "foldable", "set_based", "pg_types", "pg_arrays", "plain_convert", "always",
+                 "fast_set", "carry", "show", "key_values", "copy_binary")
 
     def __init__(self, rel: Relation, table: str, qtable: str, convert: Sequence[Converter | None],
                  dialect: Dialect, text_compare: Sequence[bool] = ()) -> None:
@@ -85,6 +87,9 @@ class Binding:
         self.convert = list(convert)
         self.plain_convert = None not in self.convert  # every column has a converter
         self.key_idx = [i for i, c in enumerate(rel.columns) if c.is_key]
+        # a tuple's values -> its key (``key_of``): one value for a one-column key, else a tuple of them
+        self.key_values: Callable[[Sequence[bytes | None]], Any] = (
+            itemgetter(*self.key_idx) if self.key_idx else _no_key)
         self.dialect = dialect
         self.text_compare = list(text_compare) or [False] * len(self.names)
         self._sql: dict[Any, str] = {}
@@ -94,7 +99,13 @@ class Binding:
         # no other unique index on the target could see the difference (see ``set_unique_indexes``)
         self.foldable = False
         self.set_based = False  # the target may apply a batch of keyed changes in one statement
+        # binary mode, PostgreSQL target: inserts may go by COPY (FORMAT binary), the values as they came
+        # (every column of a built-in type sent in binary, of exactly that type on the target)
+        self.copy_binary = False
         self.pg_types: list[str] = []  # PostgreSQL target: each column's type on the target
+        # PostgreSQL target: each column's (array type its batch values are sent as, cast of one element to
+        # the column's type or '') for the set-based statements (``applier.targets.postgres``)
+        self.pg_arrays: list[tuple[str, str]] = []
         # PostgreSQL target: the columns that are identity GENERATED ALWAYS there, and the target's own
         # (not sent, not generated) columns, quoted: both for ``replace_sql`` (see the module header)
         self.always: frozenset[int] = frozenset()
@@ -117,16 +128,15 @@ class Binding:
         key = frozenset(self.names[i] for i in self.key_idx)
         self.foldable = self.keyed and all(ix == key for ix in indexes)
 
-    def key_of(self, t: TupleData) -> tuple[bytes | None, ...]:
-        """The key columns' raw values of a tuple."""
-        vals = t.values
-        return tuple([vals[i] for i in self.key_idx])
+    def key_of(self, t: TupleData) -> Any:
+        """The key columns' raw values of a tuple (as ``key_values``: compare and hash them, nothing else)."""
+        return self.key_values(t.values)
 
-    def update_key(self, m: Any) -> tuple[tuple[bytes | None, ...], bool]:
-        """(key of the row an update finds, whether the update changes the key)."""
-        new_key = self.key_of(m.new)
+    def update_key(self, m: Any) -> tuple[Any, bool]:
+        """(key of the row an update finds (``key_of``), whether the update changes the key)."""
+        new_key = self.key_values(m.new.values)
         if m.old_kind == "K" and m.old is not None:
-            old_key = self.key_of(m.old)
+            old_key = self.key_values(m.old.values)
             return old_key, old_key != new_key
         return new_key, False
 
@@ -146,6 +156,12 @@ class Binding:
                 v = c(v) if c is not None else v
             out.append(v)
         return out
+
+    def value_rows(self, rows: Sequence[TupleData], idx: Sequence[int]) -> list[Any]:
+        """``values`` of each row (the compiled row path's ``value_rows`` when it is in use)."""
+        if rowpath is not None:
+            return rowpath.value_rows(self.convert, rows, idx)  # type: ignore[no-any-return]
+        return [self.values(t, idx) for t in rows]
 
     def describe_key(self, t: TupleData | None, idx: Sequence[int]) -> str:
         """'(a)=(1)'-style text of a tuple's key, for error messages."""
@@ -256,6 +272,10 @@ class Binding:
         kinds = t.kinds
         nulls = tuple(kinds[i] == NULL for i in idx)
         return nulls, self.values(t, [i for i, n in zip(idx, nulls, strict=True) if not n])
+
+
+def _no_key(values: Sequence[bytes | None]) -> tuple[()]:
+    return ()
 
 
 def utc_now() -> str:
@@ -375,8 +395,7 @@ class Target(Protocol):
     transaction is prepared there. False (every other target): the engine keeps the changes in
     ``applier_prepared`` (``store_prepared``) with the progress, in one transaction; ``kept_prepared``
     returns them for the commit, ``delete_prepared`` forgets them. ``is_prepared(xid, gid)`` tells a
-    restart that a transaction was prepared (either way), so it is neither prepared twice nor lost;
-    ``set_preparing(on)`` tells the target whether the open transaction will be prepared.
+    restart that a transaction was prepared (either way), so it is neither prepared twice nor lost.
     """
 
     name: str
@@ -398,7 +417,6 @@ class Target(Protocol):
     def record_error(self, message: str) -> None: ...
     def durable_lsn(self) -> LSN: ...
     def wait_durable(self) -> None: ...
-    def set_preparing(self, on: bool) -> None: ...
     def is_prepared(self, xid: int, gid: str) -> bool: ...
     def prepare(self, xid: int) -> None: ...
     def finish_prepared(self, xid: int, commit: bool) -> None: ...
@@ -465,20 +483,32 @@ class TargetBase:
         plain = (False,) * len(key)
         fast = b.fast_set  # None: an ALWAYS column outside the key, whose value may change
         narrow = fast is not None and fast is not every  # ALWAYS key columns: found by them, not set
+        # the common shapes, their statements made once: an update found by an unchanged key that sends every
+        # column, and a delete found by its key tuple, both without NULLs in the key
+        fast_update = op == "UPDATE" and fast is not None and b.keyed
+        fast_cols = fast or ()
+        key_convert = [c for c in (b.convert[k] for k in key) if c is not None]
+        fast_delete = op == "DELETE" and b.keyed and len(key_convert) == len(key)
+        fast_sql = (b.update_sql(fast_cols, key, plain, False) if fast_update
+                    else b.delete_sql(key, plain, False) if fast_delete else "")
         for m in rows:
             args = None
-            # the common shape first: an update found by an unchanged key without NULLs that sends every column
-            if (op == "UPDATE" and fast is not None and b.keyed and m.old_kind is None
-                    and UNCHANGED_TOAST not in m.new.kinds):
+            if fast_update and m.old_kind is None and UNCHANGED_TOAST not in m.new.kinds:
                 args = b.values(m.new, every)
                 where_args = [args[i] for i in key]
                 if None in where_args:
                     args = None
                 else:
-                    sql = b.update_sql(fast, key, plain, False)
+                    sql = fast_sql
                     if narrow:
-                        args = [args[i] for i in fast]
+                        args = [args[i] for i in fast_cols]
                     args += where_args
+            elif fast_delete and m.old_kind == "K":
+                vals = m.old.values
+                where_args = [vals[k] for k in key]
+                if None not in where_args:
+                    args = [c(v) for c, v in zip(key_convert, where_args)]
+                    sql = fast_sql
             if args is None:
                 t, idx, full = b.locator(op, m.old_kind, m.old, m.new if op == "UPDATE" else None, lsn)
                 nulls, where_args = b.row_args(t, idx)
@@ -563,9 +593,6 @@ class TargetBase:
         self.commit(LSN(0))
 
     # -- prepared transactions (see ``Target``): kept in applier_prepared -----------------
-
-    def set_preparing(self, on: bool) -> None:
-        """Whether the open transaction will be prepared: nothing to change when the changes are kept."""
 
     def is_prepared(self, xid: int, gid: str) -> bool:
         """Whether source transaction ``xid`` (source gid ``gid``) is prepared: kept in applier_prepared."""

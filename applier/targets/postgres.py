@@ -2,9 +2,16 @@
 
 Text-mode values go to the server as they came from the source (psycopg sends
 a ``str`` as type unknown, so the server casts it with the column's input
-function); inserts go by COPY. A COPY stays open while consecutive batches
-insert into the same table, so the server stores rows while the next ones are
-decoded. Likewise a batch's set-based UPDATE/DELETE is sent without waiting
+function); inserts go by COPY. Binary-mode values go back in binary with their
+type (``applier.targets.binary``); inserts go by COPY (FORMAT binary) when every
+column has the source's built-in type on the target (pgoutput's binary field is
+COPY's), else by INSERT. A COPY stays open while consecutive batches insert into
+the same table, so the server stores rows while the next ones are decoded.
+
+A batch of keyed updates or deletes is one statement: each column's values
+travel as one array parameter (a text array literal, ``array_text``, of the
+column's type without its modifier) and ``unnest``/``= ANY`` turn them back into
+rows; the row count says how many were not found. It is sent without waiting
 (``_send``), and its result is read just before the connection is next used.
 Anything done on the connection (``conn``/``cur``) first ends the open COPY or
 reads the statement in flight, so a row the server rejects fails that next
@@ -24,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -34,7 +41,8 @@ from psycopg.errors import error_from_result
 from psycopg.generators import fetch_many
 from psycopg.generators import send as psycopg_send
 
-from applier.decoder.messages import Relation, TupleData, Type, pg_timestamp
+from applier._cmodule import rowpath
+from applier.decoder.messages import BINARY, NULL, Relation, TupleData, Type, pg_timestamp
 from applier.errors import ApplyError
 from applier.lsn import LSN
 from applier.progress.store import PG_SQL
@@ -69,8 +77,9 @@ def libpq_dsn(url: str) -> str:
     return make_conninfo("", **{k: v for k, v in parts.items() if v is not None})
 
 
-def copy_data(rows: Iterable[Sequence[bytes | None]]) -> bytes:
-    """COPY text-format data for rows of wire text values (None: NULL)."""
+def copy_data_pure(rows: Iterable[Sequence[bytes | None]]) -> bytes:
+    """COPY text-format data for rows of wire text values (None: NULL), all rows of one width (a table's);
+    twin of ``applier._rowpath.copy_data``."""
     lines = []
     seps = -1
     for vals in rows:
@@ -87,6 +96,40 @@ def copy_data(rows: Iterable[Sequence[bytes | None]]) -> bytes:
     return b"\n".join(lines)
 
 
+# the compiled twin when it is built and not turned off (applier._cmodule)
+copy_data: Callable[[Iterable[Sequence[bytes | None]]], bytes] = (
+    rowpath.copy_data if rowpath is not None else copy_data_pure)
+
+
+# COPY's binary format (the data of `COPY … FROM STDIN (FORMAT binary)`): a signature and header, then the tuples
+COPY_BINARY_HEADER = b"PGCOPY\n\xff\r\n\x00" + bytes(8)  # signature, flags 0, no header extension
+COPY_BINARY_TRAILER = b"\xff\xff"
+_NULL_FIELD = b"\xff\xff\xff\xff"
+
+
+def copy_binary_pure(rows: Iterable[TupleData]) -> bytes:
+    """COPY binary-format tuples (no header, no trailer) for rows whose every value is binary (kind ``b``) or
+    NULL: pgoutput's binary field layout is COPY's. Twin of ``applier._rowpath.copy_binary``."""
+    out = bytearray()
+    for t in rows:
+        if len(t.values) != len(t.kinds):
+            raise ValueError(f"a row has {len(t.kinds)} column kinds but {len(t.values)} values")
+        out += len(t.kinds).to_bytes(2, "big")
+        for i, (kind, v) in enumerate(zip(t.kinds, t.values)):
+            if kind == NULL:
+                out += _NULL_FIELD
+            elif kind == BINARY and v is not None:
+                out += len(v).to_bytes(4, "big")
+                out += v
+            else:
+                raise ValueError(f"column {i + 1} is not a binary value or NULL (kind {chr(kind)!r})")
+    return bytes(out)
+
+
+# the compiled twin when it is built and not turned off (applier._cmodule)
+copy_binary: Callable[[Iterable[TupleData]], bytes] = rowpath.copy_binary if rowpath is not None else copy_binary_pure
+
+
 def _copy_escape(v: bytes) -> bytes:
     if b"\\" in v:
         v = v.replace(b"\\", b"\\\\")
@@ -97,6 +140,37 @@ def _copy_escape(v: bytes) -> bytes:
     if b"\t" in v:
         v = v.replace(b"\t", b"\\t")
     return v
+
+
+def array_text(vals: Sequence[bytes | None]) -> bytes:
+    """A PostgreSQL array literal of wire text values (None: NULL); every element quoted, so that no value
+    reads as NULL or splits, and the element type's input function sees the value as sent."""
+    try:
+        blob = b'","'.join(vals)  # type: ignore[arg-type]
+    except TypeError:  # a NULL among them
+        pass
+    else:
+        if b"\\" not in blob and blob.count(b'"') == 2 * len(vals) - 2:  # nothing to escape
+            return b'{"' + blob + b'"}'
+    return b"{" + b",".join([b"NULL" if v is None else b'"' + v.replace(b"\\", b"\\\\").replace(b'"', b'\\"') + b'"'
+                             for v in vals]) + b"}"
+
+
+# A batch applied set-based sends each column's values as one array parameter ($1, $2, …, in the order of
+# ``cols``); unnest(…) AS s(…) turns them back into rows, and t is the target table.
+
+def _unnest(b: Binding, cols: tuple[int, ...]) -> str:
+    arrays = ", ".join(f"${n}::{b.pg_arrays[i][0]}" for n, i in enumerate(cols, 1))
+    return f"unnest({arrays}) AS s({', '.join(b.qnames[i] for i in cols)})"
+
+
+def _element(b: Binding, i: int) -> str:
+    """Column ``i``'s value in s, of the column's type."""
+    return f"s.{b.qnames[i]}{b.pg_arrays[i][1]}"
+
+
+def _key_join(b: Binding) -> str:
+    return " AND ".join(f"t.{b.qnames[k]} = {_element(b, k)}" for k in b.key_idx)
 
 
 @contextlib.contextmanager
@@ -121,7 +195,8 @@ class PostgresTarget(TargetBase):
         self.name = name
         self.table_map = table_map or {}
         # work the server is doing while the engine goes on; settled (``_settle``) before the connection is next used
-        self._copy: tuple[Any, Any, Binding, LSN] | None = None  # open COPY: (context manager, Copy, binding, LSN)
+        # open COPY: (context manager, Copy, binding, LSN, what ends its data: COPY_BINARY_TRAILER or b"")
+        self._copy: tuple[Any, Any, Binding, LSN, bytes] | None = None
         self._inflight: tuple[str, Binding, int, LSN] | None = None  # a statement sent, its result not read yet
         try:
             self._conn = psycopg.connect(libpq_dsn(url), autocommit=True)
@@ -140,8 +215,6 @@ class PostgresTarget(TargetBase):
         self.sync = synchronous_commit
         self._cur = self.conn.cursor()
         self.in_txn = False
-        self.preparing = False  # the open transaction will be prepared: no temporary tables (``set_preparing``)
-        self._stages = 0
         self._pending: deque[tuple[LSN, LSN]] = deque()  # (target WAL end of commit, source LSN)
         self._durable = LSN(0)
         max_prepared = int(one_row(self.conn.execute("SHOW max_prepared_transactions"))[0])
@@ -172,11 +245,12 @@ class PostgresTarget(TargetBase):
             with _naming(op, b, lsn):
                 self._collect()
 
-    def _send(self, sql: str, op: str, b: Binding, rows: int, lsn: LSN) -> None:
-        """Send ``sql`` (``op`` of ``rows`` rows of ``b``) and return at once; ``_collect`` reads its result."""
+    def _send(self, sql: str, params: Sequence[bytes], op: str, b: Binding, rows: int, lsn: LSN) -> None:
+        """Send ``sql`` with text ``params`` ($1…: ``op`` of ``rows`` rows of ``b``) and return at once;
+        ``_collect`` reads its result."""
         self._settle()
         pgconn = self._conn.pgconn
-        pgconn.send_query(sql.encode())
+        pgconn.send_query_params(sql.encode(), params)
         self._inflight = (op, b, rows, lsn)
         self._conn.wait(psycopg_send(pgconn))  # the whole statement goes out now, its result comes later
 
@@ -193,9 +267,11 @@ class PostgresTarget(TargetBase):
 
     def _end_copy(self, failed: BaseException | None = None) -> None:
         """Finish the open COPY (or abandon it after ``failed``); a row the server rejected raises here."""
-        cm = self._copy[0]  # type: ignore[index]
+        cm, copy, _, _, trailer = self._copy  # type: ignore[misc]
         self._copy = None
         if failed is None:
+            if trailer:
+                copy.write(trailer)
             cm.__exit__(None, None, None)
         else:
             cm.__exit__(type(failed), failed, failed.__traceback__)
@@ -226,11 +302,19 @@ class PostgresTarget(TargetBase):
         if one_row(self.conn.execute("SELECT to_regclass(%s)", [qtable]))[0] is None:
             raise ApplyError(f"target table {shown} (for source table {source_name(rel)}) does not exist (at LSN {lsn})")
         # each column's type as the target declares it, its base type's name (an array's element type),
-        # whether it is an identity column and which kind ('a': ALWAYS), and whether it is generated
+        # whether it is an identity column and which kind ('a': ALWAYS), whether it is generated, and the
+        # type without its modifier and that type's array type (none: the column's type is an array type),
+        # by their catalog names: format_type's SQL names mean a modifier of their own ("character" is
+        # char(1), "bit" bit(1)), so a value cast to them would be cut short; none either for a type whose
+        # array literal separates elements with something else than a comma (box: ';'); and the type's OID
         tcols = {row[0]: row[1:] for row in self.conn.execute(
             "SELECT a.attname, format_type(a.atttypid, a.atttypmod), coalesce(e.typname, t.typname), "
-            "a.attidentity, a.attgenerated <> '' "
+            "a.attidentity, a.attgenerated <> '', format('%%I.%%I', tn.nspname, t.typname), "
+            "CASE WHEN t.typarray <> 0 AND t.typdelim = ',' THEN format('%%I.%%I', an.nspname, at.typname) END, "
+            "a.atttypid "
             "FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
+            "JOIN pg_namespace tn ON tn.oid = t.typnamespace "
+            "LEFT JOIN pg_type at ON at.oid = t.typarray LEFT JOIN pg_namespace an ON an.oid = at.typnamespace "
             "LEFT JOIN pg_type e ON e.oid = t.typelem AND t.typcategory = 'A' "
             "WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped", [qtable])}
         for c in rel.columns:
@@ -249,7 +333,13 @@ class PostgresTarget(TargetBase):
             "FROM pg_index i WHERE i.indrelid = %s::regclass AND i.indisunique", [qtable]).fetchall()
         if binary:
             # here, not at the top: start-up time (text mode never loads the binary converters)
-            from applier.targets.binary import binary_converters, register_pg_binary, value_texts
+            from applier.targets.binary import (
+                FIRST_USER_OID,
+                TEXT_SENT,
+                binary_converters,
+                register_pg_binary,
+                value_texts,
+            )
             register_pg_binary(self.cur)
             convert: list[Any] = binary_converters(rel, types, "postgresql")
         else:
@@ -257,7 +347,15 @@ class PostgresTarget(TargetBase):
         b = Binding(rel, shown, qtable, convert, POSTGRES, text_compare)
         if binary:
             b.show = value_texts(rel, types)
+            # COPY's binary field is pgoutput's: a value read by the same type's receive function
+            b.copy_binary = bool(rel.columns) and all(
+                c.type_oid < FIRST_USER_OID and c.type_oid not in TEXT_SENT and tcols[c.name][6] == c.type_oid
+                for c in rel.columns)
         b.pg_types = [tcols[c.name][0] for c in rel.columns]
+        # a set-based batch's values of a column travel as an array of its type without modifier (the
+        # assignment checks it, as COPY's input would); of text, cast, where no such array is at hand
+        b.pg_arrays = [(arr, "") if arr else ("text[]", f"::{plain}")
+                       for plain, arr in (tcols[c.name][4:6] for c in rel.columns)]
         b.set_always(frozenset(i for i, c in enumerate(rel.columns) if tcols[c.name][2] == "a"))
         sent = set(b.names)
         b.carry = [quote_ident(n) for n, col in tcols.items() if n not in sent and not col[3]]
@@ -324,80 +422,75 @@ class PostgresTarget(TargetBase):
 
     def insert(self, b: Binding, rows: Sequence[TupleData], lsn: LSN) -> None:
         """Insert rows (of transactions from the one finished at ``lsn``) by COPY, or a pipelined executemany."""
-        if b.convert and b.convert[0] is not bytes.decode:
+        text = b.convert[0] is bytes.decode if b.convert else True  # text mode (else binary mode)
+        if len(rows) <= 2 or not b.names or not (text or b.copy_binary):
+            # a couple of rows: INSERTs cost fewer round trips than a COPY (which needs columns, too)
             present = tuple(range(len(b.names)))
-            self.cur.executemany(b.insert_sql(present), [b.values(t, present) for t in rows])
+            self.cur.executemany(b.insert_sql(present), b.value_rows(rows, present))
             return
-        if len(rows) <= 2 or not b.names:  # COPY costs more round trips than a couple of INSERTs (and needs columns)
-            present = tuple(range(len(b.names)))
-            self.cur.executemany(b.insert_sql(present), [[None if v is None else v.decode() for v in t.values]
-                                                         for t in rows])
-            return
-        data = copy_data(t.values for t in rows)
+        data = copy_data(t.values for t in rows) if text else copy_binary(rows)
         if self._copy is None or self._copy[2] is not b:
-            cm = self.cur.copy(self._copy_sql(b))  # the cursor first settles a COPY into another table
-            self._copy = (cm, cm.__enter__(), b, lsn)
+            cm = self.cur.copy(self._copy_sql(b, text))  # the cursor first settles a COPY into another table
+            self._copy = (cm, cm.__enter__(), b, lsn, b"" if text else COPY_BINARY_TRAILER)
+            if not text:
+                self._copy[1].write(COPY_BINARY_HEADER)
         self._copy[1].write(data)
 
-    def _copy_sql(self, b: Binding) -> str:
-        sql = b._sql.get("COPY")
+    def _copy_sql(self, b: Binding, text: bool) -> str:
+        sql = b._sql.get(("COPY", text))
         if sql is None:
-            sql = b._sql["COPY"] = f"COPY {b.qtable} ({', '.join(b.qnames)}) FROM STDIN"
+            sql = b._sql[("COPY", text)] = (f"COPY {b.qtable} ({', '.join(b.qnames)}) FROM STDIN"
+                                            + ("" if text else " (FORMAT binary)"))
         return sql
 
-    def _stage(self, b: Binding, cols: tuple[int, ...], rows: Iterable[Sequence[bytes | None]]) -> str:
-        """COPY rows of the columns ``cols`` into a temporary table shaped like them; its name."""
-        name = b._sql.get(("STAGE", cols))
-        if name is None:
-            self._stages += 1
-            name = b._sql[("STAGE", cols)] = f"applier_stage_{self._stages}"
-        # IF NOT EXISTS: a rolled-back transaction takes the table it created with it
-        sql = b._sql.get(("STAGE-SQL", cols))
-        if sql is None:  # one round trip (simple query protocol: no parameters)
-            sql = b._sql[("STAGE-SQL", cols)] = (
-                f"SET LOCAL client_min_messages = warning; CREATE TEMP TABLE IF NOT EXISTS {name} ON COMMIT "
-                f"DELETE ROWS AS SELECT {', '.join(b.qnames[i] for i in cols)} FROM {b.qtable} WITH NO DATA; "
-                f"TRUNCATE {name}")
-        self.cur.execute(sql)
-        with self.cur.copy(f"COPY {name} FROM STDIN") as copy:
-            copy.write(copy_data(rows))
-        return name
-
     def _set_based(self, b: Binding, rows: Sequence[Any]) -> bool:
-        # temporary tables cannot be used in a transaction that will be prepared
-        return b.set_based and len(rows) >= 8 and not self.preparing
+        return b.set_based and len(rows) >= 8
 
     def update_rows(self, b: Binding, rows: Sequence[Any], lsn: LSN) -> int:
-        """Apply updates; a batch of keyed ones is staged by COPY and applied by one UPDATE per shape."""
+        """Apply updates; a batch of keyed ones goes as one UPDATE … FROM unnest(column arrays) per shape."""
         if not self._set_based(b, rows):
             return super().update_rows(b, rows, lsn)
         shapes: dict[tuple[int, ...], list[Any]] = {}
         for m in rows:  # the batch holds each key once (no key changes), so the order between keys is free
             shapes.setdefault(present_columns(m.new), []).append(m)
         key = b.key_idx
+        every = len(b.names)
         for cols, ms in shapes.items():
-            if len(cols) == len(b.names):
-                stage = self._stage(b, cols, [m.new.values for m in ms])
+            columns: list[Sequence[bytes | None]]
+            if len(cols) == every:
+                columns = list(zip(*[m.new.values for m in ms]))
             else:
-                stage = self._stage(b, cols, [[m.new.values[i] for i in cols] for m in ms])
-            sql = b._sql.get(("UPDATE-FROM", cols))
+                columns = [[m.new.values[i] for m in ms] for i in cols]
+            if any(k not in cols or None in columns[cols.index(k)] for k in key):
+                # a key not sent or NULL (found by IS NULL): row by row, its missing rows logged there
+                log_missing("UPDATE", b, super().update_rows(b, ms, lsn), lsn)
+                continue
+            sql = b._sql.get(("UPDATE-UNNEST", cols))
             if sql is None:
-                sets = ", ".join(f"{b.qnames[i]} = s.{b.qnames[i]}" for i in cols if i not in key)
-                where = " AND ".join(f"t.{b.qnames[k]} = s.{b.qnames[k]}" for k in key)
-                sql = b._sql[("UPDATE-FROM", cols)] = f"UPDATE {b.qtable} AS t SET {sets} FROM {stage} AS s WHERE {where}"
-            if all(i in key for i in cols):  # nothing but the key: the rows only need to exist
-                sql = f"SELECT 1 FROM {b.qtable} AS t JOIN {stage} AS s USING ({', '.join(b.qnames[k] for k in key)})"
-            self._send(sql, "UPDATE", b, len(ms), lsn)
+                sets = ", ".join(f"{b.qnames[i]} = {_element(b, i)}" for i in cols if i not in key)
+                sql = b._sql[("UPDATE-UNNEST", cols)] = (
+                    f"UPDATE {b.qtable} AS t SET {sets} FROM {_unnest(b, cols)} WHERE {_key_join(b)}" if sets
+                    # nothing but the key sent: the rows only need to exist
+                    else f"SELECT 1 FROM {b.qtable} AS t, {_unnest(b, cols)} WHERE {_key_join(b)}")
+            self._send(sql, [array_text(c) for c in columns], "UPDATE", b, len(ms), lsn)
         return 0  # rows not found are logged when the result is read
 
     def delete_rows(self, b: Binding, rows: Sequence[Any], lsn: LSN) -> int:
-        """Apply deletes; a batch of keyed ones is staged by COPY and applied by one DELETE."""
+        """Apply deletes; a batch of keyed ones goes as one DELETE of the keys given as arrays."""
         if not self._set_based(b, rows) or any(m.old_kind != "K" for m in rows):
             return super().delete_rows(b, rows, lsn)
         key = b.key_idx
-        stage = self._stage(b, tuple(key), [[m.old.values[k] for k in key] for m in rows])
-        where = " AND ".join(f"t.{b.qnames[k]} = s.{b.qnames[k]}" for k in key)
-        self._send(f"DELETE FROM {b.qtable} AS t USING {stage} AS s WHERE {where}", "DELETE", b, len(rows), lsn)
+        columns = [[m.old.values[k] for m in rows] for k in key]
+        if any(None in c for c in columns):  # a NULL key: found by IS NULL, row by row
+            return super().delete_rows(b, rows, lsn)
+        sql = b._sql.get("DELETE-UNNEST")
+        if sql is None:
+            k = key[0]
+            sql = b._sql["DELETE-UNNEST"] = (
+                f"DELETE FROM {b.qtable} WHERE {b.qnames[k]} = ANY($1::{b.pg_arrays[k][0]})"
+                if len(key) == 1 and not b.pg_arrays[k][1]
+                else f"DELETE FROM {b.qtable} AS t USING {_unnest(b, tuple(key))} WHERE {_key_join(b)}")
+        self._send(sql, [array_text(c) for c in columns], "DELETE", b, len(rows), lsn)
         return 0  # rows not found are logged when the result is read
 
     def truncate(self, bindings: Sequence[Binding], cascade: bool, restart_identity: bool) -> None:
@@ -410,10 +503,6 @@ class PostgresTarget(TargetBase):
         self.cur.execute(sql)
 
     # -- prepared transactions (see ``Target``): PREPARE TRANSACTION when ``native_prepare`` -----------
-
-    def set_preparing(self, on: bool) -> None:
-        """Whether the open transaction will be prepared (then no temporary tables: ``_set_based``)."""
-        self.preparing = on and self.native_prepare
 
     def is_prepared(self, xid: int, gid: str) -> bool:
         """Whether source transaction ``xid`` is prepared here (in pg_prepared_xacts, or kept in the table)."""

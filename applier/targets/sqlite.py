@@ -121,7 +121,7 @@ class SqliteTarget(TargetBase):
             j = i + 1
             while j < len(rows) and present_columns(rows[j]) == present:
                 j += 1
-            self.cur.executemany(b.insert_sql(present), [b.values(t, present) for t in rows[i:j]])
+            self.cur.executemany(b.insert_sql(present), b.value_rows(rows[i:j], present))
             i = j
 
     def truncate(self, bindings: Sequence[Binding], cascade: bool, restart_identity: bool) -> None:

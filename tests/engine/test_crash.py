@@ -49,7 +49,7 @@ from applier.embedded import Cluster, find_install
 from applier.lsn import LSN
 from tests.engine import workload as wl
 from tests.engine.conftest import NEWEST_PG, Target, applier_script, clean_env, make_cfg
-from tests.plugins.cli import toml_value
+from tests.plugins.cli import write_toml
 from tests.plugins.clusters import ScratchDb
 
 pytestmark = pytest.mark.parametrize("pg_install", [NEWEST_PG], indirect=True, ids=lambda v: f"pg{v}")
@@ -82,12 +82,7 @@ def write_config(path: Path, source: ScratchDb, target: Target, work_dir: Path) 
         "target": {"url": target.url},
         "apply": {"work_dir": str(work_dir), "retry_initial": 0.1, "retry_max": 1.0, "on_error": "stop"},
     }
-    lines = []
-    for name, body in sections.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {toml_value(v)}" for k, v in body.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_toml(path, sections)
 
 
 def setup(source: ScratchDb, target: Target, tmp_path: Path) -> tuple[Path, Any]:

@@ -18,8 +18,9 @@ def applier_script() -> str:
 
 
 def clean_env() -> dict[str, str]:
-    """The environment for an applier subprocess, without APPLIER_* variables that would override the file."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_")}
+    """The environment for an applier subprocess, without APPLIER_* variables that would override the file
+    (APPLIER_PURE_PYTHON, which picks the row path and is no config value, is kept)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_") or k == "APPLIER_PURE_PYTHON"}
 
 
 def toml_value(v: Any) -> str:
@@ -35,3 +36,13 @@ def toml_value(v: Any) -> str:
     if isinstance(v, dict):
         return "{" + ", ".join(f"{toml_value(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(v)
+
+
+def write_toml(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
+    """Write a config file of ``sections`` (section name -> keys and values); returns ``path``."""
+    lines = []
+    for name, body in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in body.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import struct
 
-from applier.decoder.framing import Keepalive, XLogData
-from applier.decoder.messages import Insert
+from applier.decoder.messages import Insert, Keepalive, XLogData
 from applier.lsn import LSN
 from applier.source.chunks import ChunkReader
 from applier.source.recorded import RecordedSource, RecordWriter

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from applier.decoder.framing import Keepalive, XLogData
+from applier.decoder.messages import Keepalive, XLogData
 from applier.lsn import LSN
 from applier.source.base import SourceError
 from applier.source.recorded import RecordedSource, RecordWriter

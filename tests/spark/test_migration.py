@@ -23,7 +23,7 @@ import psycopg
 import pytest
 from typer.testing import CliRunner
 
-from applier.cli.main import app
+from applier.cli.app import app
 from tests.plugins.clusters import ScratchDb
 
 pytest.importorskip("pyspark")

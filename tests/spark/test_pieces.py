@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from applier.decoder.framing import Keepalive, XLogData  # noqa: E402
+from applier.decoder.messages import Keepalive, XLogData  # noqa: E402
 from applier.lsn import LSN  # noqa: E402
 from applier.migrate.schema import (  # noqa: E402
     SourceColumn,

@@ -64,7 +64,7 @@ from typing import Any
 
 from applier.admin import check_source, check_target, read_progress
 from applier.config import Config, ConfigError
-from applier.decoder.framing import Keepalive, XLogData
+from applier.decoder.messages import Keepalive, XLogData
 from applier.engine.runner import Runner
 from applier.lsn import LSN
 from applier.migrate.spark.session import spark_for

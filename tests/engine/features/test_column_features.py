@@ -181,6 +181,39 @@ def test_errors_show_the_key_readably_in_binary_mode(rig: Rig) -> None:
     assert "INSERT on table public.t2 (key (id, b, d)=(8, \\x00, 1999-12-31))" in str(err.value), err.value
 
 
+@pytest.mark.parametrize("target_kind", ["postgresql"], indirect=True)
+def test_binary_mode_inserts_by_copy_keep_every_value(rig: Rig) -> None:
+    """Binary mode, PostgreSQL target: a batch of inserts goes by COPY (FORMAT binary) when every column has the
+    source's built-in type on the target, by INSERT otherwise (a wider column here); both store what the source
+    holds, extremes and NULLs included, and the COPY is really used."""
+    cols = ("id int PRIMARY KEY, i2 int2, i8 int8, n numeric, f4 float4, f8 float8, b bool, t text, c char(5), "
+            "by bytea, d date, ts timestamp, tz timestamptz, iv interval, u uuid, j jsonb, a int[], ta text[], "
+            "m money, bt bit(3)")
+    rig.both(f"CREATE TABLE same ({cols})")
+    rig.src("CREATE TABLE wider (id int PRIMARY KEY, v int4)")
+    rig.tgt_script("CREATE TABLE wider (id int PRIMARY KEY, v int8)")
+    # statements that insert into each table, counted on the target (a COPY is one, an executemany one per row)
+    rig.tgt_script("CREATE TABLE stmts (tbl text); CREATE FUNCTION count_stmt() RETURNS trigger LANGUAGE plpgsql "
+                   "AS $$BEGIN INSERT INTO stmts VALUES (TG_TABLE_NAME); RETURN NULL; END$$; "
+                   + "".join(f"CREATE TRIGGER s AFTER INSERT ON {t} FOR EACH STATEMENT EXECUTE FUNCTION count_stmt();"
+                             f"ALTER TABLE {t} ENABLE ALWAYS TRIGGER s;" for t in ("same", "wider")))
+    rig.publish("same", "wider")
+    rig.init(source_binary=True)
+    rig.src("INSERT INTO same SELECT g, -32768 + g, 9223372036854775807 - g, 'NaN'::numeric + 0 * g, 'Infinity', "
+            "g / 7.0, g % 2 = 0, E'tab\there \\ ' || g, 'ab', '\\x00ff', '4713-01-01 BC'::date + g, "
+            "'infinity', '2024-02-29 23:59:59.999999+05', '1 mon -2 days 03:04:05', gen_random_uuid(), "
+            "'{\"k\": [1, null]}', ARRAY[g, NULL], ARRAY['a,b', NULL, '\"'], g * 1.25, '101' "
+            "FROM generate_series(1, 40) g")
+    rig.src("INSERT INTO same (id) SELECT g FROM generate_series(41, 45) g")  # every other column NULL
+    rig.src("INSERT INTO wider SELECT g, -g FROM generate_series(1, 20) g")
+    rig.catchup(source_binary=True)
+    query = "SELECT same::text FROM same ORDER BY id"
+    assert rig.tgt(query) == rig.src(query) and len(rig.tgt(query)) == 45
+    assert rig.tgt("SELECT count(*), sum(v) FROM wider") == [(20, -210)]
+    counts = dict(rig.tgt("SELECT tbl, count(*) FROM stmts GROUP BY tbl"))
+    assert counts["same"] <= 2 and counts["wider"] == 20, counts  # COPY for one, INSERTs for the other
+
+
 @pytest.mark.parametrize("target_kind", ["sqlite"], indirect=True)
 def test_money_in_binary_mode_arrives_as_the_source_prints_it(rig: Rig) -> None:
     """Binary mode sends money as an integer count of cents (of the source's lc_monetary); SQLite gets the text

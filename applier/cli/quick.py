@@ -1,0 +1,143 @@
+"""``applier catchup`` and ``applier run`` without typer: the apply commands' body, and a short way in to it.
+
+Why: typer builds a pydantic validator for every option of the command it runs; importing typer
+and pydantic and building those costs ~70 ms, near a third of a one-shot catch-up's start when
+there is nothing to apply (bench/startup.py). ``parse`` recognizes the plain command lines of the two apply commands; the
+``applier`` entry point (``applier.cli.main``) runs those here and hands every other command line
+to the typer app, which defines the command line.
+
+Invariants:
+- ``parse`` accepts only what the typer app reads the same way: ``[-v|--verbose] catchup|run``
+  followed by ``--option VALUE`` / ``--option=VALUE`` / ``-c VALUE`` / ``-p VALUE`` pairs of the
+  shared options (``applier.cli.guard``'s names), each given once except ``--publication``, each
+  value non-empty and not starting with ``-``. Anything else (``--help``, an unknown option, a
+  missing value, another command) is None: typer parses it, and prints its usage errors.
+- Both ways in run ``apply`` with the same values through ``guard.run_guarded``: the same output,
+  the same one-line errors, the same exit codes.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from applier.cli.guard import (
+    CONFIG,
+    DSN,
+    PUBLICATION,
+    SLOT,
+    TARGET,
+    VERBOSE,
+    echo,
+    make_config,
+    run_guarded,
+    setup_logging,
+)
+
+COMMANDS = ("catchup", "run")
+# option name -> the apply function's parameter
+OPTIONS = {name: param for names, param in ((CONFIG, "config"), (DSN, "dsn"), (SLOT, "slot"),
+                                             (PUBLICATION, "publication"), (TARGET, "target"))
+            for name in names}
+_REPEATABLE = frozenset(("publication",))
+
+
+class Call(NamedTuple):
+    """A recognized command line: ``applier [-v] catchup|run OPTIONS``."""
+
+    verbose: bool
+    catchup: bool
+    options: dict[str, Any]  # apply's keyword arguments that were given
+
+
+def parse(argv: list[str]) -> Call | None:
+    """The apply command ``argv`` (without the program name) asks for, or None to let typer parse it."""
+    verbose = False
+    rest = list(argv)
+    if rest and rest[0] in VERBOSE:
+        verbose = True
+        rest.pop(0)
+    if not rest or rest[0] not in COMMANDS:
+        return None
+    command = rest.pop(0)
+    options: dict[str, Any] = {}
+    while rest:
+        name, eq, value = rest.pop(0).partition("=")
+        if not name.startswith("--") and eq:  # -c=x: click reads "=x" as the value
+            return None
+        if not eq:
+            if not rest:
+                return None
+            value = rest.pop(0)
+        param = OPTIONS.get(name)
+        if param is None or not value or value.startswith("-"):
+            return None
+        if param in _REPEATABLE:
+            options.setdefault(param, []).append(value)
+        elif param in options:
+            return None
+        else:
+            options[param] = Path(value) if param == "config" else value
+    return Call(verbose, command == "catchup", options)
+
+
+def run(call: Call) -> None:
+    """Run a recognized command line as the typer app would (``-v`` sets up logging first)."""
+    setup_logging(call.verbose)
+    try:
+        run_guarded(apply, call.catchup, **call.options)
+    except OSError as exc:  # as click does: a closed stdout (`applier catchup | head -0`) is exit 1, quietly
+        if exc.errno != errno.EPIPE:
+            raise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise SystemExit(1) from None
+
+
+def apply(catchup: bool, config: Path | None = None, dsn: str | None = None, slot: str | None = None,
+          publication: list[str] | None = None, target: str | None = None) -> None:
+    """``applier catchup`` (``catchup``) or ``applier run``: check, apply, print the summary line."""
+    # here, not at the top: start-up time (`applier --help` and the other commands do not load the engine)
+    from applier.admin import check_source, check_target
+    from applier.engine.heartbeat import Bar, Heartbeat
+    from applier.engine.runner import Runner
+
+    cfg = make_config(config, dsn, slot, publication, target)
+    check_source(cfg)
+    check_target(cfg)
+    stop = threading.Event()
+    if not catchup:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    tune_gc()
+    # catchup on a terminal: a bar instead of progress lines (the runner logs lines otherwise)
+    bar = Bar() if catchup and cfg.apply["heartbeat_interval"] > 0 and sys.stderr.isatty() else None
+    runner = Runner(cfg, catchup=catchup, stop=stop,
+                    heartbeat=Heartbeat(Bar.EVERY, bar.show) if bar is not None else None)
+    complete = False
+    try:
+        summary = runner.run()
+        complete = True
+    finally:
+        if bar is not None:
+            bar.close(complete)
+    echo(summary.line())
+
+
+def tune_gc() -> None:
+    """Collect rarely while applying: every change allocates a few tuples, none of them in a cycle.
+
+    With the default threshold (700) the collector walks the frames waiting in the
+    receive queue thousands of times a second, a third of decoding's time; start-up
+    objects are frozen so that no collection walks them again. Frozen without a
+    collection first: that walk (~10 ms, as long as a connection) would free a few
+    dozen objects the imports left in cycles.
+    """
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 1000)
