@@ -12,7 +12,8 @@ Invariants:
 - a chunk holds at most ``chunk`` frames and ends once it carries ``chunk_bytes``
   of payload, so wide rows cannot fill memory: at most one chunk is in hand;
 - ``read_chunk`` waits at most ``timeout`` seconds for a chunk's first frame,
-  never for the rest.
+  never for the rest; ``drained`` says whether the chunk ended because nothing
+  more had arrived (rather than at its size limits).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class ChunkReader:
         self.chunk = chunk
         self.chunk_bytes = chunk_bytes
         self._decode = Decoder().decode
+        self.drained = False  # the last chunk took everything that had arrived
 
     @property
     def exhausted(self) -> bool:
@@ -53,6 +55,7 @@ class ChunkReader:
         buf: list[Item] = []
         size = 0
         limit, most = self.chunk_bytes, self.chunk
+        self.drained = False
         while frame is not None:
             if type(frame) is XLogData:
                 payload = frame.payload
@@ -65,6 +68,8 @@ class ChunkReader:
             if len(buf) >= most:
                 break
             frame = read(0.0)
+        else:
+            self.drained = True
         return buf
 
     def confirm(self, lsn: LSN) -> None:

@@ -48,3 +48,18 @@ def test_chunks_are_bounded_in_bytes_and_frames_arrive_in_order(tmp_path) -> Non
     assert len(got) == n
     # 512 frames per chunk would be 512 MB here: a chunk ends at 8 MB (the frame that crosses it included)
     assert max(sizes) <= (8 << 20) + insert_payload(0).__len__() and len([s for s in sizes if s]) >= 5
+
+
+def test_drained_says_whether_a_chunk_took_everything_that_had_arrived(tmp_path) -> None:
+    path = tmp_path / "small.rec"
+    with RecordWriter(path, {"slot": "s", "server_version": 150000, "options": {}}) as w:
+        for i in range(5):
+            w.write(XLogData(LSN(i + 1), LSN(i + 1), 0, b"B" + bytes(20)))
+    reader = ChunkReader(RecordedSource(path), chunk=3)
+    try:
+        first = reader.read_chunk(0.1)
+        assert first is not None and len(first) == 3 and not reader.drained  # ended at its frame limit
+        rest = reader.read_chunk(0.1)
+        assert rest is not None and len(rest) == 2 and reader.drained  # took the rest: nothing more had arrived
+    finally:
+        reader.close()
