@@ -48,6 +48,7 @@ import _clusters as C
 from _workloads import ALL, DB, W7, Workload, make
 from psycopg import sql
 
+from applier._cmodule import IMPLEMENTATION
 from applier.admin import init
 from applier.config import load_config
 from applier.embedded import Cluster, find_install
@@ -163,8 +164,7 @@ def code_identity() -> dict[str, Any]:
     out["git_head"] = git("rev-parse", "HEAD").strip() or None
     out["uncommitted"] = [ln[3:] for ln in git("status", "--porcelain", "--", "applier", "migrations").splitlines()]
     # which row path the applier processes run (applier._cmodule; APPLIER_PURE_PYTHON=1 asks for the pure one)
-    out["row_path"] = subprocess.run([sys.executable, "-c", "import applier._cmodule as c; print(c.IMPLEMENTATION)"],
-                                     capture_output=True, text=True, timeout=60).stdout.strip() or None
+    out["row_path"] = IMPLEMENTATION
     return out
 
 

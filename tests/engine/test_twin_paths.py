@@ -16,6 +16,7 @@ import random
 import re
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ def test_both_row_paths_apply_the_same_stream_alike(source_db: ScratchDb, target
     seed = int(os.environ.get("APPLIER_TEST_SEED") or random.randrange(2**32))
     where = f"[seed {seed}, target {target.kind}]"
     source_db.cluster.execute(wl.source_ddl(), source_db.dbname)
-    with scratch_db(target.db.cluster, "tgt") if target.db is not None else _no_db() as other:
+    with scratch_db(target.db.cluster, "tgt") if target.db is not None else nullcontext() as other:
         targets = {"compiled": target,
                    "pure": Target("pg", other.url, db=other) if other is not None
                    else Target("sqlite", f"sqlite:///{tmp_path / 'pure.db'}", path=tmp_path / "pure.db")}
@@ -106,12 +107,3 @@ def test_both_row_paths_apply_the_same_stream_alike(source_db: ScratchDb, target
         finally:
             work.close()
 
-
-class _no_db:
-    """``scratch_db``'s stand-in for a SQLite target: no second database."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
