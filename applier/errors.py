@@ -5,6 +5,8 @@ Invariant: each names what is wrong and where; none carries a secret.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class ApplyError(RuntimeError):
     """A change could not be applied; the message names operation, table, key and LSN."""
@@ -16,3 +18,22 @@ class InUseError(RuntimeError):
     Not transient for a command that should end (``catchup``, ``sync``, a second ``run`` on one target):
     the message names the holder, so an operator can tell which process to stop.
     """
+
+
+class MissingTable(ApplyError):
+    """The target table of a source relation does not exist (the message names both and the LSN; ``table`` is
+    the target table's name as people read it)."""
+
+    def __init__(self, message: str, table: str) -> None:
+        super().__init__(message)
+        self.table = table
+
+
+class TableWait(Exception):  # noqa: N818 - not an error: the change waits
+    """A change to a table that is joining the stream (``applier sync --table``, ``applier_sync_tables``) cannot be
+    placed yet: the session ends (rolled back, as a crash would), ``changed()`` is polled until it is True, and a
+    new session starts from the recorded position. Not a failure: no backoff, no retry count."""
+
+    def __init__(self, message: str, changed: Callable[[], bool]) -> None:
+        super().__init__(message)
+        self.changed = changed

@@ -1,4 +1,4 @@
-"""Benchmark: the copy of ``applier sync`` (Spark, 1, 2 and 4 partitions) against ``pg_dump | psql``.
+"""Benchmark: the copy of ``applier sync`` (Spark, 1, 2, 4 and 8 partitions) against ``pg_dump | psql``.
 
 Starts its own source and target clusters (the same PostgreSQL install; its own
 ``pg_dump`` and ``psql``), loads the same two tables into the source once
@@ -8,17 +8,22 @@ after the other, into a fresh target database each time:
 1. reference: ``pg_dump --data-only -t orders -t wide SRC | psql -q TGT`` into
    tables created beforehand from ``pg_dump --schema-only`` (untimed); wall
    time of the pipeline;
-2. applier: ``applier.migrate.sync.sync`` with ``spark.partitions`` = 1, 2, 4 (local
-   master, ``--master``); the copy time is from the start of the first table's
-   Spark job to the end of the last one (``SyncResult.copy_seconds``: slot and
-   table creation, the catalog reads and the final commit are outside it; the
-   whole ``sync`` call is reported too). A small sync runs first so that the
-   JVM and the Python workers are warm.
+2. applier: ``applier.migrate.sync.sync`` with ``spark.partitions`` = 1, 2, 4, 8
+   (local master, ``--master``); the copy time is from the start of the first
+   table's Spark job to the end of the last one (``SyncResult.copy_seconds``:
+   slot and table creation, the catalog reads and the final commit are outside
+   it; the whole ``sync`` call is reported too). The bench's tables are all of
+   built-in types, so they go in binary COPY; one more run at 1 partition forces
+   text (``binary_safe`` patched to say no) to compare the two formats. A small
+   sync runs first so that the JVM and the Python workers are warm.
+3. SQLite target: the same ``sync`` into a fresh SQLite file, at each partition
+   count (the driver's readers and its one writer; no Spark).
 
 Each timed copy is checked: the target's row counts equal the source's.
 Rates are rows/s and MB/s of PostgreSQL's text output (the COPY size of the
 source tables); **ratio = applier rows/s ÷ pg_dump|psql rows/s** of the same
-run. Prints a table and writes bench/results/sync.json.
+run; **scaling** = the 1-partition copy time ÷ this one's. Prints a table, the
+goals (PASS/FAIL) and writes bench/results/sync.json (``--out``).
 
     python bench/sync.py                       # PostgreSQL 18, 1,000,000 rows, local[*]
     python bench/sync.py --rows 200000 --partitions 1,2 --repeat 2
@@ -28,9 +33,11 @@ run. Prints a table and writes bench/results/sync.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -42,6 +49,7 @@ import psycopg
 
 from applier.config import load_config
 from applier.embedded import Cluster, find_install
+from applier.migrate.spark import copy as spark_copy
 
 TABLES = ("orders", "wide")
 SCHEMA = """
@@ -72,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     p.add_argument("--pg", type=int, default=None, help="PostgreSQL major version (default: the newest installed)")
     p.add_argument("--rows", type=int, default=1_000_000, help="rows in all, 70%% orders and 30%% wide (default 1000000)")
-    p.add_argument("--partitions", default="1,2,4", help="Spark partitions per table to measure (default 1,2,4)")
+    p.add_argument("--partitions", default="1,2,4,8", help="Spark partitions per table to measure (default 1,2,4,8)")
     p.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
     p.add_argument("--repeat", type=int, default=1, help="timed runs of each side; the best counts (default 1)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "sync.json",
@@ -80,8 +88,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+GOAL_RATIO_1 = 0.9  # 1 partition: at least this × pg_dump | psql
+GOAL_SQLITE_ROWS_S = 150_000  # SQLite target: the copy's rows/s
+
+
 def counts(cluster: Cluster, db: str) -> dict[str, int]:
     return {t: cluster.execute(f"SELECT count(*) FROM {t}", db)[0][0] for t in TABLES}
+
+
+def sqlite_counts(path: Path) -> dict[str, int]:
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        return {t: db.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in TABLES}
 
 
 def copy_bytes(cluster: Cluster, db: str) -> int:
@@ -113,19 +130,43 @@ def run_pg_dump(src: Cluster, tgt: Cluster, install: Any, db: str) -> float:
     return time.monotonic() - started
 
 
-def run_sync(src: Cluster, tgt: Cluster, db: str, partitions: int, master: str, spark: Any, work: Path,
-             slot: str) -> tuple[float, float]:
-    """One applier sync into database ``db``; (copy seconds, whole sync seconds)."""
+def run_sync(src: Cluster, target_url: str, partitions: int, master: str, spark: Any, work: Path,
+             slot: str) -> tuple[float, float, list[str]]:
+    """One applier sync into ``target_url``; (copy seconds, whole sync seconds, the tables' COPY formats)."""
     from applier.migrate.sync import sync
 
     cfg = load_config(None, {"source.dsn": src.dsn("src"), "source.slot": slot, "source.publications": ["bench_pub"],
-                             "target.url": tgt.url(db), "apply.work_dir": str(work), "spark.master": master,
+                             "target.url": target_url, "apply.work_dir": str(work), "spark.master": master,
                              "spark.partitions": partitions}, env={})
     started = time.monotonic()
     res = sync(cfg, spark=spark)
     whole = time.monotonic() - started
     src.execute("SELECT pg_drop_replication_slot(%s)", "src", [slot])
-    return res.copy_seconds, whole
+    return res.copy_seconds, whole, sorted({str(t.copy_format) for t in res.tables})
+
+
+def goal_lines(results: dict[str, Any], parts: list[int]) -> list[str]:
+    """The issue's goals, PASS/FAIL, on this run's figures."""
+    def name(kind: str, p: int) -> str:
+        return f"{kind} {p} partition{'s' if p > 1 else ''}"
+
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "FAIL"
+
+    out = []
+    first = results.get(name("applier", 1))
+    if first:
+        out.append(f"{verdict(first['ratio'] >= GOAL_RATIO_1)}  PostgreSQL, 1 partition >= {GOAL_RATIO_1} x "
+                   f"pg_dump | psql: {first['ratio']:.2f}")
+        slower = [f"{p}: {results[name('applier', p)]['scaling']:.2f}x" for p in parts if p > 1]
+        worst = min((results[name("applier", p)]["scaling"] for p in parts if p > 1), default=1.0)
+        out.append(f"{verdict(worst >= 1.0)}  PostgreSQL, more partitions never slower than 1 "
+                   f"(speed-up over 1 partition, {', '.join(slower) or 'none measured'})")
+    sqlite = [(p, results[name("SQLite", p)]["rows_per_s"]) for p in parts]
+    if sqlite:
+        out.append(f"{verdict(min(r for _, r in sqlite) >= GOAL_SQLITE_ROWS_S)}  SQLite target >= "
+                   f"{GOAL_SQLITE_ROWS_S:,} rows/s: " + ", ".join(f"{p} partitions {r:,.0f}" for p, r in sqlite))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,32 +218,70 @@ def main(argv: list[str] | None = None) -> int:
             tgt.drop_database(db)
         ref = min(ref_runs)
         results["pg_dump|psql"] = {"seconds": ref, "runs_s": ref_runs}
-        for p in parts:
+
+        def pg_target() -> tuple[str, Any, Any]:
+            """A fresh target database: (URL, its row counts, drop it)."""
+            db = fresh_db()
+            return tgt.url(db), lambda: counts(tgt, db), lambda: tgt.drop_database(db)
+
+        def sqlite_target() -> tuple[str, Any, Any]:
+            """A fresh SQLite file: (URL, its row counts, remove it)."""
+            nonlocal n
+            n += 1
+            path = work / f"replica-{n}.db"
+
+            def drop() -> None:
+                for f in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+                    f.unlink(missing_ok=True)
+            return f"sqlite:///{path}", lambda: sqlite_counts(path), drop
+
+        def measure(label: str, p: int, target: Any, copy_format: str | None) -> None:
             runs, wholes = [], []
             for _ in range(args.repeat):
-                db = fresh_db()
-                copy_s, whole_s = run_sync(src, tgt, db, p, args.master, spark, work, f"bench_{n}")
-                assert counts(tgt, db) == want, f"sync copied {counts(tgt, db)}, want {want}"
-                tgt.drop_database(db)
+                url, check, drop = target()
+                copy_s, whole_s, used = run_sync(src, url, p, args.master, spark, work, f"bench_{n}")
+                assert check() == want, f"sync copied {check()}, want {want}"
+                assert used == [str(copy_format)], f"COPY formats {used}, want {copy_format}"
+                drop()
                 runs.append(copy_s)
                 wholes.append(whole_s)
-            results[f"applier {p} partition{'s' if p > 1 else ''}"] = {
-                "partitions": p, "seconds": min(runs), "runs_s": runs, "sync_seconds": min(wholes)}
+            results[label] = {"partitions": p, "seconds": min(runs), "runs_s": runs, "sync_seconds": min(wholes)}
+
+        for p in parts:
+            measure(f"applier {p} partition{'s' if p > 1 else ''}", p, pg_target, "binary")
+        binary_safe = spark_copy.binary_safe
+        spark_copy.binary_safe = lambda *a: False  # the text format, to compare
+        try:
+            measure(f"applier {parts[0]} partition{'s' if parts[0] > 1 else ''}, text", parts[0], pg_target, "text")
+        finally:
+            spark_copy.binary_safe = binary_safe
+        for p in parts:
+            measure(f"SQLite {p} partition{'s' if p > 1 else ''}", p, sqlite_target, None)
         spark.stop()
 
     rows = sum(want.values())
     print(f"\ncopy of {rows:,} rows, {nbytes / 1e6:,.1f} MB of COPY text (PostgreSQL {install.version} -> "
-          f"PostgreSQL {install.version}, Spark {args.master}, {os.cpu_count()} CPUs, load average "
+          f"PostgreSQL {install.version} or SQLite, Spark {args.master}, {os.cpu_count()} CPUs, load average "
           f"{load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end)\n")
-    print(f"{'':28} {'seconds':>8} {'rows/s':>10} {'MB/s':>7} {'ratio':>6}   whole sync")
+    print(f"{'':28} {'seconds':>8} {'rows/s':>10} {'MB/s':>7} {'ratio':>6} {'scaling':>8}   whole sync")
+    one = {kind: next((r["seconds"] for name, r in results.items() if name.startswith(kind)
+                       and r.get("partitions") == parts[0] and "text" not in name), None)
+           for kind in ("applier", "SQLite")}
     for name, r in results.items():
         r["rows_per_s"] = rows / r["seconds"]
         r["mb_per_s"] = nbytes / 1e6 / r["seconds"]
         r["ratio"] = ref / r["seconds"]
+        base = one.get(name.split(" ", 1)[0]) if "partitions" in r and "text" not in name else None
+        if base:
+            r["scaling"] = base / r["seconds"]
         whole = f"{r['sync_seconds']:.1f}s" if "sync_seconds" in r else ""
-        print(f"{name:28} {r['seconds']:8.1f} {r['rows_per_s']:10,.0f} {r['mb_per_s']:7.1f} {r['ratio']:6.2f}   {whole}")
+        scaling = f"{r['scaling']:7.2f}x" if "scaling" in r else ""
+        print(f"{name:28} {r['seconds']:8.1f} {r['rows_per_s']:10,.0f} {r['mb_per_s']:7.1f} {r['ratio']:6.2f} "
+              f"{scaling:>8}   {whole}")
+    goals = goal_lines(results, parts)
+    print("\n" + "\n".join(goals))
     out = {"pg_version": install.version, "rows": rows, "tables": sizes, "copy_bytes": nbytes,
-           "master": args.master, "results": results, "python": platform.python_version(),
+           "master": args.master, "results": results, "goals": goals, "python": platform.python_version(),
            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
            "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Commands of the migration workflow on Spark: sync and verify (registered on import)."""
+"""Commands of the migration workflow on Spark: sync, verify and cutover (registered on import)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,14 @@ def sync(
     force: Annotated[bool, typer.Option("--force", help="Copy again even after a completed sync, or into target "
                                         "tables that hold rows (they are emptied first).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
+    table: Annotated[list[str] | None, typer.Option(
+        "--table", "-t", help="Copy just this published table (schema.name; repeatable) at a new snapshot and join "
+        "it to the running replica (after a completed sync; `applier run` may keep running).")] = None,
 ) -> None:
     """Initial copy: slot with a snapshot, target tables, every published table copied with Spark.
+
+    With --table: a table added to the publication later is copied at a fresh snapshot and joined to the
+    stream; its changes committed before that snapshot are skipped by the apply engine, later ones applied.
 
     The slot's consistent point is recorded as the applied position, so that `run` / `catchup` continue
     right after the copy. A sync that was interrupted is restarted by running it again (it says so).
@@ -46,21 +52,31 @@ def sync(
       applier sync -c applier.toml
 
       applier sync -c applier.toml --master spark://spark-master:7077 --partitions 16
+
+      applier sync -c applier.toml --table public.orders --table sales.items
     """
     # here, not at the top: start-up time (only sync/verify load alembic/SQLAlchemy and pyspark)
+    from applier.migrate.add_table import sync_tables
     from applier.migrate.spark.progress import open_reporter
     from applier.migrate.sync import sync as do_sync
 
     def go() -> None:
         cfg = _config(config, dsn, slot, publication, target, master, partitions)
         reporter = open_reporter("copy", quiet)
-        res = do_sync(cfg, force=force, reporter=reporter, say=reporter.say)
+        if table:
+            res = sync_tables(cfg, table, force=force, reporter=reporter, say=reporter.say)
+        else:
+            res = do_sync(cfg, force=force, reporter=reporter, say=reporter.say)
         for t in res.tables:
             rate = t.rows / t.seconds if t.seconds else 0.0
             typer.echo(f"{t.table}: {t.rows:,} rows, {t.nbytes / 1e6:,.1f} MB in {t.seconds:.1f}s "
                        f"({rate:,.0f} rows/s, {t.partitions} partitions)")
-        typer.echo(f"synced {res.rows:,} rows in {len(res.tables)} tables in {res.copy_seconds:.1f}s; "
-                   f"slot {res.slot!r}, target at {res.consistent_point}")
+        if table:
+            typer.echo(f"synced {res.rows:,} rows in {len(res.tables)} tables in {res.copy_seconds:.1f}s; "
+                       f"joined to the stream at {res.consistent_point}")
+        else:
+            typer.echo(f"synced {res.rows:,} rows in {len(res.tables)} tables in {res.copy_seconds:.1f}s; "
+                       f"slot {res.slot!r}, target at {res.consistent_point}")
 
     run_guarded(go)
 
@@ -95,6 +111,51 @@ def verify(
     report = run_guarded(go)
     if report is None:
         fail("verify did not run")
+    if as_json:
+        typer.echo(json.dumps(report.as_json(), ensure_ascii=False, default=str))
+    else:
+        for line in report.lines():
+            typer.echo(line)
+    sys.stdout.flush()
+    raise typer.Exit(report.status)
+
+
+@app.command()
+def cutover(
+    config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publication: PubOpt = None,
+    target: TargetOpt = None, master: MasterOpt = None, partitions: PartsOpt = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Catch up until no published change is pending (or wait for "
+                                       "`applier run` to reach the source's position) instead of refusing while "
+                                       "writers are active.")] = False,
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Give up waiting after this many seconds.")]
+    = None,
+    margin: Annotated[int, typer.Option("--sequence-margin", min=0, help="Set every target sequence this many "
+                                        "increments past the source's value.")] = 0,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help="Do not run verify at the end.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """The cut-over: catch up to the source's position, set the target's sequences past the source's, verify.
+
+    Stop the writers first. Without --wait, published changes still arriving (writers active) are refused with
+    the lag, nothing changed. Exit 0 only if every sequence is set and verify agrees; 1 if a sequence could not
+    be set or verify found a difference (both named); 2 if refused or verify could not compare.
+
+    Examples:
+
+      applier cutover -c applier.toml
+
+      applier cutover -c applier.toml --wait --timeout 600 --sequence-margin 1000 --json > cutover.json
+    """
+    # here, not at the top: start-up time (only sync/verify/cutover load alembic/SQLAlchemy and pyspark)
+    from applier.migrate.cutover import cutover as do_cutover
+
+    def go() -> Any:
+        cfg = _config(config, dsn, slot, publication, target, master, partitions)
+        return do_cutover(cfg, wait=wait, timeout=timeout, sequence_margin=margin, verify=not no_verify, say=_say)
+
+    report = run_guarded(go)
+    if report is None:
+        fail("cutover did not run")
     if as_json:
         typer.echo(json.dumps(report.as_json(), ensure_ascii=False, default=str))
     else:

@@ -15,6 +15,18 @@ Invariants:
 - nothing is confirmed here: the runner confirms ``target.durable_lsn()``;
 - on any error the open target transaction is rolled back whole and an
   ``ApplyError`` names the operation, table, key, transaction and LSN.
+
+Tables joining the stream (``applier sync --table``, ``applier.migrate.add_table``): a table with an
+``applier_sync_tables`` row is copied at a snapshot whose consistent point S splits its changes as the
+full sync's consistent point does: those of source transactions committed before S (commit LSN, as
+``Begin.final_lsn`` / ``StreamCommit.commit_lsn``) are in the copy and skipped, the others applied. The
+row is read when the table is bound, never per change (``RelationMap.gated``), and ``held`` decides:
+'init' (no S yet) waits; 'copying' skips L < S and waits for L >= S; 'ready' skips L < S and applies
+L >= S. A prepared transaction applied at PREPARE (its commit LSN unknown) that touches such a table
+before it is ready-and-past-S waits too. *Waiting* is ``TableWait``: the runner ends the session
+(rolling back the open group, as a crash would) and starts again once the row changes. A table with
+neither a target table nor a row waits under ``applier run`` (``wait_for_tables``) and is an error
+naming ``applier sync --table`` otherwise.
 """
 
 from __future__ import annotations
@@ -53,9 +65,9 @@ from applier.decoder.pgoutput import decode_message
 from applier.engine.batch import Batch
 from applier.engine.relation import RawMessage, RelationMap
 from applier.engine.spool import Spool, SpoolSet, records
-from applier.errors import ApplyError
+from applier.errors import ApplyError, MissingTable, TableWait
 from applier.lsn import LSN
-from applier.targets.base import Binding, Target, describe_values, log_missing, source_name
+from applier.targets.base import Binding, Join, Target, describe_values, log_missing, source_name
 from applier.text import one_line
 
 log = logging.getLogger("applier.engine")
@@ -88,7 +100,7 @@ class Skip(enum.Enum):
 class SourceTxn:
     """The source transaction being applied."""
 
-    __slots__ = ("xid", "final_lsn", "skip", "origin", "spool")
+    __slots__ = ("xid", "final_lsn", "skip", "origin", "spool", "prepared")
 
     def __init__(self, xid: int, final_lsn: LSN, skip: Skip | None) -> None:
         self.xid = xid
@@ -96,6 +108,7 @@ class SourceTxn:
         self.skip = skip
         self.origin: str | None = None
         self.spool: Spool | None = None  # a prepared transaction kept in the target's table: its changes
+        self.prepared = False  # being prepared: ``final_lsn`` is its PREPARE's, its commit LSN is not known yet
 
 
 class ApplyEngine:
@@ -103,8 +116,11 @@ class ApplyEngine:
 
     def __init__(self, target: Target, *, applied: LSN, skip_lsn: LSN | None = None, work_dir: Path,
                  skip_origins: Sequence[str] = (), group_delay: float = 0.2, group_rows: int = 20000,
-                 careful: bool = False, binary: bool = False) -> None:
+                 careful: bool = False, binary: bool = False, wait_for_tables: bool = False) -> None:
         self.target = target
+        # a published table with neither a target table nor an applier_sync_tables row: wait (TableWait) for
+        # `applier sync --table` (the daemon), or fail naming it
+        self.wait_for_tables = wait_for_tables
         self.applied = applied
         self.skip_lsn = skip_lsn
         self.skip_origins = frozenset(skip_origins)
@@ -296,8 +312,62 @@ class ApplyEngine:
         self.relmap.add_type(m, self.raw_message)
 
     def binding(self, oid: int) -> Binding:
-        """The binding of a relation OID (reflecting the target table on first use)."""
-        return self.relmap.binding(oid, self.txn_lsn())
+        """The binding of a relation OID (reflecting the target table on first use; a missing one: see the
+        module header)."""
+        try:
+            return self.relmap.binding(oid, self.txn_lsn())
+        except MissingTable as exc:
+            rel = self.relmap.relations[oid]
+            join = self.target.table_join(rel)
+            hint = f"`applier sync --table {source_name(rel)}`"
+            if join is None and not self.wait_for_tables:
+                raise MissingTable(f"{exc}; if the table was added to the publication, copy it first: {hint}",
+                                   exc.table) from None
+            why = (f"source table {source_name(rel)} is published but target table {exc.table} "
+                   f"does not exist: waiting for {hint}" if join is None else
+                   f"{exc}, and applier_sync_tables says it is {join[0]}: waiting for {hint} to create it")
+            raise self._wait(rel, join, why, missing=True) from None
+
+    def held(self, b: Binding, txn: SourceTxn) -> bool:
+        """Whether a change of ``txn`` to the table of a gated binding (``b.join``) is skipped (its rows are in
+        the table's copy); TableWait while it cannot be placed yet (see the module header)."""
+        assert b.join is not None
+        state, at = b.join
+        lsn = txn.final_lsn
+        if state == "ready" and at is not None and lsn >= at:
+            self.relmap.promote(b.rel.oid)  # every later transaction commits after this one: the stream's
+            return False
+        if not txn.prepared and at is not None and lsn < at:
+            return True
+        table = source_name(b.rel)
+        if txn.prepared:
+            why = (f"prepared transaction {txn.xid} (prepared at {lsn}) changes table {table}, which joins the stream "
+                   f"at {at or 'a snapshot not taken yet'} (`applier sync --table`): whether its commit comes before "
+                   f"or after that point is not known when it is prepared; it waits")
+        elif at is None:
+            why = f"table {table} is being copied (`applier sync --table`, {state}): waiting for its snapshot"
+        else:
+            why = (f"table {table} is being copied at its snapshot {at} (`applier sync --table`): its changes from "
+                   f"there on wait for the copy to finish")
+        raise self._wait(b.rel, b.join, why)
+
+    def _wait(self, rel: Relation, seen: Join | None, why: str, missing: bool = False) -> TableWait:
+        """The TableWait of a change to ``rel``: over once its applier_sync_tables row is no longer ``seen`` (or,
+        ``missing``, once its target table exists)."""
+        target, types, binary = self.target, dict(self.relmap.types), self.binary
+
+        def changed() -> bool:
+            if target.table_join(rel) != seen:
+                return True
+            if not missing:
+                return False
+            try:
+                target.bind(rel, types, LSN(0), binary)
+            except MissingTable:
+                return False
+            return True
+
+        return TableWait(why, changed)
 
     def txn_lsn(self) -> LSN:
         """The finish LSN of the transaction in hand (what `applier skip --lsn` takes)."""
@@ -312,7 +382,7 @@ class ApplyEngine:
         if txn.skip:
             return
         b = self.bindings.get(oid)
-        if b is None:
+        if b is None:  # not bound yet, or gated (a table joining the stream): decided here, off the per-row path
             try:
                 b = self.binding(oid)
             except ApplyError as exc:  # no target table or column: name the change as _error does
@@ -322,6 +392,8 @@ class ApplyEngine:
                 key = _key_text(rel, op, row, self.relmap.types if self.binary else None)
                 raise ApplyError(f"{op} on table {source_name(rel)} (key {key}) in transaction "
                                  f"{txn.xid} finished at {txn.final_lsn}: {exc}") from exc
+            if b.join is not None and self.held(b, txn):
+                return
         self.stats.rows += 1
         self.group_rows_n += 1
         batches = self.batches
@@ -355,7 +427,9 @@ class ApplyEngine:
             return
         self.flush_batch()
         self.ensure_group()
-        bs = [self.binding(oid) for oid in m.relation_oids]
+        bs = [b for b in map(self.binding, m.relation_oids) if b.join is None or not self.held(b, txn)]
+        if not bs:
+            return
         with rolled_back_on_error(self, lambda exc: ApplyError(
                 f"TRUNCATE of {', '.join(b.table for b in bs)} in transaction {txn.xid} finished at "
                 f"{txn.final_lsn} failed: {one_line(exc)}")):
@@ -479,7 +553,9 @@ class ApplyEngine:
         skip = self.should_skip(prepare_lsn)
         if skip is None and self.target.is_prepared(xid, gid):
             skip = Skip.PREPARED_BEFORE
-        return SourceTxn(xid, prepare_lsn, skip)
+        txn = SourceTxn(xid, prepare_lsn, skip)
+        txn.prepared = True
+        return txn
 
     def _progress_only(self, end_lsn: LSN, commit_time: int | None) -> None:
         self.ensure_group()

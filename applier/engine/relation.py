@@ -3,6 +3,10 @@
 As PostgreSQL's relation.c does for its subscriber, this module owns the remote→local map:
 - ``relations``/``types``: the latest Relation and Type message of each OID;
 - ``bindings``: each relation OID bound to its target table (``target.bind``), made on first use;
+- ``gated``: bindings of tables that join the stream at a snapshot (``applier sync --table``: the
+  binding's ``join``, read when bound), kept out of ``bindings`` so that the engine's per-row lookup
+  misses them and decides each change (``ApplyEngine.held``); ``promote`` moves one to ``bindings``
+  once every later change is the stream's;
 - ``meta_raw``: the raw bytes of those Relation and Type messages, so that a prepared transaction
   kept in the target's table carries the definitions its changes need (``meta_blob``).
 
@@ -30,7 +34,7 @@ RawMessage = tuple[bool, bytes]  # (in a stream block, the message's bytes): one
 class RelationMap:
     """Source relations and types by OID, their raw messages and their target bindings; see the module header."""
 
-    __slots__ = ("target", "binary", "relations", "types", "bindings", "meta_raw")
+    __slots__ = ("target", "binary", "relations", "types", "bindings", "gated", "meta_raw")
 
     def __init__(self, target: Target, binary: bool = False) -> None:
         self.target = target
@@ -38,12 +42,14 @@ class RelationMap:
         self.relations: dict[int, Relation] = {}
         self.types: dict[int, Type] = {}
         self.bindings: dict[int, Binding] = {}
+        self.gated: dict[int, Binding] = {}
         # raw Relation/Type messages by ('R'|'Y', oid): a prepared transaction kept in a table carries them
         self.meta_raw: dict[tuple[str, int], RawMessage] = {}
 
     def add_relation(self, m: Relation, raw: RawMessage) -> None:
         """Cache a Relation message; a binding made from an earlier one for its OID is dropped."""
         self.bindings.pop(m.oid, None)
+        self.gated.pop(m.oid, None)
         self.relations[m.oid] = m
         self.meta_raw[("R", m.oid)] = raw
 
@@ -55,14 +61,22 @@ class RelationMap:
     def binding(self, oid: int, lsn: LSN) -> Binding:
         """The binding of a relation OID, reflecting the target table on first use (``lsn``: the
         finish LSN of the transaction in hand, for error messages)."""
-        b = self.bindings.get(oid)
+        b = self.bindings.get(oid) or self.gated.get(oid)
         if b is None:
             rel = self.relations.get(oid)
             if rel is None:
                 raise ApplyError(f"change for relation OID {oid} before its Relation message "
                                  f"(transaction finished at {lsn})")
-            b = self.bindings[oid] = self.target.bind(rel, self.types, lsn, self.binary)
+            b = self.target.bind(rel, self.types, lsn, self.binary)
+            b.join = self.target.table_join(rel)  # after bind: a row is made before its table (add_table)
+            (self.bindings if b.join is None else self.gated)[oid] = b
         return b
+
+    def promote(self, oid: int) -> None:
+        """The gated binding of ``oid`` is an ordinary one from now on (its table has joined the stream)."""
+        b = self.gated.pop(oid)
+        b.join = None
+        self.bindings[oid] = b
 
     def meta_blob(self) -> bytes:
         """Spool records of every cached Relation and Type message (types first)."""
@@ -75,7 +89,7 @@ class RelationMap:
     def isolated(self) -> Iterator[None]:
         """An empty map for the duration (a kept prepared transaction carries its own definitions),
         then the one before, as it was."""
-        saved = (dict(self.relations), dict(self.types), dict(self.bindings), dict(self.meta_raw))
+        saved = (dict(self.relations), dict(self.types), dict(self.bindings), dict(self.meta_raw), dict(self.gated))
         self._clear()
         try:
             yield
@@ -85,9 +99,11 @@ class RelationMap:
             self.types.update(saved[1])
             self.bindings.update(saved[2])
             self.meta_raw.update(saved[3])
+            self.gated.update(saved[4])
 
     def _clear(self) -> None:
         self.relations.clear()
         self.types.clear()
         self.bindings.clear()
+        self.gated.clear()
         self.meta_raw.clear()

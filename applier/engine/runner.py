@@ -17,6 +17,12 @@ retry can neither lose nor repeat a transaction.
   the daemon retries with backoff or stops (``apply.on_error``), and
   ``catchup`` stops.
 - Only ``target.durable_lsn()`` is ever confirmed to the source.
+- A change to a table joining the stream that cannot be placed yet (``TableWait``, see
+  ``applier.engine.apply``) is no failure: the session ends as any does (rolled back, the last
+  confirm, the source closed), the target stays open (its claim held, no transaction open: a SQLite
+  file stays writable for ``applier sync --table``) while the wait polls about once a
+  ``TABLE_POLL`` seconds, and a new session starts at once when it is over (no backoff). Each
+  reason is logged once; a stop ends the wait.
 
 Catch-up goal: the source's ``pg_current_wal_insert_lsn()`` when the command
 starts. It is reached when a commit ends at or past it, or a keepalive's WAL end
@@ -41,7 +47,7 @@ from applier.config import Config, ConfigError
 from applier.engine.apply import ApplyEngine
 from applier.engine.heartbeat import CATCHUP_EVERY, Heartbeat
 from applier.engine.spool import SpoolFull
-from applier.errors import ApplyError
+from applier.errors import ApplyError, TableWait
 from applier.inspect import current_wal_insert_lsn, stream_options
 from applier.lsn import LSN
 from applier.progress.store import Progress
@@ -64,6 +70,7 @@ CONFIRM_EVERY = 1.0
 DRAINED_GROUP_AGE = 0.002
 # Message kinds that end a transaction (or a stream block, or stand alone): the loop's checkpoints.
 _ENDS = frozenset(b"CKrcPpAEM")
+TABLE_POLL = 1.0  # seconds between looks at applier_sync_tables while a change waits for a table's copy
 
 
 @dataclass
@@ -204,6 +211,7 @@ class Runner:
         self.heartbeat = heartbeat or Heartbeat(min(every, CATCHUP_EVERY) if catchup and every > 0 else every)
         self.fail_lsn = LSN(0)  # where the last session stopped; careful mode lasts until past it
         self.ended_careful = False  # whether the last session was still in careful mode when it ended
+        self.waiting = ""  # why the last session waited for a table (logged once per reason)
 
     def run(self) -> Summary:
         """Apply until stopped (daemon) or caught up (catchup); returns the summary."""
@@ -220,6 +228,10 @@ class Runner:
             try:
                 self.session(careful)  # returns once the run is complete; a failure raises
                 break
+            except TableWait:  # waited (see the module header): a new session at once, unless stopped
+                if self.stop.is_set():
+                    break
+                continue
             except (ApplyError, SourceError, psycopg.Error, sqlite3.Error) as exc:
                 msg = one_line(exc)
                 if applied_before is not None and self.summary.applied is not None \
@@ -261,13 +273,14 @@ class Runner:
         engine: ApplyEngine | None = None
         source: ChunkReader | None = None
         failure: BaseException | None = None
+        wait: TableWait | None = None
         try:
             target.claim(self.command)  # before anything is read or applied: one applier per progress row
             progress = target.read_progress()
             engine = ApplyEngine(
                 target, applied=progress.lsn, skip_lsn=progress.skip_lsn, work_dir=cfg.spool_dir,
                 skip_origins=cfg.apply["skip_origins"], group_delay=cfg.apply["group_commit_delay"],
-                careful=careful, binary=cfg.source["binary"])
+                careful=careful, binary=cfg.source["binary"], wait_for_tables=not self.catchup)
             source = open_source(cfg, progress, self.wrap_source)  # first: is this the source of the progress?
             target.source_system = source.system_id
             target.money_text = source.money_text
@@ -279,13 +292,30 @@ class Runner:
         except (ApplyError, SourceError, psycopg.Error, sqlite3.Error) as exc:
             failure = exc
             raise
+        except TableWait as exc:
+            wait = exc
+            raise
         finally:
-            self._end_session(target, engine, source, failure)
+            self._end_session(target, engine, source, failure, close_target=wait is None)
+            if wait is not None:
+                try:
+                    self._wait_for_table(wait)
+                finally:
+                    target.close()
+
+    def _wait_for_table(self, wait: TableWait) -> None:
+        """Poll until ``wait`` is over or the run is stopped (the target open, nothing open on it)."""
+        if str(wait) != self.waiting:
+            self.waiting = str(wait)
+            log.warning("%s", wait)
+        while not self.stop.wait(TABLE_POLL):
+            if wait.changed():
+                return
 
     def _end_session(self, target: Any, engine: ApplyEngine | None, source: ChunkReader | None,
-                     failure: BaseException | None) -> None:
+                     failure: BaseException | None, close_target: bool = True) -> None:
         """Close what a session opened, each step whatever the one before did: the engine (rolling back what is
-        open), the record of the failure, the last confirm, the source, the target."""
+        open), the record of the failure, the last confirm, the source, the target (unless not ``close_target``)."""
         try:
             if engine is not None:
                 self._account(engine)
@@ -310,7 +340,8 @@ class Runner:
                     if source is not None:
                         source.close()
                 finally:
-                    target.close()
+                    if close_target:
+                        target.close()
 
     def _account(self, engine: ApplyEngine) -> None:
         """Add a session's counts to the summary; the target's recorded position is the engine's."""

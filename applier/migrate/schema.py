@@ -50,9 +50,19 @@ import psycopg
 
 from applier.config import ConfigError
 from applier.decoder.messages import Column, Relation
+from applier.migrate.sequences import (
+    SourceSequence,
+    create_statements,
+    identity_sql,
+    nextval_default,
+    setval_statement,
+    source_sequences,
+    target_sequence_qname,
+)
+from applier.migrate.usertypes import plan_types, source_types
 from applier.targets.naming import quoted_name, shown_name, target_table
 from applier.targets.values import sqlite_text_converters
-from applier.text import quote_ident
+from applier.text import one_line, quote_ident
 
 
 class SchemaError(ConfigError):
@@ -72,6 +82,10 @@ class SourceColumn:
     not_null: bool
     default: str | None  # the default when it is a constant, else None
     collation: str | None  # a collation other than the type's default
+    attnum: int = 0  # its position in the source table
+    identity: str = ""  # 'a': GENERATED ALWAYS AS IDENTITY, 'd': BY DEFAULT, '': not an identity column
+    generated: str = ""  # 's': GENERATED ALWAYS AS (expression) STORED, 'v': VIRTUAL (18+), '': not generated
+    expression: str | None = None  # the generation expression, or a default that is not a constant (pg_get_expr)
 
 
 @dataclass
@@ -90,6 +104,7 @@ class SourceTable:
     pages: int = 0  # heap pages (the largest leaf's for a partitioned table)
     estimated_rows: int | None = None
     unpublished: list[str] = field(default_factory=list)  # columns the column lists leave out
+    generated: list[SourceColumn] = field(default_factory=list)  # generated columns: created, not copied
 
     @property
     def only(self) -> bool:
@@ -194,25 +209,37 @@ def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
         rowfilter = None
     else:
         rowfilter = distinct[0] if len(distinct) == 1 else " OR ".join(f"({f})" for f in distinct)
-    cols = []
+    cols: list[SourceColumn] = []
     unpublished: list[str] = []
+    gen_cols: list[SourceColumn] = []
     for (attname, typid, typmod, type_sql, type_name, type_schema, notnull, adbin, adsrc, collname,
-         default_coll) in conn.execute(
+         default_coll, attnum, identity, generated, reads) in conn.execute(
             "SELECT a.attname, a.atttypid::int, a.atttypmod, format_type(a.atttypid, a.atttypmod), "
             "format_type(a.atttypid, NULL), tn.nspname, a.attnotnull, d.adbin::text, "
-            "pg_get_expr(d.adbin, d.adrelid), co.collname, a.attcollation = t.typcollation "
+            "pg_get_expr(d.adbin, d.adrelid), co.collname, a.attcollation = t.typcollation, a.attnum, "
+            "a.attidentity::text, a.attgenerated::text, "
+            "array(SELECT r.attname FROM pg_depend x JOIN pg_attribute r ON r.attrelid = x.refobjid "
+            "      AND r.attnum = x.refobjsubid WHERE x.classid = 'pg_attrdef'::regclass AND x.objid = d.oid "
+            "      AND x.refobjsubid > 0 AND x.deptype = 'n') "  # the columns a generation expression reads
             "FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
             "JOIN pg_namespace tn ON tn.oid = t.typnamespace "
             "LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum "
             "LEFT JOIN pg_collation co ON co.oid = a.attcollation "
-            "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' "
+            "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped "
             "ORDER BY a.attnum", [oid]):
+        if generated:  # created when what it reads is published (not sent by pgoutput before 18: not listed)
+            if published is None or set(reads) <= published:
+                gen_cols.append(SourceColumn(attname, typid, typmod, type_sql, type_name, type_schema, notnull, None,
+                                             collname if collname and not default_coll else None, attnum, "",
+                                             generated, adsrc))
+            continue
         if published is not None and attname not in published:
             unpublished.append(attname)
             continue
         default = adsrc if adbin is not None and default_is_constant(adbin) else None
         collation = collname if collname and not default_coll else None
-        cols.append(SourceColumn(attname, typid, typmod, type_sql, type_name, type_schema, notnull, default, collation))
+        cols.append(SourceColumn(attname, typid, typmod, type_sql, type_name, type_schema, notnull, default, collation,
+                                 attnum, identity, "", adsrc if default is None else None))
     pk: list[str] = []
     ident: tuple[str, list[str]] | None = None
     for idxname, primary, replident_idx, colnames in conn.execute(
@@ -236,7 +263,7 @@ def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
         pages = _one(conn, "SELECT pg_relation_size(%s) / current_setting('block_size')::int", [oid])[0]
         estimated = reltuples if reltuples is not None and reltuples >= 0 else None
     return SourceTable(schema, name, oid, relkind, replident, cols, pk, ident, rowfilter, int(pages or 0),
-                       None if estimated is None else int(estimated), unpublished)
+                       None if estimated is None else int(estimated), unpublished, gen_cols)
 
 
 # -- target names ------------------------------------------------------------------
@@ -291,18 +318,35 @@ class Prepared:
     existing: list[str] = field(default_factory=list)
 
 
-def pg_create_statements(table: SourceTable, schema: str | None, name: str) -> list[str]:
-    """CREATE TABLE (and index / replica identity) statements for a PostgreSQL target."""
+def pg_create_statements(table: SourceTable, schema: str | None, name: str, sequences: list[SourceSequence],
+                         table_map: dict[str, str], version: int) -> list[str]:
+    """CREATE TABLE (and index / replica identity) statements for a PostgreSQL target of server ``version``.
+
+    Columns in the source's order, the generated ones too; identity columns with their sequence (name and options
+    from ``sequences``); a default ``nextval('…')`` of a sequence in ``sequences`` calls the target's sequence
+    (``applier.migrate.sequences``). A VIRTUAL generated column is STORED on a target before 18.
+    """
     qt = quoted_name(schema, name)
     parts = []
-    for c in table.columns:
+    uses = {u: q for q in sequences for u in q.used_by}
+    for c in sorted(table.columns + table.generated, key=lambda c: c.attnum):
         s = f"{quote_ident(c.name)} {c.type_sql}"
         if c.collation:
             s += f" COLLATE {quote_ident(c.collation)}"
+        seq = uses.get((table.schema, table.name, c.name))
+        if c.generated:
+            virtual = c.generated == "v" and version >= 180000
+            s += f" GENERATED ALWAYS AS ({c.expression}) {'VIRTUAL' if virtual else 'STORED'}"
+        elif c.identity and seq is not None:
+            s += " " + identity_sql(seq, table_map)
         if c.not_null:
             s += " NOT NULL"
         if c.default is not None:
             s += f" DEFAULT {c.default}"
+        elif c.expression is not None and not c.generated and seq is not None:
+            default = nextval_default(c.expression, seq, table_map)
+            if default:
+                s += f" DEFAULT {default}"
         parts.append(s)
     if table.primary_key and all(k in {c.name for c in table.columns} for k in table.primary_key):
         parts.append("PRIMARY KEY (" + ", ".join(quote_ident(k) for k in table.primary_key) + ")")
@@ -383,8 +427,12 @@ def check_sqlite_table(conn: sqlite3.Connection, table: SourceTable, name: str) 
     return problems
 
 
-def prepare_pg_tables(conn: psycopg.Connection[Any], tables: list[SourceTable], table_map: dict[str, str]) -> Prepared:
-    """Check every existing target table, then create the missing ones (one transaction); SchemaError on mismatch."""
+def prepare_pg_tables(conn: psycopg.Connection[Any], tables: list[SourceTable], table_map: dict[str, str],
+                      source: psycopg.Connection[Any]) -> Prepared:
+    """Check every existing target table, then create the missing ones with the user types and sequences they need
+    (read from ``source``: ``applier.migrate.usertypes``, ``applier.migrate.sequences``), all in one target
+    transaction; SchemaError naming every mismatch (table and column, or type) before anything is created, or the
+    statement that failed (then nothing is created)."""
     problems: list[str] = []
     missing: list[SourceTable] = []
     out = Prepared()
@@ -394,21 +442,41 @@ def prepare_pg_tables(conn: psycopg.Connection[Any], tables: list[SourceTable], 
         found = check_pg_table(conn, t, schema, name)
         if found is None:
             missing.append(t)
-            for c in t.columns:
-                if c.type_schema != "pg_catalog" and _one(conn, "SELECT to_regtype(%s)", [c.type_sql])[0] is None:
-                    problems.append(f"target table {shown}, column {c.name}: type {c.type_sql} does not exist on the "
-                                    f"target (create it first)")
         else:
             out.existing.append(shown)
             problems += [f"target table {shown} (source {t.qualified}), {p}" for p in found]
+    shown_of = {t.qualified: target_table_name(t, "postgresql", table_map)[0] for t in missing}
+    types = source_types(source, [(shown_of[t.qualified], c.name, c.type_oid)
+                                  for t in missing for c in t.columns + t.generated])
+    type_sql, type_problems = plan_types(conn, types)
+    problems += type_problems
     if problems:
         raise SchemaError("the target does not fit the source:\n  " + "\n  ".join(problems))
-    with conn.transaction():
-        for t in missing:
-            schema, name = target_table(t.relation(), "postgresql", table_map)
-            for stmt in pg_create_statements(t, schema, name):
+    sequences = source_sequences(source, missing)
+    new_seqs = [q for q in sequences if _one(conn, "SELECT to_regclass(%s)", [target_sequence_qname(q, table_map)])[0]
+                is None]
+    created = {(t.schema, t.name) for t in missing}
+    statements = list(type_sql)
+    statements += [s for q in new_seqs if not q.identity for s in create_statements(q, table_map, with_value=False)]
+    for t in missing:
+        schema, name = target_table(t.relation(), "postgresql", table_map)
+        statements += pg_create_statements(t, schema, name, sequences, table_map, conn.info.server_version)
+        out.created.append(shown_name(schema, name))
+    for q in new_seqs:
+        if q.owner is not None and not q.identity and q.owner[:2] in created:
+            schema, name = target_table(next(t for t in missing if (t.schema, t.name) == q.owner[:2]).relation(),
+                                        "postgresql", table_map)
+            statements.append(f"ALTER SEQUENCE {target_sequence_qname(q, table_map)} OWNED BY "
+                              f"{quoted_name(schema, name)}.{quote_ident(q.owner[2])}")
+        statements.append(setval_statement(q, table_map))
+    stmt = "BEGIN"
+    try:
+        with conn.transaction():
+            for stmt in statements:
                 conn.execute(stmt)
-            out.created.append(shown_name(schema, name))
+    except psycopg.Error as exc:
+        raise SchemaError(f"creating the target's tables failed, nothing was created: {one_line(exc)} "
+                          f"(in: {one_line(stmt)[:300]})") from None
     return out
 
 

@@ -3,9 +3,11 @@
 ``sync(cfg)`` makes a target that ``applier run`` / ``catchup`` can follow from
 the very next source transaction:
 
-1. control tables migrated (as ``applier init``), ``applier_sync`` (one row per
-   ``apply.name``: state, run id, slot, consistent point, times) and
-   ``applier_sync_parts`` (finished partitions of the current run) created;
+1. control tables migrated (as ``applier init``), among them ``applier_sync`` (one
+   row per ``apply.name``: state, run id, slot, consistent point, times),
+   ``applier_sync_parts`` (finished partitions of the current run) and
+   ``applier_sync_tables`` (tables joined later by ``sync --table``,
+   ``applier.migrate.add_table``: cleared when a run starts);
 2. published tables read from the source catalog; the target's existing tables
    checked (every mismatch reported by table and column, nothing written) and
    the missing ones created (``applier.migrate.schema``);
@@ -14,9 +16,11 @@ the very next source transaction:
    consistent point C and an exported snapshot that sees exactly the
    transactions committed before C. The connection stays open, idle, until the
    copy is over (the snapshot lives as long as it does);
-5. every published table copied as a Spark job reading in that snapshot
-   (``applier.migrate.spark.copy``), with its column list and row filter, its own rows
-   only (``SourceTable.only``); a table without columns as its row count. A
+5. every published table copied in ctid-range partitions reading in that snapshot
+   (``applier.migrate.spark.copy``: Spark tasks streaming COPY from the source into a
+   PostgreSQL target, binary where safe; the driver's readers and one writer for a
+   SQLite target), with its column list and row filter, its own rows only
+   (``SourceTable.only``); a table without columns as its row count. A
    table that cannot be copied does not stop the others: sync then fails
    listing every failed table with its cause;
 6. in one durable target transaction: the progress row of ``apply.name`` set to
@@ -28,7 +32,7 @@ exactly: nothing missed, nothing applied twice.
 
 Interruptions (resume or restart):
 
-- Within a run, a table whose Spark job fails is retried once. Partitions
+- Within a run, a table whose copy fails is retried once. Partitions
   written before the failure are recorded in ``applier_sync_parts`` in the same
   transaction as their rows, so the retry *resumes*: it writes only the missing
   partitions (same snapshot, still open). The message says so.
@@ -55,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -77,7 +82,7 @@ from applier.migrate.schema import (
     target_table_name,
 )
 from applier.migrate.spark.progress import Reporter
-from applier.migrate.spark.session import is_local, spark_for
+from applier.migrate.spark.session import spark_for
 from applier.progress.migrate import migrate
 from applier.progress.store import PG_SQL, SQLITE_SQL
 from applier.rows import one_row
@@ -86,9 +91,6 @@ from applier.source.walsender import WalSender
 from applier.targets import opener
 from applier.targets.claim import FileClaim, claim_target
 from applier.text import one_line, quote_ident
-
-STATE_DDL = ("CREATE TABLE IF NOT EXISTS applier_sync (name TEXT PRIMARY KEY, state TEXT NOT NULL, run TEXT NOT NULL, "
-             "slot TEXT, consistent_point TEXT, started_at TEXT, finished_at TEXT)")
 
 
 class SyncError(ConfigError):
@@ -105,6 +107,7 @@ class TableCopy:
     nbytes: int = 0
     seconds: float = 0.0
     partitions: int = 0
+    copy_format: str | None = None  # PostgreSQL target: the COPY format, 'binary' or 'text'
 
 
 @dataclass
@@ -190,10 +193,12 @@ class TargetDb:
         return target_table_name(table, self.dialect, self.table_map)
 
     def prepare(self, tables: list[SourceTable]) -> Prepared:
-        """Check existing target tables, create missing ones (SchemaError on a mismatch)."""
+        """Check existing target tables, create missing ones (SchemaError on a mismatch); on PostgreSQL with the
+        user types and sequences they need, read from the source."""
         if self.dialect == "sqlite":
             return prepare_sqlite_tables(self.conn, tables, self.table_map)
-        return prepare_pg_tables(self.conn, tables, self.table_map)
+        with source_connect(self.cfg) as source:
+            return prepare_pg_tables(self.conn, tables, self.table_map, source)
 
     def exists(self, table: SourceTable) -> bool:
         """Whether the target table exists."""
@@ -267,12 +272,6 @@ class TargetDb:
 
     # -- sync state -------------------------------------------------------------------
 
-    def ensure_sync_tables(self) -> None:
-        """Create applier_sync and applier_sync_parts if missing."""
-        from applier.migrate.spark.copy import PARTS_DDL  # start-up time: spark.copy loads pyspark
-
-        self.transaction([(STATE_DDL, []), (PARTS_DDL, [])])
-
     def sync_state(self, name: str) -> dict[str, Any] | None:
         """The sync row of ``name``, or None."""
         ph = self.ph
@@ -283,10 +282,12 @@ class TargetDb:
         return dict(zip(("state", "run", "slot", "consistent_point", "started_at", "finished_at"), rows[0]))
 
     def start_run(self, name: str, run: str, slot: str) -> None:
-        """Sync row to 'copying' with a new run id; forget the partitions of earlier runs."""
+        """Sync row to 'copying' with a new run id; forget the partitions of earlier runs and the tables joined
+        by ``sync --table`` (this copy copies every published table)."""
         ph = self.ph
         self.transaction([
             (f"DELETE FROM applier_sync_parts WHERE name = {ph}", [name]),
+            (f"DELETE FROM applier_sync_tables WHERE name = {ph}", [name]),
             (f"DELETE FROM applier_sync WHERE name = {ph}", [name]),
             (f"INSERT INTO applier_sync (name, state, run, slot, started_at) VALUES ({ph}, 'copying', {ph}, {ph}, {ph})",
              [name, run, slot, _now()]),
@@ -380,13 +381,6 @@ def count_in_snapshot(cfg: Config, snapshot: str | None, table: SourceTable) -> 
         return int(one_row(conn.execute(sql))[0])
 
 
-def check_spark_target(cfg: Config) -> None:
-    """A SQLite target file is written by the Spark workers: it needs a local master."""
-    if cfg.target_dialect == "sqlite" and not is_local(cfg.spark["master"]):
-        raise ConfigError(f"{cfg.where('spark', 'master')}: a SQLite target needs a local Spark master "
-                          f"(local[*]), not {cfg.spark['master']!r}: the workers write the file")
-
-
 def sync(cfg: Config, *, force: bool = False, spark: Any = None, reporter: Any = None,
          say: Any = None, partitions: int | None = None) -> SyncResult:
     """Create the slot with a snapshot, create the target tables, copy them, record the slot's consistent point.
@@ -405,7 +399,6 @@ def sync(cfg: Config, *, force: bool = False, spark: Any = None, reporter: Any =
 def _sync(cfg: Config, force: bool, spark: Any, reporter: Any, say: Any, partitions: int | None) -> SyncResult:
     nparts = partitions or cfg.spark["partitions"]
     name, slot = cfg.apply["name"], cfg.source["slot"]
-    check_spark_target(cfg)
     check_source(cfg, need_slot=False)
     check_target(cfg, need_init=False)
     before, after = migrate(cfg.target["url"])
@@ -414,7 +407,6 @@ def _sync(cfg: Config, force: bool, spark: Any, reporter: Any, say: Any, partiti
     target = TargetDb(cfg)
     try:
         target.claim("sync")  # no applier may write the progress row while the copy makes it
-        target.ensure_sync_tables()
         tables = read_tables_in_snapshot(cfg, None)
         if not tables:
             raise SyncError(f"{cfg.where('source', 'publications')}: the publications "
@@ -480,7 +472,7 @@ def _copy_with_new_slot(cfg: Config, target: TargetDb, tables: list[SourceTable]
         if mode != "fresh":
             target.empty_tables(in_snapshot)
         result = SyncResult(mode, slot, info.consistent_point)
-        if spark is None:
+        if spark is None and target.dialect != "sqlite":  # a SQLite target is copied by the driver alone
             spark = spark_for(cfg)
         started = time.monotonic()
         from applier.migrate.spark.copy import CopyError  # start-up time: spark.copy loads pyspark
@@ -529,8 +521,15 @@ def _drop_incomplete_slot(cfg: Config, say: Any) -> None:
 def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, run: str, snapshot: str | None,
                 nparts: int, spark: Any, reporter: Any, say: Any, poll: psycopg.Connection[Any]) -> TableCopy:
     # start-up time: spark.copy and spark.source load pyspark
-    from applier.migrate.spark.copy import CopyError, CopyWatcher, run_copy_job, running_copies, target_plan
-    from applier.migrate.spark.source import ctid_ranges, pg_plan
+    from applier.migrate.spark.copy import (
+        CopyError,
+        CopyPlan,
+        CopyWatcher,
+        binary_safe,
+        copy_partitions,
+        running_copies,
+    )
+    from applier.migrate.spark.source import pg_plan
 
     name = cfg.apply["name"]
     shown, qtarget = target.name_of(table)
@@ -539,9 +538,11 @@ def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, r
     app = f"applier-sync {run[:8]} t{index}"
     src = pg_plan(cfg.source["dsn"], table.qname, cols, pages=table.pages, partitions=nparts, snapshot=snapshot,
                   where=table.rowfilter, app=app, only=table.only)
-    nranges = len(ctid_ranges(table.pages, nparts))
-    dst = target_plan(dialect=target.dialect, where=target.where, table=qtarget, columns=cols,
-                      types=[c.type_oid for c in table.columns], name=name, run=run, tbl=table.qualified)
+    plan = CopyPlan(json.loads(src), target.dialect, target.where, qtarget, cols, [c.type_oid for c in table.columns],
+                    name, run, table.qualified)
+    if target.dialect != "sqlite" and table.columns:
+        plan.binary = binary_safe(poll, target.conn, qtarget, [(c.name, c.type_oid) for c in table.columns])
+    nranges = plan.partitions
     reporter.start(label, table.estimated_rows)
     started = time.monotonic()
     if not table.columns:
@@ -551,7 +552,7 @@ def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, r
                               lambda rows, nbytes: reporter.update(label, rows, nbytes))
         try:
             with watcher:
-                run_copy_job(spark, src, dst, label)
+                copy_partitions(spark, plan, target.parts(name, run, table.qualified), label)
             break
         except CopyError as exc:
             if attempt == 2:
@@ -563,7 +564,8 @@ def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, r
     nbytes = sum(b for _, b in parts.values())
     seconds = time.monotonic() - started
     reporter.finish(label, rows, nbytes, seconds)
-    return TableCopy(table.qualified, shown, rows, nbytes, seconds, nranges)
+    fmt = None if target.dialect == "sqlite" or not table.columns else "binary" if plan.binary else "text"
+    return TableCopy(table.qualified, shown, rows, nbytes, seconds, nranges, fmt)
 
 
 def _copy_rowless(cfg: Config, target: TargetDb, table: SourceTable, run: str, snapshot: str | None,

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 from applier.lsn import LSN
 
 # The newest alembic revision of the control tables (tests check it against migrations/).
-HEAD_REVISION = "0002"
+HEAD_REVISION = "0003"
 VERSION_TABLE = "applier_alembic_version"
 
 
@@ -44,9 +44,11 @@ class ProgressSQL(NamedTuple):
     load_prepared: str
     delete_prepared: str
     list_prepared: str
+    has_sync_tables: str  # one row: whether applier_sync_tables exists (None: a target older than 0003)
+    table_join: str  # (name, source schema, source table) -> (state, snapshot_lsn) of applier_sync_tables
 
 
-def _sql(ph: str) -> ProgressSQL:
+def _sql(ph: str, has_sync_tables: str) -> ProgressSQL:
     now = "CURRENT_TIMESTAMP"
     return ProgressSQL(
         select=(f"SELECT lsn, commit_time, skip_lsn, source_system, slot, last_error, last_error_at "
@@ -71,8 +73,11 @@ def _sql(ph: str) -> ProgressSQL:
         load_prepared=f"SELECT changes FROM applier_prepared WHERE name = {ph} AND gid = {ph}",
         delete_prepared=f"DELETE FROM applier_prepared WHERE name = {ph} AND gid = {ph}",
         list_prepared=f"SELECT gid, xid, prepare_lsn, end_lsn FROM applier_prepared WHERE name = {ph} ORDER BY end_lsn",
+        has_sync_tables=has_sync_tables,
+        table_join=(f"SELECT state, snapshot_lsn FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} "
+                    f"AND table_name = {ph}"),
     )
 
 
-PG_SQL = _sql("%s")
-SQLITE_SQL = _sql("?")
+PG_SQL = _sql("%s", "SELECT to_regclass('applier_sync_tables') IS NOT NULL")
+SQLITE_SQL = _sql("?", "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'applier_sync_tables'")

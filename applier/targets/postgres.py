@@ -43,7 +43,7 @@ from psycopg.generators import send as psycopg_send
 
 from applier._cmodule import rowpath
 from applier.decoder.messages import BINARY, NULL, Relation, TupleData, Type, pg_timestamp
-from applier.errors import ApplyError
+from applier.errors import ApplyError, MissingTable
 from applier.lsn import LSN
 from applier.progress.store import PG_SQL
 from applier.rows import one_row
@@ -300,7 +300,8 @@ class PostgresTarget(TargetBase):
         shown = f"{schema}.{table}" if schema else table
         qtable = (quote_ident(schema) + "." if schema else "") + quote_ident(table)
         if one_row(self.conn.execute("SELECT to_regclass(%s)", [qtable]))[0] is None:
-            raise ApplyError(f"target table {shown} (for source table {source_name(rel)}) does not exist (at LSN {lsn})")
+            raise MissingTable(f"target table {shown} (for source table {source_name(rel)}) does not exist (at LSN {lsn})",
+                               shown)
         # each column's type as the target declares it, its base type's name (an array's element type),
         # whether it is an identity column and which kind ('a': ALWAYS), whether it is generated, and the
         # type without its modifier and that type's array type (none: the column's type is an array type),

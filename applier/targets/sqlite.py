@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from applier.decoder.messages import Relation, TupleData, Type
-from applier.errors import ApplyError
+from applier.errors import ApplyError, MissingTable
 from applier.lsn import LSN
 from applier.progress.store import SQLITE_SQL
 from applier.targets.base import SQLITE, Binding, TargetBase, present_columns, source_name
@@ -65,8 +65,8 @@ class SqliteTarget(TargetBase):
         _, table = self.target_table(rel)
         rows = self.conn.execute(f"PRAGMA table_info({quote_ident(table)})").fetchall()
         if not rows:
-            raise ApplyError(f"target table {table!r} (for source table {source_name(rel)}) does not exist "
-                             f"(at LSN {lsn})")
+            raise MissingTable(f"target table {table!r} (for source table {source_name(rel)}) does not exist "
+                               f"(at LSN {lsn})", repr(table))
         names = {r[1] for r in rows}
         for c in rel.columns:
             if c.name not in names:

@@ -20,3 +20,31 @@ def test_migrate_creates_control_tables_once(tmp_path: Path) -> None:
     db = sqlite3.connect(tmp_path / "r.db")
     tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert {"applier_progress", "applier_prepared", VERSION_TABLE} <= tables
+
+
+def test_0003_keeps_sync_tables_that_sync_made_before(tmp_path: Path) -> None:
+    """Targets synced before 0003 have applier_sync / applier_sync_parts made by `applier sync`: kept, rows too."""
+    from alembic import command
+    from sqlalchemy import create_engine
+
+    from applier.progress.migrate import _alembic_config
+
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        cfg = _alembic_config()
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0002")
+    engine.dispose()
+    db = sqlite3.connect(tmp_path / "r.db")
+    db.executescript(
+        "CREATE TABLE applier_sync (name TEXT PRIMARY KEY, state TEXT NOT NULL, run TEXT NOT NULL, slot TEXT, "
+        "consistent_point TEXT, started_at TEXT, finished_at TEXT);"
+        "CREATE TABLE applier_sync_parts (name TEXT NOT NULL, run TEXT NOT NULL, tbl TEXT NOT NULL, "
+        "part INTEGER NOT NULL, rows BIGINT NOT NULL, bytes BIGINT NOT NULL, PRIMARY KEY (name, run, tbl, part));"
+        "INSERT INTO applier_sync VALUES ('default', 'done', 'r1', 'applier', '0/10', NULL, NULL);")
+    db.close()
+    assert migrate(url) == ("0002", HEAD_REVISION)
+    db = sqlite3.connect(tmp_path / "r.db")
+    assert db.execute("SELECT state, consistent_point FROM applier_sync").fetchall() == [("done", "0/10")]
+    assert db.execute("SELECT count(*) FROM applier_sync_tables").fetchall() == [(0,)]

@@ -8,8 +8,8 @@ operator sets nothing, and the executors must still get a Python that runs
 applier (the driver's own, same machine and installation). Then the operator
 points the workers at a Python that has applier's dependencies but not applier
 (``spark.pyspark.python``): it is honoured and applier reaches it as the shipped
-zip. The tasks must really run on the worker's executors. A SQLite target is refused
-on a cluster master with one line.
+zip. The tasks must really run on the worker's executors. Verifying a SQLite target is
+refused on a cluster master with one line (its copy needs no Spark).
 """
 
 from __future__ import annotations
@@ -159,7 +159,8 @@ def test_sync_and_verify_on_a_standalone_cluster(standalone: Standalone, src: Sc
     for app, text in logs.items():
         assert re.search(r"Finished task \d+\.\d+ in stage", text), (app, text[-2000:])
 
-    sqlite = _applier("sync", "-c", str(cfg), "--target", f"sqlite:///{tmp_path / 'replica.db'}", cwd=tmp_path)
+    sqlite = _applier("verify", "-c", str(cfg), "--target", f"sqlite:///{tmp_path / 'replica.db'}", cwd=tmp_path)
     assert sqlite.returncode == 2
-    assert sqlite.stderr.strip() == (f"applier: error: {cfg}: spark.master: a SQLite target needs a local Spark master "
-                                     f"(local[*]), not {standalone.url!r}: the workers write the file"), sqlite.stderr
+    assert sqlite.stderr.strip() == (f"applier: error: {cfg}: spark.master: verifying a SQLite target needs a local "
+                                     f"Spark master (local[*]), not {standalone.url!r}: the workers read the file"), \
+        sqlite.stderr

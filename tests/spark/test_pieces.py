@@ -29,6 +29,7 @@ from applier.migrate.schema import (  # noqa: E402
 )
 from applier.migrate.spark.canonical import canon, canonical_rows_batch, display, sqlite_source_canonicalizer  # noqa: E402
 from applier.migrate.spark.copy import spark_error_line  # noqa: E402
+from applier.migrate.spark.session import task_slots  # noqa: E402
 from applier.migrate.spark.source import csv_batches, ctid_ranges  # noqa: E402
 from applier.migrate.spark.verify import StopBefore  # noqa: E402
 
@@ -200,3 +201,7 @@ def test_spark_error_line_names_a_workers_python_that_does_not_start() -> None:
     assert spark_error_line(RuntimeError(text)) == (
         "the workers' Python failed: /usr/bin/python3: No module named pyspark (point spark.pyspark.python or "
         "PYSPARK_PYTHON at a Python 3.11 with pyspark, psycopg and pyarrow)")
+
+
+def test_task_slots_of_the_session_are_its_local_threads(spark) -> None:
+    assert task_slots(spark) == 2  # the tests' local[2]: a copy of 8 partitions runs as 2 tasks of 4

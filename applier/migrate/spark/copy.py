@@ -1,54 +1,75 @@
-"""Copying one table as a Spark job: ``applier_pg`` (source, in the exported snapshot) → ``applier_target``.
+"""Copying a table's partitions, the rows never passing through Spark's JVM.
 
-``applier_target`` is a PySpark Python Data Source writer (Arrow batches). Each
-Spark partition (one page range of the source table) is written in **one
-target transaction** that also inserts its row into ``applier_sync_parts``
-(name, run, table, partition). Before writing, the partition looks for that
-row and skips itself if it is there, so a partition retried by Spark or by
-``copy_table`` (same run, snapshot still open) is written exactly once; two
-concurrent attempts collide on the row's primary key and one rolls back.
+A partition is one page range of the source table (``applier.migrate.spark.source.ctid_ranges``), read
+with ``COPY (SELECT cols FROM [ONLY] t WHERE ctid range [AND (row filter)]) TO STDOUT`` inside the
+exported snapshot (``applier.migrate.spark.source.pg_in_snapshot``: pinned output settings,
+``application_name`` ``<app> p<n>``). Each partition is written in **one target transaction** that also
+inserts its row into ``applier_sync_parts`` (name, run, table, partition). Before writing, the partition
+looks for that row and skips itself if it is there, so a partition retried by Spark or by ``sync`` (same
+run, snapshot still open) is written exactly once; two concurrent attempts collide on the row's primary
+key and one rolls back.
 
-- PostgreSQL: ``COPY … FROM STDIN (FORMAT csv)`` of the batches (pyarrow writes
-  the CSV), ``synchronous_commit = off`` (``applier.migrate.sync`` makes everything
-  durable with its last commit), ``session_replication_role = replica`` when the
-  role may (no triggers, no foreign-key checks, as for replicated rows).
-- SQLite: batched ``executemany`` inserts with the apply engine's converters
-  (``sqlite_text_converters``); ``BEGIN IMMEDIATE`` takes SQLite's write lock for
-  the whole partition, so partitions write one at a time (the others wait for
-  the lock); ``synchronous = NORMAL`` in WAL mode, made durable by the final
-  ``synchronous = FULL`` commit of ``applier.migrate.sync``.
+- PostgreSQL target: one Spark job per table, as many tasks as the session runs at once
+  (``applier.migrate.spark.session.task_slots``; a Spark task costs tens of milliseconds, so a task copies
+  every k-th partition, one after the other, each as below): Spark spreads the tasks over the executors
+  (local or a cluster), retries them (a retried task skips its partitions already written), and reports
+  failures. For each partition the task opens both ends itself and streams the source's COPY data, in
+  chunks of whole rows, into ``COPY t (cols) FROM STDIN`` on the target. Spark only sees the small
+  ``PartDone`` records. Binary format when ``binary_safe`` (every column's type a
+  built-in one with binary I/O that does not name catalog objects by OID, and the same type on the
+  target: a binary ``regclass`` is the source's OID of a relation, and arrays and composites of user
+  types carry the source's type OIDs, which differ on the target and which servers without
+  PostgreSQL's later leniency reject), text otherwise (both ends with the pinned date, interval and
+  time zone settings). Binary is the faster (bench/README.md, sync).
+  ``synchronous_commit = off`` (``applier.migrate.sync`` makes everything durable with its last commit),
+  ``session_replication_role = replica`` when the role may (no triggers, no foreign-key checks, as for
+  replicated rows).
+- SQLite target (a file of the driver's; no Spark): up to ``SQLITE_READERS`` partitions are read at once
+  by threads on the driver (CSV parsed by pyarrow, values converted with the apply engine's
+  ``sqlite_text_converters``), and the one writer stores them one after the other with batched
+  ``executemany`` inserts (``BEGIN IMMEDIATE``; ``synchronous = NORMAL`` in WAL mode, made durable by the
+  final ``synchronous = FULL`` commit of ``applier.migrate.sync``).
 
-Progress: the driver polls ``applier_sync_parts`` (finished partitions, exact)
-and the source's ``pg_stat_progress_copy`` (running partitions, by
-``application_name``) while the job runs.
+``PartDone.nbytes`` (and the ``bytes`` of ``applier_sync_parts``): the COPY data moved (PostgreSQL, in its
+format) or the values' bytes (SQLite).
+
+Progress: the driver polls ``applier_sync_parts`` (finished partitions, exact) and the source's
+``pg_stat_progress_copy`` (running partitions, by ``application_name``) while the copy runs.
 """
 
 from __future__ import annotations
 
-import json
+import functools
+import queue
 import re
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.csv as pacsv
-from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, DataSourceWriter, WriterCommitMessage
-from pyspark.sql.types import StructType
 
 from applier.decoder.messages import Column, Relation
 from applier.errors import ApplyError
+from applier.migrate.spark.session import task_slots
+from applier.migrate.spark.source import pg_in_snapshot, pinned_dsn, range_query, read_pg_range
 from applier.targets.values import sqlite_text_converters
+from applier.text import one_line
 
-PARTS_DDL = ("CREATE TABLE IF NOT EXISTS applier_sync_parts (name TEXT NOT NULL, run TEXT NOT NULL, "
-             "tbl TEXT NOT NULL, part INTEGER NOT NULL, rows BIGINT NOT NULL, bytes BIGINT NOT NULL, "
-             "PRIMARY KEY (name, run, tbl, part))")
-SQLITE_LOCK_WAIT = 86400.0  # seconds a SQLite partition waits for the write lock
-_WRITE_CSV = pacsv.WriteOptions(include_header=False)
+SQLITE_LOCK_WAIT = 86400.0  # seconds the SQLite writer waits for the write lock
+SQLITE_READERS = 2  # partitions read at once for a SQLite target (the one being written, one ahead)
+SQLITE_READ_AHEAD = 2  # converted batches a SQLite reader keeps ready
+COPY_CHUNK = 1 << 20  # bytes of COPY data handed to the PostgreSQL target at a time
+# Built-in types have OIDs below 10000 (FirstGenbkiObjectId), the same on every server; information_schema's
+# domains (10000-16383) are made by initdb and may differ. These built-in types' binary form is an OID of a
+# catalog object (a table, a type, a function ...), which differs between servers: always text.
+BUILTIN_OID_LIMIT = 10000
+CATALOG_OID_TYPES = ("regclass", "regcollation", "regconfig", "regdictionary", "regnamespace", "regoper",
+                     "regoperator", "regproc", "regprocedure", "regrole", "regtype")
 
 
 class CopyError(ApplyError):
@@ -62,16 +83,30 @@ def parts_sql(ph: str) -> tuple[str, str, str]:
             f"SELECT part, rows, bytes FROM applier_sync_parts WHERE name = {ph} AND run = {ph} AND tbl = {ph}")
 
 
-def target_plan(*, dialect: str, where: str, table: str, columns: list[str], types: list[int], name: str, run: str,
-                tbl: str) -> str:
-    """The ``plan`` option of ``applier_target``: where: libpq DSN or SQLite path; quoted table and columns."""
-    return json.dumps({"dialect": dialect, "where": where, "table": table, "columns": columns, "types": types,
-                       "name": name, "run": run, "tbl": tbl})
+@dataclass
+class CopyPlan:
+    """Everything the copy of a table's partitions needs (it travels to the Spark tasks, pickled)."""
+
+    source: dict[str, Any]  # applier.migrate.spark.source.pg_plan, parsed: dsn, table, columns, ranges, snapshot …
+    dialect: str  # the target's: 'postgresql' or 'sqlite'
+    target: str  # libpq DSN, or the SQLite file
+    table: str  # quoted target table
+    columns: list[str]  # quoted target columns, in the source's order
+    types: list[int]  # the columns' source type OIDs
+    name: str  # apply.name
+    run: str  # the sync run
+    tbl: str  # the source table, schema.name (key of applier_sync_parts)
+    binary: bool = False  # PostgreSQL: COPY in binary format (see binary_safe)
+
+    @property
+    def partitions(self) -> int:
+        """How many partitions the table has."""
+        return len(self.source["ranges"])
 
 
 @dataclass
-class PartDone(WriterCommitMessage):
-    """What one partition wrote."""
+class PartDone:
+    """What one partition wrote (``skipped``: it had been written before)."""
 
     part: int
     rows: int
@@ -79,29 +114,71 @@ class PartDone(WriterCommitMessage):
     skipped: bool
 
 
-class _Writer(DataSourceArrowWriter):
-    def __init__(self, plan: dict[str, Any]) -> None:
-        self.plan = plan
+def binary_safe(source: psycopg.Connection[Any], target: psycopg.Connection[Any], qtarget: str,
+                columns: list[tuple[str, int]]) -> bool:
+    """Whether a table's (name, source type OID) columns can be copied in COPY's binary format into the
+    PostgreSQL target table ``qtarget``: every type built in (below ``BUILTIN_OID_LIMIT``), with binary send
+    and receive functions, not one of (or an array of) ``CATALOG_OID_TYPES``, and each target column of the
+    same type."""
+    oids = sorted({oid for _, oid in columns})
+    if not oids or any(oid >= BUILTIN_OID_LIMIT for oid in oids):
+        return False
+    fine = {r[0] for r in source.execute(
+        "SELECT t.oid::int FROM pg_type t LEFT JOIN pg_type e ON e.oid = t.typelem AND t.typcategory = 'A' "
+        "WHERE t.oid = ANY(%s) AND t.typsend <> 0 AND t.typreceive <> 0 "
+        "AND NOT coalesce(e.typname, t.typname) = ANY(%s)", [oids, list(CATALOG_OID_TYPES)])}
+    if fine != set(oids):
+        return False
+    on_target = dict(target.execute(
+        "SELECT attname, atttypid::int FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attnum > 0 "
+        "AND NOT attisdropped", [qtarget]).fetchall())
+    return all(on_target.get(name) == oid for name, oid in columns)
 
-    def write(self, iterator: Iterator[pa.RecordBatch]) -> PartDone:
-        from pyspark import TaskContext
 
-        ctx = TaskContext.get()
-        part = ctx.partitionId() if ctx is not None else 0
-        if self.plan["dialect"] == "sqlite":
-            return write_sqlite_partition(self.plan, part, iterator)
-        return write_pg_partition(self.plan, part, iterator)
+def copy_pg_partitions(plan: CopyPlan, parts: list[int]) -> list[PartDone]:
+    """Copy partitions ``parts`` from the source straight into a PostgreSQL target, one after the other (a Spark
+    task's work; see the module header): one connection to each end, the source's inside the snapshot throughout,
+    each partition in its own target transaction together with its record."""
+    if not parts:
+        return []
+    with psycopg.connect(pinned_dsn(plan.target, f"{plan.source['app']} write"), autocommit=True) as dst, \
+            pg_in_snapshot(plan.source, parts[0]) as src:
+        dst.execute("SET synchronous_commit = off")
+        try:
+            dst.execute("SET session_replication_role = replica")
+        except psycopg.Error:
+            pass
+        return [_copy_pg_partition(plan, part, src, dst) for part in parts]
 
 
-class TargetSink(DataSource):
-    """``df.write.format("applier_target").option("plan", target_plan(…)).mode("append").save()``."""
-
-    @classmethod
-    def name(cls) -> str:
-        return "applier_target"
-
-    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
-        return _Writer(json.loads(self.options["plan"]))
+def _copy_pg_partition(plan: CopyPlan, part: int, src: psycopg.Connection[Any],
+                       dst: psycopg.Connection[Any]) -> PartDone:
+    done_q, record_q, _ = parts_sql("%s")
+    key = [plan.name, plan.run, plan.tbl, part]
+    fmt = "binary" if plan.binary else "text"
+    lo, hi = plan.source["ranges"][part]
+    with dst.transaction():
+        if dst.execute(done_q, key).fetchone():
+            return PartDone(part, 0, 0, True)
+        # the name the driver follows the partition's progress by (pg_stat_progress_copy)
+        src.execute("SELECT set_config('application_name', %s, false)", [f"{plan.source['app']} p{part}"])
+        nbytes = 0
+        cur = src.cursor()
+        with cur.copy(f"COPY ({range_query(plan.source, lo, hi)}) TO STDOUT (FORMAT {fmt})") as cin, \
+                dst.cursor().copy(f"COPY {plan.table} ({', '.join(plan.columns)}) FROM STDIN (FORMAT {fmt})") as cout:
+            buf = bytearray()
+            for data in cin:  # one row each (libpq): handed on in chunks
+                buf += data
+                if len(buf) >= COPY_CHUNK:
+                    cout.write(buf)
+                    nbytes += len(buf)
+                    buf = bytearray()
+            if buf:
+                cout.write(buf)
+                nbytes += len(buf)
+        rows = cur.rowcount
+        dst.execute(record_q, [*key, rows, nbytes])
+    return PartDone(part, rows, nbytes, False)
 
 
 def _data_bytes(batch: pa.RecordBatch) -> int:
@@ -110,38 +187,6 @@ def _data_bytes(batch: pa.RecordBatch) -> int:
         s = pc.sum(pc.binary_length(col)).as_py()
         total += s or 0
     return total
-
-
-def write_pg_partition(plan: dict[str, Any], part: int, batches: Iterator[pa.RecordBatch]) -> PartDone:
-    """Write one partition to a PostgreSQL table with COPY, recording it in the same transaction."""
-    done_q, record_q, _ = parts_sql("%s")
-    key = [plan["name"], plan["run"], plan["tbl"], part]
-    conn = psycopg.connect(plan["where"], autocommit=True, application_name=f"applier-sync write p{part}",
-                           options="-c client_encoding=UTF8")
-    try:
-        conn.execute("SET synchronous_commit = off")
-        try:
-            conn.execute("SET session_replication_role = replica")
-        except psycopg.Error:
-            pass
-        rows = nbytes = 0
-        with conn.transaction():
-            if conn.execute(done_q, key).fetchone():
-                return PartDone(part, 0, 0, True)
-            stmt = f"COPY {plan['table']} ({', '.join(plan['columns'])}) FROM STDIN WITH (FORMAT csv)"
-            with conn.cursor().copy(stmt) as cp:
-                for batch in batches:
-                    if batch.num_rows == 0:
-                        continue
-                    sink = pa.BufferOutputStream()
-                    pacsv.write_csv(batch, sink, _WRITE_CSV)
-                    cp.write(memoryview(sink.getvalue()))
-                    rows += batch.num_rows
-                    nbytes += _data_bytes(batch)
-            conn.execute(record_q, [*key, rows, nbytes])
-        return PartDone(part, rows, nbytes, False)
-    finally:
-        conn.close()
 
 
 def _sqlite_column(arr: pa.Array, conv: Callable[[bytes], Any]) -> list[Any]:
@@ -154,39 +199,106 @@ def _sqlite_column(arr: pa.Array, conv: Callable[[bytes], Any]) -> list[Any]:
     return [None if v is None else conv(v) for v in arr.to_pylist()]
 
 
-def write_sqlite_partition(plan: dict[str, Any], part: int, batches: Iterator[pa.RecordBatch]) -> PartDone:
-    """Write one partition to a SQLite table with batched inserts, holding the write lock throughout."""
-    done_q, record_q, _ = parts_sql("?")
-    key = [plan["name"], plan["run"], plan["tbl"], part]
-    rel = Relation(None, 0, "", "", "d", tuple(Column(0, f"c{i}", t, -1) for i, t in enumerate(plan["types"])))
-    convs = sqlite_text_converters(rel)
-    insert = (f"INSERT INTO {plan['table']} ({', '.join(plan['columns'])}) "
-              f"VALUES ({', '.join('?' * len(plan['columns']))})")
-    conn = sqlite3.connect(plan["where"], timeout=SQLITE_LOCK_WAIT, isolation_level=None)
-    try:
-        conn.execute("PRAGMA synchronous = NORMAL")
-        conn.execute("BEGIN IMMEDIATE")
+_END = object()  # a SQLite reader's last item
+
+
+class _SqliteReaders:
+    """Reader threads of a SQLite copy: partition ``p``'s rows, converted, arrive in batches on ``take(p)``."""
+
+    def __init__(self, plan: CopyPlan, parts: list[int]) -> None:
+        self.plan = plan
+        rel = Relation(None, 0, "", "", "d", tuple(Column(0, f"c{i}", t, -1) for i, t in enumerate(plan.types)))
+        self.convs = sqlite_text_converters(rel)
+        self.queues: dict[int, queue.Queue[Any]] = {p: queue.Queue(SQLITE_READ_AHEAD) for p in parts}
+        self.dropped: dict[int, threading.Event] = {p: threading.Event() for p in parts}
+        self.stop = threading.Event()
+        self.pool = ThreadPoolExecutor(min(len(parts), SQLITE_READERS), thread_name_prefix="applier-sync-read")
+        for p in parts:
+            self.pool.submit(self._read, p)
+
+    def _put(self, part: int, item: Any) -> bool:
+        """Hand ``item`` to the writer; False once the writer no longer wants this partition."""
+        while not (self.stop.is_set() or self.dropped[part].is_set()):
+            try:
+                self.queues[part].put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _read(self, part: int) -> None:
+        if self.stop.is_set() or self.dropped[part].is_set():
+            return
+        lo, hi = self.plan.source["ranges"][part]
+        batches = read_pg_range(self.plan.source, part, lo, hi)
         try:
-            if conn.execute(done_q, key).fetchone():
-                conn.execute("ROLLBACK")
-                return PartDone(part, 0, 0, True)
-            rows = nbytes = 0
             for batch in batches:
                 if batch.num_rows == 0:
                     continue
-                cols = [_sqlite_column(arr, conv) for arr, conv in zip(batch.columns, convs, strict=True)]
-                conn.executemany(insert, zip(*cols))
-                rows += batch.num_rows
-                nbytes += _data_bytes(batch)
-            conn.execute(record_q, [*key, rows, nbytes])
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-        return PartDone(part, rows, nbytes, False)
+                cols = [_sqlite_column(arr, conv) for arr, conv in zip(batch.columns, self.convs, strict=True)]
+                if not self._put(part, (list(zip(*cols)), _data_bytes(batch))):
+                    return
+            self._put(part, _END)
+        except Exception as exc:  # noqa: BLE001 - the writer raises it when it reaches this partition
+            self._put(part, exc)
+        finally:
+            batches.close()
+
+    def take(self, part: int) -> Iterator[tuple[list[tuple[Any, ...]], int]]:
+        """Partition ``part``'s batches (rows, value bytes), in order; a reader's error is raised here."""
+        while (item := self.queues[part].get()) is not _END:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def drop(self, part: int) -> None:
+        """The writer will not take partition ``part``: its reader stops."""
+        self.dropped[part].set()
+
+    def close(self) -> None:
+        """Stop every reader, wait for them (their source connections closed)."""
+        self.stop.set()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def copy_sqlite_partitions(plan: CopyPlan, parts: list[int]) -> list[PartDone]:
+    """Copy partitions ``parts`` into a SQLite target: read in parallel, written one after the other, each in
+    one transaction with its ``applier_sync_parts`` row (see the module header). Stops at the first error."""
+    done_q, record_q, _ = parts_sql("?")
+    insert = (f"INSERT INTO {plan.table} ({', '.join(plan.columns)}) "
+              f"VALUES ({', '.join('?' * len(plan.columns))})")
+    out = []
+    readers = _SqliteReaders(plan, parts)
+    try:
+        conn = sqlite3.connect(plan.target, timeout=SQLITE_LOCK_WAIT, isolation_level=None)
+        try:
+            conn.execute("PRAGMA synchronous = NORMAL")
+            for part in parts:
+                key = [plan.name, plan.run, plan.tbl, part]
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    if conn.execute(done_q, key).fetchone():
+                        conn.execute("ROLLBACK")
+                        readers.drop(part)
+                        out.append(PartDone(part, 0, 0, True))
+                        continue
+                    rows = nbytes = 0
+                    for batch, size in readers.take(part):
+                        conn.executemany(insert, batch)
+                        rows += len(batch)
+                        nbytes += size
+                    conn.execute(record_q, [*key, rows, nbytes])
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+                out.append(PartDone(part, rows, nbytes, False))
+        finally:
+            conn.close()
     finally:
-        conn.close()
+        readers.close()
+    return out
 
 
 # -- driver side -------------------------------------------------------------------------------
@@ -273,13 +385,25 @@ def running_copies(conn: psycopg.Connection[Any], app: str) -> dict[int, tuple[i
     return out
 
 
-def run_copy_job(spark: Any, source_plan: str, target_plan_json: str, label: str) -> None:
-    """Run the Spark job copying one table; CopyError naming the table on failure."""
-    spark.sparkContext.setJobDescription(f"applier sync: copy {label}")
+def copy_partitions(spark: Any, plan: CopyPlan, done: Collection[int], label: str) -> list[PartDone]:
+    """Copy the table's partitions not in ``done`` (see the module header): a Spark job for a PostgreSQL target,
+    the driver's readers and writer for a SQLite one. CopyError naming the table and the cause on failure."""
+    parts = [p for p in range(plan.partitions) if p not in done]
+    if not parts:
+        return []
+    if plan.dialect == "sqlite":
+        try:
+            return copy_sqlite_partitions(plan, parts)
+        except Exception as exc:  # noqa: BLE001 - either end's error, as one line
+            raise CopyError(f"copying {label} failed: {type(exc).__name__}: {one_line(exc)}") from exc
+    sc = spark.sparkContext
+    sc.setJobDescription(f"applier sync: copy {label}")
+    tasks = min(len(parts), task_slots(spark))
     try:
-        df = spark.read.format("applier_pg").option("plan", source_plan).load()
-        df.write.format("applier_target").option("plan", target_plan_json).mode("append").save()
+        out: list[PartDone] = sc.parallelize([parts[i::tasks] for i in range(tasks)], tasks).flatMap(
+            functools.partial(copy_pg_partitions, plan)).collect()
+        return out
     except Exception as exc:  # noqa: BLE001 - Spark wraps everything; keep the cause's line
         raise CopyError(f"copying {label} failed: {spark_error_line(exc)}") from exc
     finally:
-        spark.sparkContext.setJobDescription(None)
+        sc.setJobDescription(None)

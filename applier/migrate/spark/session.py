@@ -27,9 +27,9 @@ earlier does not find it) unless ``APPLIER_SPARK_SHIP=0``. The executors must
 reach the source and the target over the network; a SQLite target needs a
 local master (see ``applier.migrate.sync``).
 
-The session also registers applier's data sources (``applier.migrate.spark.source``,
-``applier.migrate.spark.copy``); ``getOrCreate`` returns an existing session as is
-(tests share one).
+The session also registers applier's data sources (``applier.migrate.spark.source``; the
+copy of ``sync`` runs plain tasks, ``applier.migrate.spark.copy``); ``getOrCreate`` returns an
+existing session as is (tests share one).
 """
 
 from __future__ import annotations
@@ -77,6 +77,16 @@ COMMON_CONF = {
 def is_local(master: str) -> bool:
     """True for local, local[N], local[*], local[N,F]."""
     return master == "local" or master.startswith("local[")
+
+
+def task_slots(spark: Any) -> int:
+    """How many tasks the session runs at once: a local master's threads (``local[*]``: the CPUs), else the
+    cluster's default parallelism (its executors' cores, unless ``spark.default.parallelism`` says otherwise)."""
+    master = spark.sparkContext.master
+    if is_local(master):
+        threads = master[len("local["):].split(",")[0].rstrip("]") if master != "local" else "1"
+        return (os.cpu_count() or 1) if threads == "*" else max(1, int(threads))
+    return max(1, int(spark.sparkContext.defaultParallelism))
 
 
 def _log4j_file() -> str:
@@ -134,11 +144,10 @@ def register(spark: Any) -> None:
     """Register applier's Python data sources on this session (once)."""
     if id(spark) in _REGISTERED:
         return
-    # here, not at the top: start-up time (both load pyspark; sync imports this module before it needs Spark)
-    from applier.migrate.spark.copy import TargetSink
+    # here, not at the top: start-up time (it loads pyspark; sync imports this module before it needs Spark)
     from applier.migrate.spark.source import PgRangeSource, SqliteRangeSource
 
-    for ds in (PgRangeSource, SqliteRangeSource, TargetSink):
+    for ds in (PgRangeSource, SqliteRangeSource):
         spark.dataSource.register(ds)
     _REGISTERED.add(id(spark))
 

@@ -1,7 +1,8 @@
 """PySpark Python Data Sources that read one table in parallel ranges.
 
-``applier_pg`` reads a PostgreSQL table (the source for ``sync`` and
-``verify``, or a PostgreSQL target for ``verify``); ``applier_sqlite`` reads a
+``applier_pg`` reads a PostgreSQL table (the source, or a PostgreSQL target,
+for ``verify``; its partitions' queries and snapshot are also those of the copy
+of ``sync``, ``applier.migrate.spark.copy``); ``applier_sqlite`` reads a
 SQLite target table for ``verify``. Both take one option, ``plan``: JSON made
 by ``pg_plan`` / ``sqlite_plan`` on the driver (the data source's own methods
 run in separate Python processes, so everything they need travels in it).
@@ -33,10 +34,11 @@ read-only connection each, values encoded canonically.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -176,24 +178,33 @@ def range_query(plan: dict[str, Any], lo: int | None, hi: int | None) -> str:
     return q + (" WHERE " + " AND ".join(conds) if conds else "")
 
 
-def read_pg_range(plan: dict[str, Any], index: int, lo: int | None, hi: int | None) -> Iterator[pa.RecordBatch]:
-    """Record batches of one partition of a PostgreSQL table (see the module header)."""
-    names = [f"c{i}" for i in range(len(plan["columns"]))]
-    transform = None
-    if plan.get("canonical") is not None:
-        transform = sqlite_source_canonicalizer(plan["canonical"])
+@contextlib.contextmanager
+def pg_in_snapshot(plan: dict[str, Any], index: int) -> Iterator[psycopg.Connection[Any]]:
+    """A connection for partition ``index`` of a ``pg_plan`` (pinned settings, ``<app> p<index>``), inside a
+    read-only repeatable-read transaction that sees the plan's snapshot (if it has one); committed on success."""
     conn = psycopg.connect(pinned_dsn(plan["dsn"], f"{plan['app']} p{index}"), autocommit=True)
     try:
         conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         if plan.get("snapshot"):
             conn.execute(psql.SQL("SET TRANSACTION SNAPSHOT {}").format(psql.Literal(plan["snapshot"])))
+        yield conn
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+def read_pg_range(plan: dict[str, Any], index: int, lo: int | None,
+                  hi: int | None) -> Generator[pa.RecordBatch, None, None]:
+    """Record batches of one partition of a PostgreSQL table (see the module header)."""
+    names = [f"c{i}" for i in range(len(plan["columns"]))]
+    transform = None
+    if plan.get("canonical") is not None:
+        transform = sqlite_source_canonicalizer(plan["canonical"])
+    with pg_in_snapshot(plan, index) as conn:
         copy_sql = f"COPY ({range_query(plan, lo, hi)}) TO STDOUT WITH (FORMAT csv)"
         with conn.cursor().copy(copy_sql) as cp:
             for batch in csv_batches(_copy_chunks(cp), names):
                 yield transform(batch) if transform is not None else batch
-        conn.execute("COMMIT")
-    finally:
-        conn.close()
 
 
 def _copy_chunks(cp: Any) -> Iterator[bytes]:

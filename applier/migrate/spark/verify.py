@@ -67,8 +67,8 @@ from applier.config import Config, ConfigError
 from applier.decoder.messages import Keepalive, XLogData
 from applier.engine.runner import Runner
 from applier.lsn import LSN
-from applier.migrate.spark.session import spark_for
-from applier.migrate.sync import TargetDb, check_spark_target, count_in_snapshot, read_tables_in_snapshot, slot_row
+from applier.migrate.spark.session import is_local, spark_for
+from applier.migrate.sync import TargetDb, count_in_snapshot, read_tables_in_snapshot, slot_row
 from applier.source.base import Source, SourceError
 from applier.source.walsender import WalSender
 from applier.text import quote_ident
@@ -377,6 +377,13 @@ def compare(spark: Any, source_plan: str, target_plan: str, target_format: str, 
 
 
 # -- the command ---------------------------------------------------------------------------------
+
+def check_spark_target(cfg: Config) -> None:
+    """A SQLite target file is read by the Spark workers: it needs a local master."""
+    if cfg.target_dialect == "sqlite" and not is_local(cfg.spark["master"]):
+        raise ConfigError(f"{cfg.where('spark', 'master')}: verifying a SQLite target needs a local Spark master "
+                          f"(local[*]), not {cfg.spark['master']!r}: the workers read the file")
+
 
 def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = None,
            partitions: int | None = None) -> VerifyReport:

@@ -1,0 +1,259 @@
+"""A table added to a running replica (``applier sync --table``): equal to the source, each row once.
+
+What a user relies on: after the full sync, a table added to the publication
+(with rows, while writers keep inserting and updating it and other tables) is
+copied by ``applier sync --table`` at a snapshot and joined to the stream, and
+ends equal to the source, whether ``applier run`` was stopped (then
+``catchup``), kept running, or was SIGKILLed in the middle of the copy and
+started again. Changes to the table committed before the copy's snapshot are
+in the copy: applied again, an insert would collide on the primary key (the
+daemon stops: ``apply.on_error = stop``) and the table would not end equal.
+Refusals are one line each: no completed sync, a two-phase config, a table
+that is not published or does not exist.
+
+How each test fails without the engine's gate (checked by disabling
+``ApplyEngine.held``): (a)-(c) the stream's changes before the snapshot are
+applied on top of the copy (duplicate key: catchup fails, the daemon stops),
+and the daemon does not wait for the table (missing table errors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from applier.embedded import find_install
+from applier.migrate.add_table import sync_tables
+from applier.migrate.sync import sync
+from tests.plugins.cli import applier_script, clean_env, write_toml
+from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
+from tests.spark.conftest import make_config, target_exec
+
+pytest.importorskip("pyspark")
+
+ROWS = 30000
+SOURCE = f"""
+CREATE TABLE a (id int PRIMARY KEY, v int NOT NULL);
+INSERT INTO a SELECT g, 0 FROM generate_series(1, 1000) g;
+CREATE TABLE n (id int PRIMARY KEY, v int NOT NULL, note text);
+INSERT INTO n SELECT g, 0, 'seed ' || g FROM generate_series(1, {ROWS}) g;
+CREATE PUBLICATION pub FOR TABLE a;
+"""
+SELECT_N = "SELECT id, v, note FROM n ORDER BY id"
+SELECT_A = "SELECT id, v FROM a ORDER BY id"
+
+
+class Writer(threading.Thread):
+    """Small source transactions until stopped: a new row of n, an update of n and of a, now and then a delete."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(daemon=True, name="writer")
+        self.dsn = dsn
+        self.rng = random.Random(os.getpid())
+        self.halt = threading.Event()
+        self.next_id = ROWS + 1
+        self.committed = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                while not self.halt.is_set():
+                    self.transaction(conn)
+                    time.sleep(0.003)
+        except BaseException as exc:  # noqa: BLE001 - reported by stop()
+            self.error = exc
+
+    def transaction(self, conn: psycopg.Connection[Any]) -> None:
+        rng = self.rng
+        with conn.transaction():
+            conn.execute("INSERT INTO n VALUES (%s, 0, %s)", [self.next_id, f"new {self.next_id}"])
+            conn.execute("UPDATE n SET v = v + 1, note = note || '+' WHERE id = %s", [rng.randint(1, self.next_id)])
+            conn.execute("UPDATE a SET v = v + 1 WHERE id = %s", [rng.randint(1, 1000)])
+            if rng.random() < 0.05:
+                conn.execute("DELETE FROM n WHERE id = %s", [rng.randint(1, self.next_id)])
+        self.next_id += 1
+        self.committed += 1
+
+    def pause(self, seconds: float) -> None:
+        """Let it commit for a while (at least a few transactions)."""
+        start = self.committed
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline or self.committed < start + 5:
+            assert self.error is None, self.error
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(30)
+        assert not self.is_alive(), "the writer did not stop"
+        if self.error is not None:
+            raise AssertionError(f"the writer failed: {self.error!r}") from self.error
+
+
+def config_file(path: Path, src: ScratchDb, target_url: str, work: Path, **extra: Any) -> Path:
+    """The TOML config a user would write: apply errors stop the daemon (so none can hide)."""
+    return write_toml(path, {
+        "source": {"dsn": src.dsn, "slot": "applier", "publications": ["pub"], "status_interval": 1.0,
+                   **extra.get("source", {})},
+        "target": {"url": target_url},
+        "apply": {"work_dir": str(work), "retry_initial": 0.1, "retry_max": 1.0, "on_error": "stop",
+                  "group_commit_delay": 0.05},
+        "spark": {"master": "local[2]", "partitions": 2},
+    })
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``applier ARGS`` as a user would."""
+    return subprocess.run([applier_script(), *args], capture_output=True, text=True, timeout=timeout,
+                          env=clean_env(), stdin=subprocess.DEVNULL)
+
+
+def start_daemon(cfg_file: Path, log: Path) -> subprocess.Popen[bytes]:
+    """``applier run`` in the background, its output appended to ``log``."""
+    with log.open("ab") as out:
+        return subprocess.Popen([applier_script(), "run", "-c", str(cfg_file)], stdout=out, stderr=subprocess.STDOUT,
+                                env=clean_env(), stdin=subprocess.DEVNULL)
+
+
+def equal_soon(src: ScratchDb, target_url: str, seconds: float = 90) -> None:
+    """Wait until the target's n and a equal the source's (the writer stopped); assert it."""
+    want_n, want_a = src.cluster.execute(SELECT_N, src.dbname), src.cluster.execute(SELECT_A, src.dbname)
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            got_n, got_a = target_exec(target_url, SELECT_N), target_exec(target_url, SELECT_A)
+        except Exception:  # noqa: BLE001 - the table may not exist yet, SQLite may be busy
+            got_n, got_a = [], []
+        if (got_n, got_a) == (want_n, want_a) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(got_n) == len(want_n) and got_a == want_a
+    assert got_n == want_n
+
+
+def sync_state(target_url: str) -> str | None:
+    try:
+        rows = target_exec(target_url, "SELECT state FROM applier_sync_tables WHERE table_name = 'n'")
+    except Exception:  # noqa: BLE001 - SQLite may be busy
+        return None
+    return rows[0][0] if rows else None
+
+
+def test_added_while_stopped_then_catchup(spark: Any, src: ScratchDb, target_url: str, tmp_path: Path) -> None:
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg = make_config(src, target_url, tmp_path / "work")
+    cfg_file = config_file(tmp_path / "applier.toml", src, target_url, tmp_path / "work")
+    sync(cfg, spark=spark)
+    writer = Writer(src.dsn)
+    writer.start()
+    try:
+        writer.pause(0.5)
+        src.cluster.execute("ALTER PUBLICATION pub ADD TABLE n", src.dbname)
+        writer.pause(1.0)  # changes to n in the stream, before the copy's snapshot: in the copy too
+        said: list[str] = []
+        res = sync_tables(cfg, ["public.n"], spark=spark, say=said.append)
+        assert [t.table for t in res.tables] == ["public.n"] and res.tables[0].rows > ROWS
+        assert any(s.startswith("created target table") for s in said), said
+        writer.pause(1.0)  # and after it
+    finally:
+        writer.stop()
+    assert target_exec(target_url, "SELECT state, snapshot_lsn FROM applier_sync_tables") == [
+        ("ready", str(res.consistent_point))]
+    done = cli("catchup", "-c", str(cfg_file))
+    assert done.returncode == 0, done.stderr
+    equal_soon(src, target_url, seconds=0)
+
+
+@pytest.mark.parametrize(("version", "target_kind"), [(18, "postgresql"), (18, "sqlite"), (15, "postgresql")],
+                         ids=["pg18-postgresql", "pg18-sqlite", "pg15-postgresql"])
+def test_added_under_a_running_daemon(version: int, target_kind: str, pg_clusters: ClusterPool, newest_target: Any,
+                                      tmp_path: Path) -> None:
+    with contextlib.ExitStack() as stack:
+        source = stack.enter_context(scratch_db(pg_clusters.get(find_install(version), "source"), "src"))
+        target_url = (f"sqlite:///{tmp_path / 'replica.db'}" if target_kind == "sqlite"
+                      else stack.enter_context(scratch_db(newest_target, "tgt")).url)
+        _added_under_a_running_daemon(source, target_url, tmp_path, kill=False)
+
+
+def test_daemon_killed_during_the_copy(src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
+    _added_under_a_running_daemon(src, dst.url, tmp_path, kill=True)
+
+
+def _added_under_a_running_daemon(src: ScratchDb, target_url: str, tmp_path: Path, kill: bool) -> None:
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg_file = config_file(tmp_path / "applier.toml", src, target_url, tmp_path / "work")
+    first = cli("sync", "-c", str(cfg_file), "-q")
+    assert first.returncode == 0, first.stderr
+    log = tmp_path / "daemon.log"
+    daemon = start_daemon(cfg_file, log)
+    writer = Writer(src.dsn)
+    writer.start()
+    adder: subprocess.Popen[str] | None = None
+    try:
+        writer.pause(1.0)
+        src.cluster.execute("ALTER PUBLICATION pub ADD TABLE n", src.dbname)
+        writer.pause(2.0)  # the daemon meets n's changes: no target table yet, it waits
+        adder = subprocess.Popen([applier_script(), "sync", "-c", str(cfg_file), "--table", "public.n", "-q"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                                 stdin=subprocess.DEVNULL)
+        if kill:  # SIGKILL the daemon while the copy runs, and start it again
+            deadline = time.monotonic() + 120
+            while sync_state(target_url) != "copying" and adder.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert sync_state(target_url) == "copying", "the copy was over before the daemon could be killed"
+            daemon.send_signal(signal.SIGKILL)
+            daemon.wait(30)
+            daemon = start_daemon(cfg_file, log)
+        out, err = adder.communicate(timeout=300)
+        assert adder.returncode == 0, err
+        assert "joined to the stream at" in out
+        writer.pause(2.0)
+    finally:
+        writer.stop()
+        if adder is not None and adder.poll() is None:
+            adder.kill()
+    try:
+        equal_soon(src, target_url)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        code = daemon.wait(60)
+    text = log.read_text()
+    assert code == 0, text
+    assert "source table public.n is published but target table" in text, text
+    assert "waiting for `applier sync --table public.n`" in text
+    assert "apply failed" not in text and "ERROR" not in text, text
+
+
+def test_refusals(src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
+    src.cluster.execute(SOURCE + "CREATE TABLE lone (id int PRIMARY KEY);", src.dbname)
+    cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
+    assert cli("init", "-c", str(cfg_file)).returncode == 0
+
+    def refused(*args: str, cfg: Path = cfg_file) -> str:
+        res = cli("sync", "-c", str(cfg), *args)
+        assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
+        return res.stderr.strip()
+
+    assert "no sync has run: run `applier sync` first" in refused("--table", "public.n")
+    src.cluster.execute("ALTER PUBLICATION pub ADD TABLE n", src.dbname)
+    done = cli("sync", "-c", str(cfg_file), "-q")
+    assert done.returncode == 0, done.stderr
+    line = refused("--table", "public.lone")
+    assert "source table public.lone is not published by pub" in line and "ALTER PUBLICATION" in line, line
+    assert "source table public.nosuch does not exist" in refused("--table", "nosuch")
+    line = refused("--table", "public.n")  # copied by the full sync: the daemon applies its changes
+    assert "target table public.n exists, but not from `applier sync --table public.n`" in line, line
+    two_phase = config_file(tmp_path / "2pc.toml", src, dst.url, tmp_path / "work", source={"two_phase": True})
+    assert "cannot join a table to a two-phase stream" in refused("--table", "public.lone", cfg=two_phase)
+    assert target_exec(dst.url, "SELECT count(*) FROM applier_sync_tables") == [(0,)]
