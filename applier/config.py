@@ -50,19 +50,31 @@ SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
         "retry_max": (float, 60.0),
         "group_commit_delay": (float, 0.2),
         "heartbeat_interval": (float, 60.0),
+        "schema_changes": (str, "error"),
     },
     "spark": {
         "master": (str, "local[*]"),
         "partitions": (int, 4),
     },
+    "metrics": {
+        "listen": (str, None),
+    },
+    "log": {
+        "format": (str, "text"),
+    },
 }
 
 _CHOICES = {
     ("apply", "on_error"): ("retry", "stop"),
+    ("apply", "schema_changes"): ("error", "add_columns"),
     ("source", "origin"): ("any", "none"),
     ("target", "two_phase_mode"): ("prepare", "table"),
     ("target", "synchronous_commit"): ("on", "off", "local", "remote_write", "remote_apply"),
+    ("log", "format"): ("text", "json"),
 }
+
+# keys whose command-line option is not --<key>
+_OPTION = {"metrics.listen": "--metrics", "log.format": "--log-format"}
 
 
 _NON_NEGATIVE = {("apply", "heartbeat_interval")}
@@ -89,6 +101,8 @@ class Config:
     spark: dict[str, Any]
     path: Path | None = None
     origin_of: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=lambda: {"listen": None})
+    log: dict[str, Any] = field(default_factory=lambda: {"format": "text"})
 
     @property
     def target_dialect(self) -> str:
@@ -100,6 +114,12 @@ class Config:
         """Where streamed transactions are spooled: ``apply.work_dir``/spool/<apply.name>, so that appliers
         sharing a work directory (each with its own name and slot) never touch each other's files."""
         return Path(self.apply["work_dir"]) / "spool" / file_safe(self.apply["name"])
+
+    @property
+    def metrics_listen(self) -> tuple[str, int] | None:
+        """(host, port) of ``metrics.listen`` (checked when loaded), or None: no metrics."""
+        listen = self.metrics["listen"]
+        return None if listen is None else parse_listen(listen, self.where("metrics", "listen"))
 
     def where(self, section: str, key: str) -> str:
         """Where a key's value came from, for error messages."""
@@ -123,6 +143,8 @@ def _coerce(section: str, key: str, value: Any, where: str, from_text: bool = Tr
         raise ConfigError(f"{where}: {section}.{key} must be one of {', '.join(_CHOICES[(section, key)])}, got {value!r}")
     if (section, key) in _NON_NEGATIVE and isinstance(value, (int, float)) and value < 0:
         raise ConfigError(f"{where}: {section}.{key} must be 0 or more, got {value!r}")
+    if (section, key) == ("metrics", "listen") and isinstance(value, str):
+        parse_listen(value, where)
     if (section, key) == ("source", "streaming") and isinstance(value, str) and value not in ("on", "off", "parallel"):
         raise ConfigError(f"{where}: source.streaming must be true, false or 'parallel', got {value!r}")
     return value
@@ -189,8 +211,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if value is None:
             continue
         section, key = dotted.split(".", 1)
-        values[section][key] = _coerce(section, key, value, f"option --{key.replace('_', '-')}")
-        origin[dotted] = f"option --{key.replace('_', '-')}"
+        option = f"option {_OPTION.get(dotted, '--' + key.replace('_', '-'))}"
+        values[section][key] = _coerce(section, key, value, option)
+        origin[dotted] = option
     for section, keys in SCHEMA.items():
         for key, (_, default) in keys.items():
             if key not in values[section]:
@@ -201,7 +224,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     url = values["target"]["url"]
     if url is None:
         return Config(values["source"], values["target"], values["apply"], values["spark"],
-                      Path(path) if path is not None else None, origin)
+                      Path(path) if path is not None else None, origin, values["metrics"], values["log"])
     try:
         backend = parse_target_url(url).backend
     except ValueError:
@@ -212,7 +235,18 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if not values["source"]["publications"]:
         raise ConfigError(f"{fname}: source.publications must name at least one publication")
     return Config(values["source"], values["target"], values["apply"], values["spark"],
-                  Path(path) if path is not None else None, origin)
+                  Path(path) if path is not None else None, origin, values["metrics"], values["log"])
+
+
+def parse_listen(text: str, where: str) -> tuple[str, int]:
+    """(host, port) of a ``HOST:PORT`` listen address (``[::1]:9187`` for IPv6); a ConfigError naming ``where``
+    (the file and key, or the option) if it is not one."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "[" in host or "]" in host:
+        raise ConfigError(f"{where}: metrics.listen must be HOST:PORT (e.g. \"127.0.0.1:9187\"), got {text!r}")
+    return host, int(port)
 
 
 def redact_dsn(dsn: str) -> str:

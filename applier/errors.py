@@ -32,8 +32,11 @@ class MissingTable(ApplyError):
 class TableWait(Exception):  # noqa: N818 - not an error: the change waits
     """A change to a table that is joining the stream (``applier sync --table``, ``applier_sync_tables``) cannot be
     placed yet: the session ends (rolled back, as a crash would), ``changed()`` is polled until it is True, and a
-    new session starts from the recorded position. Not a failure: no backoff, no retry count."""
+    new session starts from the recorded position. Not a failure: no backoff, no retry count. ``dead()`` says (one
+    line) that the copy waited for no longer runs, or None."""
 
-    def __init__(self, message: str, changed: Callable[[], bool]) -> None:
+    def __init__(self, message: str, changed: Callable[[], bool],
+                 dead: Callable[[], str | None] = lambda: None) -> None:
         super().__init__(message)
         self.changed = changed
+        self.dead = dead

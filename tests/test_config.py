@@ -130,6 +130,8 @@ def test_missing_required_key_names_key_and_variable(tmp_path: Path) -> None:
     ('[source]\ndsn = "x"\nconnect_timeout = 2.5\n', ["source.connect_timeout must be int"]),
     ('[target]\nurl = "sqlite:////tmp/x.db"\ntables = "a=b"\n', ["target.tables must be dict"]),
     ('[apply]\non_error = "later"\n', ["apply.on_error must be one of retry, stop"]),
+    ('[apply]\nschema_changes = "add_column"\n', ["apply.schema_changes must be one of error, add_columns",
+                                                "got 'add_column'"]),
     ('[apply]\ntext_types = ["money"]\n', ["apply.text_types is no longer a setting", "source.binary = false"]),
     ('[source]\ndsn = "x"\n[target]\nurl = "replica.db"\n', ["target.url is not a database URL"]),
     ('[source]\ndsn = "x"\n[target]\nurl = "mysql://root:sekret@h/db"\n', ["must be a postgresql or sqlite URL, got mysql"]),

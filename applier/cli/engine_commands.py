@@ -13,6 +13,8 @@ from applier.cli.quick import apply
 from applier.cli.root import (
     ConfigOpt,
     DsnOpt,
+    LogFormatOpt,
+    MetricsOpt,
     PubOpt,
     SlotOpt,
     TargetOpt,
@@ -50,7 +52,7 @@ def init(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, pub
 
 @app.command()
 def catchup(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publication: PubOpt = None,
-            target: TargetOpt = None) -> None:
+            target: TargetOpt = None, metrics: MetricsOpt = None, log_format: LogFormatOpt = None) -> None:
     """Apply everything the slot holds up to the source's WAL position now, then exit with a summary.
 
     Examples:
@@ -59,12 +61,12 @@ def catchup(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, 
 
       APPLIER_TARGET_URL=sqlite:////tmp/r.db applier catchup -c applier.toml
     """
-    run_guarded(apply, True, config, dsn, slot, publication, target)
+    run_guarded(apply, True, config, dsn, slot, publication, target, metrics, log_format)
 
 
 @app.command()
 def run(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publication: PubOpt = None,
-        target: TargetOpt = None) -> None:
+        target: TargetOpt = None, metrics: MetricsOpt = None, log_format: LogFormatOpt = None) -> None:
     """Follow the source until SIGTERM/SIGINT (the daemon); then finish or roll back and exit 0.
 
     Examples:
@@ -72,8 +74,10 @@ def run(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publ
       applier run -c applier.toml
 
       applier -v run -c applier.toml   # with debug logging
+
+      applier run -c applier.toml --metrics 127.0.0.1:9187 --log-format json
     """
-    run_guarded(apply, False, config, dsn, slot, publication, target)
+    run_guarded(apply, False, config, dsn, slot, publication, target, metrics, log_format)
 
 
 @app.command()

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 from applier.config import Config, ConfigError, load_config
 from applier.decoder import DecodeError
 from applier.errors import ApplyError, InUseError
+from applier.logs import TextFormatter, use_format
 from applier.source.base import SourceError
 
 # The shared options' names (``applier.cli.root`` declares them on typer; ``applier.cli.quick`` reads them).
@@ -28,6 +29,8 @@ SLOT = ("--slot",)
 PUBLICATION = ("--publication", "-p")
 TARGET = ("--target",)
 VERBOSE = ("--verbose", "-v")
+METRICS = ("--metrics",)  # run and catchup only
+LOG_FORMAT = ("--log-format",)  # run and catchup only
 
 
 class UserError(Exception):
@@ -47,11 +50,14 @@ def fail(message: str) -> NoReturn:
 
 def make_config(config: Path | None, dsn: str | None = None, slot: str | None = None,
                 publications: list[str] | None = None, target: str | None = None,
-                need_target: bool = True) -> Config:
-    """Load the config with flag overrides."""
+                need_target: bool = True, metrics: str | None = None, log_format: str | None = None) -> Config:
+    """Load the config with flag overrides; from here on log lines take its ``log.format``."""
     overrides: dict[str, Any] = {"source.dsn": dsn, "source.slot": slot,
-                                 "source.publications": publications or None, "target.url": target}
-    return load_config(config, overrides, need_target=need_target)
+                                 "source.publications": publications or None, "target.url": target,
+                                 "metrics.listen": metrics, "log.format": log_format}
+    cfg = load_config(config, overrides, need_target=need_target)
+    use_format(cfg.log["format"])
+    return cfg
 
 
 def run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -66,7 +72,9 @@ def run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def setup_logging(verbose: bool) -> None:
-    """Log lines to stderr: time, level, message."""
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Log lines to stderr as text (time, level, logger: message; ``make_config`` may switch them to JSON),
+    passwords redacted (``applier.logs``)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(TextFormatter())
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
     logging.getLogger("alembic").setLevel(logging.WARNING)

@@ -30,6 +30,8 @@ from typing import Any, NamedTuple
 from applier.cli.guard import (
     CONFIG,
     DSN,
+    LOG_FORMAT,
+    METRICS,
     PUBLICATION,
     SLOT,
     TARGET,
@@ -43,7 +45,8 @@ from applier.cli.guard import (
 COMMANDS = ("catchup", "run")
 # option name -> the apply function's parameter
 OPTIONS = {name: param for names, param in ((CONFIG, "config"), (DSN, "dsn"), (SLOT, "slot"),
-                                             (PUBLICATION, "publication"), (TARGET, "target"))
+                                             (PUBLICATION, "publication"), (TARGET, "target"),
+                                             (METRICS, "metrics"), (LOG_FORMAT, "log_format"))
             for name in names}
 _REPEATABLE = frozenset(("publication",))
 
@@ -101,14 +104,24 @@ def run(call: Call) -> None:
 
 
 def apply(catchup: bool, config: Path | None = None, dsn: str | None = None, slot: str | None = None,
-          publication: list[str] | None = None, target: str | None = None) -> None:
-    """``applier catchup`` (``catchup``) or ``applier run``: check, apply, print the summary line."""
+          publication: list[str] | None = None, target: str | None = None, metrics: str | None = None,
+          log_format: str | None = None) -> None:
+    """``applier catchup`` (``catchup``) or ``applier run``: check, serve the metrics (if on), apply, print the
+    summary line."""
     # here, not at the top: start-up time (`applier --help` and the other commands do not load the engine)
     from applier.admin import check_source, check_target
     from applier.engine.heartbeat import Bar, Heartbeat
     from applier.engine.runner import Runner
 
-    cfg = make_config(config, dsn, slot, publication, target)
+    cfg = make_config(config, dsn, slot, publication, target, metrics=metrics, log_format=log_format)
+    served = None
+    listen = cfg.metrics_listen
+    if listen is not None:  # before anything is checked or applied: a port in use stops the command here
+        # here, not at the top: start-up time (prometheus_client is imported only when metrics are on)
+        from applier.metrics import Metrics
+
+        served = Metrics()
+        served.serve(*listen, cfg.where("metrics", "listen"))
     check_source(cfg)
     check_target(cfg)
     stop = threading.Event()
@@ -119,7 +132,7 @@ def apply(catchup: bool, config: Path | None = None, dsn: str | None = None, slo
     # catchup on a terminal: a bar instead of progress lines (the runner logs lines otherwise)
     bar = Bar() if catchup and cfg.apply["heartbeat_interval"] > 0 and sys.stderr.isatty() else None
     runner = Runner(cfg, catchup=catchup, stop=stop,
-                    heartbeat=Heartbeat(Bar.EVERY, bar.show) if bar is not None else None)
+                    heartbeat=Heartbeat(Bar.EVERY, bar.show) if bar is not None else None, metrics=served)
     complete = False
     try:
         summary = runner.run()

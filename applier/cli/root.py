@@ -19,7 +19,7 @@ from applier._cmodule import describe
 from applier.cli import guard
 from applier.cli.guard import UserError, fail, make_config, run_guarded, setup_logging
 
-__all__ = ["ConfigOpt", "DsnOpt", "PubOpt", "SlotOpt", "TargetOpt", "UserError", "app", "fail", "make_config",
+__all__ = ["ConfigOpt", "DsnOpt", "LogFormatOpt", "MetricsOpt", "PubOpt", "SlotOpt", "TargetOpt", "UserError", "app", "fail", "make_config",
            "run_guarded"]
 
 app = typer.Typer(
@@ -35,6 +35,10 @@ SlotOpt = Annotated[str | None, typer.Option(*guard.SLOT, help="Replication slot
 PubOpt = Annotated[list[str] | None, typer.Option(*guard.PUBLICATION,
                                                   help="Publication, repeatable (source.publications).")]
 TargetOpt = Annotated[str | None, typer.Option(*guard.TARGET, help="Target URL (target.url).")]
+MetricsOpt = Annotated[str | None, typer.Option(*guard.METRICS, metavar="HOST:PORT",
+                                                help="Serve Prometheus metrics here (metrics.listen).")]
+LogFormatOpt = Annotated[str | None, typer.Option(*guard.LOG_FORMAT, metavar="text|json",
+                                                  help="Log lines as text or JSON objects (log.format).")]
 
 
 def _version(value: bool) -> None:

@@ -26,7 +26,8 @@ L >= S. A prepared transaction applied at PREPARE (its commit LSN unknown) that 
 before it is ready-and-past-S waits too. *Waiting* is ``TableWait``: the runner ends the session
 (rolling back the open group, as a crash would) and starts again once the row changes. A table with
 neither a target table nor a row waits under ``applier run`` (``wait_for_tables``) and is an error
-naming ``applier sync --table`` otherwise.
+naming ``applier sync --table`` otherwise. A copy ('init'/'copying') that no ``sync --table`` claims
+any more (``claim.copy_claim_name``) is dead: ``run`` says so once and waits on, ``catchup`` fails with it.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from applier.decoder.messages import (
     Begin,
@@ -68,7 +69,17 @@ from applier.engine.spool import Spool, SpoolSet, records
 from applier.errors import ApplyError, MissingTable, TableWait
 from applier.lsn import LSN
 from applier.targets.base import Binding, Join, Target, describe_values, log_missing, source_name
+from applier.targets.claim import copy_claim_name
 from applier.text import one_line
+
+
+class CommitObserver(Protocol):
+    """Told of each committed target transaction (``applier.metrics.Metrics`` is one): ``transactions`` source
+    transactions, ``changes`` rows sent by (operation, table), ``conflicts`` (rows not found) by (type, table),
+    ``commit_time`` the last one's. Never told of a rolled-back group."""
+
+    def committed(self, transactions: int, changes: Mapping[tuple[str, str], int],
+                  conflicts: Mapping[tuple[str, str], int], commit_time: int | None) -> None: ...
 
 log = logging.getLogger("applier.engine")
 
@@ -116,8 +127,18 @@ class ApplyEngine:
 
     def __init__(self, target: Target, *, applied: LSN, skip_lsn: LSN | None = None, work_dir: Path,
                  skip_origins: Sequence[str] = (), group_delay: float = 0.2, group_rows: int = 20000,
-                 careful: bool = False, binary: bool = False, wait_for_tables: bool = False) -> None:
+                 careful: bool = False, binary: bool = False, wait_for_tables: bool = False,
+                 schema_changes: str = "error",
+                 metrics: CommitObserver | None = None) -> None:
         self.target = target
+        # metrics on (``applier.metrics``): what the open group applied, tallied per batch, reported at commit
+        self.metrics = metrics
+        self.group_changes: dict[tuple[str, str], int] = {}  # (operation, table) -> rows
+        self.group_conflicts: dict[tuple[str, str], int] = {}  # (conflict type, table) -> rows (``Target.missing``)
+        if metrics is not None:
+            target.missing = self.group_conflicts
+        self.txns_reported = 0  # ``stats.transactions`` when the last group committed or rolled back
+        self.prepared_waiting: int | None = None  # prepared on the target, not finished (None: not counted)
         # a published table with neither a target table nor an applier_sync_tables row: wait (TableWait) for
         # `applier sync --table` (the daemon), or fail naming it
         self.wait_for_tables = wait_for_tables
@@ -129,7 +150,8 @@ class ApplyEngine:
         self.careful = careful
         self.binary = binary
         self.batch_rows = 1 if careful else BATCH_ROWS
-        self.relmap = RelationMap(target, binary)
+        # schema_changes "add_columns": the target table is made to fit each Relation message when bound
+        self.relmap = RelationMap(target, binary, follow=schema_changes == "add_columns")
         self.bindings = self.relmap.bindings  # the map's own dict (never replaced), for the per-row lookup
         # the message in hand as a spool record: set by ``handle`` for a Relation/Type message and by
         # ``replay`` for every one; the relation map keeps it for prepared transactions kept in a table
@@ -224,7 +246,8 @@ class ApplyEngine:
         if final_lsn < self.applied:
             return Skip.APPLIED_BEFORE
         if self.skip_lsn is not None and final_lsn == self.skip_lsn:
-            log.warning("skipping the transaction finished at %s, as asked by `applier skip`", final_lsn)
+            log.warning("skipping the transaction finished at %s, as asked by `applier skip`", final_lsn,
+                        extra={"lsn": final_lsn})
             return Skip.ASKED
         return None
 
@@ -288,10 +311,20 @@ class ApplyEngine:
         self.applied = self.group_end
         self.last_flush = time.monotonic()
         self.stats.groups += 1
+        if self.metrics is not None:
+            self.metrics.committed(self.stats.transactions - self.txns_reported, self.group_changes,
+                                   self.group_conflicts, self.group_time)
+            self.txns_reported = self.stats.transactions
+            self.group_changes = {}
+            self.group_conflicts.clear()
 
     def abort_group(self) -> None:
         """Roll back the open target transaction and forget the batch."""
         self.batches = {}
+        if self.metrics is not None:  # nothing of it was applied
+            self.txns_reported = self.stats.transactions
+            self.group_changes = {}
+            self.group_conflicts.clear()
         if self.group_open:
             self.group_open = False
             try:
@@ -313,9 +346,18 @@ class ApplyEngine:
 
     def binding(self, oid: int) -> Binding:
         """The binding of a relation OID (reflecting the target table on first use; a missing one: see the
-        module header)."""
+        module header). Following schema changes, the group is opened first: a column added or widened goes in the
+        target transaction of the change that needs it; not in one to be prepared on the target, where it would
+        keep the table locked until COMMIT PREPARED."""
+        no_ddl = None
+        if self.relmap.follow:
+            self.ensure_group()
+            txn = self.txn
+            if txn is not None and txn.prepared and self.target.native_prepare:
+                no_ddl = (f"source transaction {txn.xid} is prepared on the target (PREPARE TRANSACTION), which would "
+                          f"keep the table locked until COMMIT PREPARED")
         try:
-            return self.relmap.binding(oid, self.txn_lsn())
+            return self.relmap.binding(oid, self.txn_lsn(), no_ddl)
         except MissingTable as exc:
             rel = self.relmap.relations[oid]
             join = self.target.table_join(rel)
@@ -323,9 +365,15 @@ class ApplyEngine:
             if join is None and not self.wait_for_tables:
                 raise MissingTable(f"{exc}; if the table was added to the publication, copy it first: {hint}",
                                    exc.table) from None
-            why = (f"source table {source_name(rel)} is published but target table {exc.table} "
-                   f"does not exist: waiting for {hint}" if join is None else
-                   f"{exc}, and applier_sync_tables says it is {join[0]}: waiting for {hint} to create it")
+            if join is None:
+                why = (f"source table {source_name(rel)} is published but target table {exc.table} does not exist: "
+                       f"waiting for {hint} (or for the table to be created by hand: it then gets the stream's "
+                       f"changes from there on, without a copy)")
+            elif join[0] == "ready":  # copied once, the target table dropped since: only a new copy brings it back
+                why = (f"{exc}, but applier_sync_tables says it joined the stream at {join[1]}: waiting for "
+                       f"`applier sync --table {source_name(rel)} --force` to copy it again")
+            else:
+                why = f"{exc}, and applier_sync_tables says it is {join[0]}: waiting for {hint} to create it"
             raise self._wait(rel, join, why, missing=True) from None
 
     def held(self, b: Binding, txn: SourceTxn) -> bool:
@@ -340,6 +388,11 @@ class ApplyEngine:
         if not txn.prepared and at is not None and lsn < at:
             return True
         table = source_name(b.rel)
+        if txn.prepared and state == "ready":  # no copy is running: waiting could never end
+            raise ApplyError(f"prepared transaction {txn.xid} (prepared at {lsn}) changes table {table}, which joined "
+                             f"the stream at {at} (`applier sync --table`): whether it commits before or after that "
+                             f"point is not known when it is prepared; set source.two_phase = false (or "
+                             f"target.two_phase_mode = \"table\") to apply it at its commit")
         if txn.prepared:
             why = (f"prepared transaction {txn.xid} (prepared at {lsn}) changes table {table}, which joins the stream "
                    f"at {at or 'a snapshot not taken yet'} (`applier sync --table`): whether its commit comes before "
@@ -349,11 +402,17 @@ class ApplyEngine:
         else:
             why = (f"table {table} is being copied at its snapshot {at} (`applier sync --table`): its changes from "
                    f"there on wait for the copy to finish")
-        raise self._wait(b.rel, b.join, why)
+        wait = self._wait(b.rel, b.join, why)
+        if not self.wait_for_tables:  # catchup ends: it waits for a running copy, not for a dead one
+            dead = wait.dead()
+            if dead is not None:
+                raise ApplyError(dead)
+        raise wait
 
     def _wait(self, rel: Relation, seen: Join | None, why: str, missing: bool = False) -> TableWait:
         """The TableWait of a change to ``rel``: over once its applier_sync_tables row is no longer ``seen`` (or,
-        ``missing``, once its target table exists)."""
+        ``missing``, once its target table exists); ``dead()`` names a copy ('init'/'copying') that no
+        ``applier sync --table`` runs any more (nobody holds its claim, ``claim.copy_claim_name``)."""
         target, types, binary = self.target, dict(self.relmap.types), self.binary
 
         def changed() -> bool:
@@ -367,7 +426,19 @@ class ApplyEngine:
                 return False
             return True
 
-        return TableWait(why, changed)
+        def dead() -> str | None:
+            if seen is None or seen[0] == "ready":
+                return None
+            table = source_name(rel)
+            # the claim first, then the row: a copy that ended well wrote 'ready' before giving up its claim
+            if target.holder(copy_claim_name(target.name, rel.namespace or "pg_catalog", rel.name)) is not None \
+                    or target.table_join(rel) != seen:
+                return None
+            at = f" at {seen[1]}" if seen[1] is not None else ""
+            return (f"the copy of table {table}{at} ({seen[0]}) is not running (no `applier sync --table` holds "
+                    f"it: killed or failed): run `applier sync --table {table}` again")
+
+        return TableWait(why, changed, dead)
 
     def txn_lsn(self) -> LSN:
         """The finish LSN of the transaction in hand (what `applier skip --lsn` takes)."""
@@ -438,7 +509,8 @@ class ApplyEngine:
     def handle_message(self, m: Message) -> None:
         """Logical decoding messages are logged, not applied."""
         log.info("logical decoding message at %s: prefix=%r, %d bytes%s", m.lsn, m.prefix, len(m.content),
-                 "" if m.transactional else " (non-transactional)")
+                 "" if m.transactional else " (non-transactional)",
+                 extra={"lsn": m.lsn, "xid": self.txn.xid if self.txn is not None else None})
 
     def flush_batch(self) -> None:
         """Apply every queued batch to the target."""
@@ -463,7 +535,10 @@ class ApplyEngine:
             else:
                 missing = self.target.delete_rows(b, rows, lsn)
         if missing > 0:
-            log_missing(op, b, missing, lsn, rows[0] if len(rows) == 1 else None)
+            log_missing(op, b, missing, lsn, rows[0] if len(rows) == 1 else None, self.target.missing)
+        if self.metrics is not None:  # rows not found are taken off when the group commits (Metrics.committed)
+            key = (op, b.table)
+            self.group_changes[key] = self.group_changes.get(key, 0) + len(rows)
 
     def _error(self, op: str, b: Binding, rows: list[Any], txn: SourceTxn | None, exc: BaseException) -> ApplyError:
         where = f"in transaction {txn.xid} finished at {txn.final_lsn}" if txn else ""
@@ -628,6 +703,8 @@ class ApplyEngine:
                 self.target.prepare(txn.xid)
             self.group_open = False
         self.stats.transactions += 1
+        if self.prepared_waiting is not None:
+            self.prepared_waiting += 1
         self._progress_only(end_lsn, when)
 
     def handle_commit_prepared(self, m: CommitPrepared) -> None:
@@ -661,6 +738,8 @@ class ApplyEngine:
                     finally:
                         self.txn = None
                 self.target.delete_prepared(gid)
+        if self.prepared_waiting:
+            self.prepared_waiting -= 1
         self._progress_only(end_lsn, when)
 
 
@@ -672,7 +751,7 @@ def rolled_back_on_error(engine: ApplyEngine, describe: Callable[[BaseException]
     """Run target work; on any failure roll the open target transaction back and raise an ApplyError."""
     try:
         yield
-    except ApplyError:
+    except (ApplyError, TableWait):  # a wait is no failure (a kept prepared transaction's replay may wait)
         engine.abort_group()
         raise
     except Exception as exc:

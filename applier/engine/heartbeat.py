@@ -57,7 +57,7 @@ class Heartbeat:
 
     def __init__(self, interval: float, show: Callable[[Beat], None] | None = None) -> None:
         self.interval = interval
-        self.show = show or (lambda beat: log.info("%s", beat.line()))
+        self.show = show or (lambda beat: log.info("%s", beat.line(), extra={"lsn": beat.applied}))
         self.due = math.inf  # monotonic time of the next beat (never before ``begin``, nor with interval 0)
         self.start: LSN | None = None
         self._rows = 0

@@ -8,7 +8,10 @@ As PostgreSQL's relation.c does for its subscriber, this module owns the remoteâ
   misses them and decides each change (``ApplyEngine.held``); ``promote`` moves one to ``bindings``
   once every later change is the stream's;
 - ``meta_raw``: the raw bytes of those Relation and Type messages, so that a prepared transaction
-  kept in the target's table carries the definitions its changes need (``meta_blob``).
+  kept in the target's table carries the definitions its changes need (``meta_blob``);
+- ``replaced``: the Relation message each later one for its OID replaced, so that a schema change
+  followed on the target (``follow``: ``apply.schema_changes = "add_columns"``, ``target.follow``
+  before ``target.bind``) knows what the source changed.
 
 Invariants:
 - a new Relation message for an OID drops that OID's binding, so the next change re-reads the
@@ -34,22 +37,27 @@ RawMessage = tuple[bool, bytes]  # (in a stream block, the message's bytes): one
 class RelationMap:
     """Source relations and types by OID, their raw messages and their target bindings; see the module header."""
 
-    __slots__ = ("target", "binary", "relations", "types", "bindings", "gated", "meta_raw")
+    __slots__ = ("target", "binary", "follow", "relations", "types", "bindings", "gated", "meta_raw", "replaced")
 
-    def __init__(self, target: Target, binary: bool = False) -> None:
+    def __init__(self, target: Target, binary: bool = False, follow: bool = False) -> None:
         self.target = target
         self.binary = binary
+        self.follow = follow  # make the target table fit each Relation message before binding it
         self.relations: dict[int, Relation] = {}
         self.types: dict[int, Type] = {}
         self.bindings: dict[int, Binding] = {}
         self.gated: dict[int, Binding] = {}
         # raw Relation/Type messages by ('R'|'Y', oid): a prepared transaction kept in a table carries them
         self.meta_raw: dict[tuple[str, int], RawMessage] = {}
+        self.replaced: dict[int, Relation] = {}
 
     def add_relation(self, m: Relation, raw: RawMessage) -> None:
         """Cache a Relation message; a binding made from an earlier one for its OID is dropped."""
         self.bindings.pop(m.oid, None)
         self.gated.pop(m.oid, None)
+        old = self.relations.get(m.oid)
+        if old is not None:
+            self.replaced[m.oid] = old
         self.relations[m.oid] = m
         self.meta_raw[("R", m.oid)] = raw
 
@@ -58,15 +66,19 @@ class RelationMap:
         self.types[m.oid] = m
         self.meta_raw[("Y", m.oid)] = raw
 
-    def binding(self, oid: int, lsn: LSN) -> Binding:
+    def binding(self, oid: int, lsn: LSN, no_ddl: str | None = None) -> Binding:
         """The binding of a relation OID, reflecting the target table on first use (``lsn``: the
-        finish LSN of the transaction in hand, for error messages)."""
+        finish LSN of the transaction in hand, for error messages). With ``follow`` the target table is
+        first made to fit the Relation message, in the open target transaction (``no_ddl``: why it may
+        not be changed now; a change it needs is then an ApplyError saying so)."""
         b = self.bindings.get(oid) or self.gated.get(oid)
         if b is None:
             rel = self.relations.get(oid)
             if rel is None:
                 raise ApplyError(f"change for relation OID {oid} before its Relation message "
                                  f"(transaction finished at {lsn})")
+            if self.follow:
+                self.target.follow(rel, self.replaced.get(oid), self.types, lsn, no_ddl)
             b = self.target.bind(rel, self.types, lsn, self.binary)
             b.join = self.target.table_join(rel)  # after bind: a row is made before its table (add_table)
             (self.bindings if b.join is None else self.gated)[oid] = b
@@ -89,7 +101,8 @@ class RelationMap:
     def isolated(self) -> Iterator[None]:
         """An empty map for the duration (a kept prepared transaction carries its own definitions),
         then the one before, as it was."""
-        saved = (dict(self.relations), dict(self.types), dict(self.bindings), dict(self.meta_raw), dict(self.gated))
+        saved = (dict(self.relations), dict(self.types), dict(self.bindings), dict(self.meta_raw), dict(self.gated),
+                 dict(self.replaced))
         self._clear()
         try:
             yield
@@ -100,6 +113,7 @@ class RelationMap:
             self.bindings.update(saved[2])
             self.meta_raw.update(saved[3])
             self.gated.update(saved[4])
+            self.replaced.update(saved[5])
 
     def _clear(self) -> None:
         self.relations.clear()
@@ -107,3 +121,4 @@ class RelationMap:
         self.bindings.clear()
         self.gated.clear()
         self.meta_raw.clear()
+        self.replaced.clear()

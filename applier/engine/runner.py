@@ -22,7 +22,10 @@ retry can neither lose nor repeat a transaction.
   confirm, the source closed), the target stays open (its claim held, no transaction open: a SQLite
   file stays writable for ``applier sync --table``) while the wait polls about once a
   ``TABLE_POLL`` seconds, and a new session starts at once when it is over (no backoff). Each
-  reason is logged once; a stop ends the wait.
+  reason is logged once, and so is a copy found dead (``TableWait.dead``); a stop ends the wait.
+
+Metrics (``applier.metrics``, when on): the runner hands each session's engine and source to the
+``Metrics`` object and counts errors by kind, retries and reconnects; the engine reports each commit.
 
 Catch-up goal: the source's ``pg_current_wal_insert_lsn()`` when the command
 starts. It is reached when a commit ends at or past it, or a keepalive's WAL end
@@ -39,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
@@ -58,6 +61,9 @@ from applier.source.sql import SqlSlotSource
 from applier.source.walsender import WalSender, session_dsn
 from applier.targets import opener
 from applier.text import one_line, quote_literal
+
+if TYPE_CHECKING:
+    from applier.metrics import Metrics
 
 log = logging.getLogger("applier.runner")
 
@@ -193,13 +199,29 @@ def is_transient(exc: BaseException) -> bool:
     return "cannot connect to the target" in str(exc)
 
 
+def error_kind(exc: BaseException) -> str:
+    """What ended a session, as the metrics count it (``applier.metrics.ERROR_KINDS``)."""
+    if isinstance(exc, SlotInUseError):
+        return "slot_in_use"
+    if isinstance(exc, SpoolFull):
+        return "spool_full"
+    return "connection" if is_transient(exc) else "apply"
+
+
+def prepared_count(target: Any) -> int:
+    """Prepared transactions of this applier waiting on the target for COMMIT/ROLLBACK PREPARED."""
+    return len(target.list_prepared()) + (len(target.prepared_gids()) if target.native_prepare else 0)
+
+
 class Runner:
     """Runs sessions until done; see the module header."""
 
     def __init__(self, cfg: Config, *, catchup: bool, stop: threading.Event | None = None,
                  max_connect_retries: int | None = None, wrap_source: Any = None,
-                 heartbeat: Heartbeat | None = None) -> None:
+                 heartbeat: Heartbeat | None = None, metrics: Metrics | None = None) -> None:
         self.cfg = cfg
+        self.metrics = metrics  # told of sessions, errors and retries (``applier.metrics``); None: metrics off
+        self.sessions = 0
         self.command = "catchup" if catchup else "run"  # how this process names itself to a second one (claim)
         self.wrap_source = wrap_source  # Source -> Source, applied to each session's source (applier verify)
         self.catchup = catchup
@@ -234,33 +256,40 @@ class Runner:
                 continue
             except (ApplyError, SourceError, psycopg.Error, sqlite3.Error) as exc:
                 msg = one_line(exc)
+                where = {"lsn": self.fail_lsn} if self.fail_lsn else {}  # log fields (applier.logs)
+                if self.metrics is not None:
+                    self.metrics.failed(error_kind(exc))
                 if applied_before is not None and self.summary.applied is not None \
                         and self.summary.applied > applied_before:  # the session applied some: a new outage
                     delay, failures = self.cfg.apply["retry_initial"], 0
                 if isinstance(exc, SlotInUseError):  # another consumer: `run` waits for the slot, others end
                     if self.catchup:
                         raise
-                    log.warning("%s; waiting %.1fs for it", msg, delay)
+                    log.warning("%s; waiting %.1fs for it", msg, delay, extra=where)
                 elif isinstance(exc, SpoolFull):  # room may come back: `run` waits for it, `catchup` ends
                     if self.catchup:
                         raise
-                    log.warning("%s; retrying in %.1fs", msg, delay)
+                    log.warning("%s; retrying in %.1fs", msg, delay, extra=where)
                 elif is_transient(exc):
                     failures += 1
                     if self.max_connect_retries is not None and failures > self.max_connect_retries:
                         raise
-                    log.warning("connection problem, retrying in %.1fs: %s", delay, msg)
+                    log.warning("connection problem, retrying in %.1fs: %s", delay, msg, extra=where)
                 elif not (careful and self.ended_careful):  # careful mode ends past the fail point
-                    log.warning("apply failed, retrying the failing transaction row by row: %s", msg)
+                    log.warning("apply failed, retrying the failing transaction row by row: %s", msg, extra=where)
                     careful = True
+                    if self.metrics is not None:
+                        self.metrics.retried()
                     continue
                 else:
                     self.summary.errors.append(msg)
                     if self.catchup or self.cfg.apply["on_error"] == "stop":
                         raise
-                    log.error("%s; retrying in %.1fs (nothing past it is confirmed)", msg, delay)
+                    log.error("%s; retrying in %.1fs (nothing past it is confirmed)", msg, delay, extra=where)
                 if self.stop.wait(delay):
                     break
+                if self.metrics is not None:
+                    self.metrics.retried()
                 delay = min(delay * 2, self.cfg.apply["retry_max"])
         self.summary.seconds = time.monotonic() - started
         return self.summary
@@ -269,6 +298,9 @@ class Runner:
         """One connection's worth of applying, until the run is complete (or a failure, raised)."""
         cfg = self.cfg
         self.ended_careful = careful
+        if self.sessions and self.metrics is not None:
+            self.metrics.reconnected()
+        self.sessions += 1
         target = opener.open(cfg)
         engine: ApplyEngine | None = None
         source: ChunkReader | None = None
@@ -280,8 +312,13 @@ class Runner:
             engine = ApplyEngine(
                 target, applied=progress.lsn, skip_lsn=progress.skip_lsn, work_dir=cfg.spool_dir,
                 skip_origins=cfg.apply["skip_origins"], group_delay=cfg.apply["group_commit_delay"],
-                careful=careful, binary=cfg.source["binary"], wait_for_tables=not self.catchup)
+                careful=careful, binary=cfg.source["binary"], wait_for_tables=not self.catchup,
+                schema_changes=cfg.apply["schema_changes"],
+                metrics=self.metrics)
             source = open_source(cfg, progress, self.wrap_source)  # first: is this the source of the progress?
+            if self.metrics is not None:
+                engine.prepared_waiting = prepared_count(target)
+                self.metrics.watch(engine, source, progress.commit_time)
             target.source_system = source.system_id
             target.money_text = source.money_text
             target.slot = cfg.source["slot"]
@@ -311,12 +348,18 @@ class Runner:
         while not self.stop.wait(TABLE_POLL):
             if wait.changed():
                 return
+            dead = wait.dead()
+            if dead is not None and dead != self.waiting:  # said once; the wait goes on (a new copy ends it)
+                self.waiting = dead
+                log.warning("%s", dead)
 
     def _end_session(self, target: Any, engine: ApplyEngine | None, source: ChunkReader | None,
                      failure: BaseException | None, close_target: bool = True) -> None:
         """Close what a session opened, each step whatever the one before did: the engine (rolling back what is
         open), the record of the failure, the last confirm, the source, the target (unless not ``close_target``)."""
         try:
+            if self.metrics is not None and engine is not None:
+                self.metrics.unwatch(failure is not None)
             if engine is not None:
                 self._account(engine)
                 self.fail_lsn = engine.txn.final_lsn if engine.txn is not None else engine.last_commit_end

@@ -169,6 +169,16 @@ class SpoolSet:
             sp = self.spools[xid] = Spool(self.dir, xid, fresh=True)
         return sp
 
+    def size(self) -> int:
+        """Bytes in the spool files on disk (written out so far), for the metrics; safe from another thread."""
+        total = 0
+        for sp in list(self.spools.values()):
+            try:
+                total += sp.path.stat().st_size
+            except OSError:  # removed meanwhile
+                pass
+        return total
+
     def pop(self, xid: int) -> Spool | None:
         """Take the spool of ``xid`` out of the set."""
         return self.spools.pop(xid, None)

@@ -26,6 +26,18 @@ transactions committed before S (they are in the copy) and applies the later
 ones once the table is 'ready'; until then they wait, and ``applier run`` holds
 at S (its lag grows) while the copy runs.
 
+Each table's copy is *claimed* for the whole command (``claim.copy_claim_name``: an advisory lock on
+the target connection, a lock file beside a SQLite target) before its row is written: a second
+``sync --table`` of the table is refused naming the first, a full ``applier sync`` that starts
+meanwhile stops, and an applier waiting on a row 'init'/'copying' that nobody claims says that the
+copy is dead (``catchup`` fails with that line). The rows' UPDATEs must each find this run's row, or
+the command stops ("another `applier sync` took over").
+
+The applier streaming from the slot now must stream a publication of each table (read from its
+walsender's ``START_REPLICATION`` command in ``pg_stat_activity``): one started before the
+publication was added to ``source.publications`` would pass S without the table's changes. When no
+applier streams, the command says which publications ``applier run`` must be started with.
+
 Refused, one line each: a target without a completed full sync, a two-phase
 config (a prepared transaction is applied before its commit LSN is known, so
 it cannot be placed against S; PostgreSQL's ``ALTER SUBSCRIPTION … REFRESH
@@ -33,15 +45,16 @@ PUBLICATION`` refuses ``copy_data`` with ``two_phase`` too), a table that is
 not published by the configured publications. A table whose row is 'init' or
 'copying' (an interrupted run) is emptied and copied again. A target table
 that exists without a row, or one already 'ready', is refused unless ``force``;
-with ``force`` only while no applier holds the progress row (``applier run``
-may have applied changes to that table already: it must be stopped).
+with ``force`` the progress row is claimed (``applier run`` may have applied
+changes to that table already: it must be stopped) until the row is 'init' and
+the table emptied, so that an applier starting then sees the row.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
-import time
 import uuid
 from typing import Any
 
@@ -49,23 +62,23 @@ import psycopg
 
 from applier.admin import check_source, check_target, source_connect
 from applier.config import Config
+from applier.errors import InUseError
 from applier.migrate.schema import SourceTable
 from applier.migrate.spark.progress import Reporter
-from applier.migrate.spark.session import spark_for
 from applier.migrate.sync import (
     SyncError,
     SyncResult,
     TargetDb,
-    _copy_table,
     _now,
     _signature,
+    copy_tables,
     read_tables_in_snapshot,
 )
 from applier.progress.migrate import migrate
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
-from applier.targets.claim import target_holder
-from applier.text import one_line
+from applier.targets.claim import FileClaim, claim_target, copy_claim_name
+from applier.text import one_line, quote_ident
 
 
 def sync_tables(cfg: Config, names: list[str], *, force: bool = False, spark: Any = None, reporter: Any = None,
@@ -76,6 +89,8 @@ def sync_tables(cfg: Config, names: list[str], *, force: bool = False, spark: An
     reporter = reporter or Reporter()
     try:
         return _sync_tables(cfg, names, force, spark, reporter, say, partitions)
+    except (psycopg.Error, sqlite3.Error) as exc:  # a lock wait cancelled, a SQLite file busy too long, ...
+        raise SyncError(f"`applier sync --table` failed: {one_line(exc)}") from None
     finally:
         reporter.close()
 
@@ -100,21 +115,81 @@ def _sync_tables(cfg: Config, names: list[str], force: bool, spark: Any, reporte
     if before != after:
         say(f"control tables: {'created at' if before is None else 'upgraded from ' + before + ' to'} {after}")
     target = TargetDb(cfg)
+    claims: list[FileClaim | None] = []
     try:
-        state = target.sync_state(name)
-        if state is None or state["state"] != "done":
-            raise SyncError(f"`applier sync --table` adds tables to a replica that `applier sync` made, but for "
-                            f"apply.name {name!r} " + ("no sync has run" if state is None else
-                                                       f"the sync is {state['state']} (interrupted)")
-                            + ": run `applier sync` first (it copies every published table)")
+        _need_done_sync(target, name)
         tables = _published(cfg, names)
+        claims = [_claim_copy(target, name, t) for t in tables]
+        _need_done_sync(target, name)  # again, claimed: a full sync that starts now sees the claims and stops
+        _check_streamed(cfg, tables, say)
         run = uuid.uuid4().hex
         for t in tables:
             _begin_table(cfg, target, t, run, force, say)
         return _copy_at_new_snapshot(cfg, target, tables, run, partitions or cfg.spark["partitions"], spark,
                                      reporter, say)
     finally:
-        target.close()
+        target.close()  # a PostgreSQL target's claims go with its connection
+        for claim in claims:
+            if claim is not None:
+                claim.release()
+
+
+def _need_done_sync(target: TargetDb, name: str) -> None:
+    """SyncError unless the full sync of ``name`` is done."""
+    state = target.sync_state(name)
+    if state is None or state["state"] != "done":
+        raise SyncError(f"`applier sync --table` adds tables to a replica that `applier sync` made, but for "
+                        f"apply.name {name!r} " + ("no sync has run" if state is None else
+                                                   f"the sync is {state['state']} (interrupted or running)")
+                        + ": run `applier sync` first (it copies every published table)")
+
+
+def _claim_copy(target: TargetDb, name: str, t: SourceTable) -> FileClaim | None:
+    """Claim the copy of ``t`` for this run (``claim.copy_claim_name``), held until the command ends: a second
+    ``sync --table`` of the table is refused naming this one, and an applier waiting for the copy knows that it
+    runs. SyncError naming the holder if another run has it."""
+    key = copy_claim_name(name, t.schema, t.name)
+    try:
+        return claim_target(target.dialect, target.conn, target.where, key, "sync --table")
+    except InUseError:
+        holder = target.holder(key) or "a process that has since ended; try again"
+        raise SyncError(f"another `applier sync --table` is copying source table {t.qualified} to this target for "
+                        f"apply.name {name!r}: {holder}; let it end (or stop it) first") from None
+
+
+def _check_streamed(cfg: Config, tables: list[SourceTable], say: Any) -> None:
+    """SyncError if the applier streaming from the slot now does not stream a publication of each table: its
+    position would pass the copy's snapshot without the table's changes, which would then be lost. The running
+    stream's publications are read from its walsender's command (``pg_stat_activity.query``)."""
+    slot, pubs = cfg.source["slot"], cfg.source["publications"]
+    with source_connect(cfg) as conn:
+        row = conn.execute("SELECT a.pid, a.query FROM pg_replication_slots s JOIN pg_stat_activity a "
+                           "ON a.pid = s.active_pid WHERE s.slot_name = %s", [slot]).fetchone()
+        if row is None:
+            say(f"no applier streams from slot {slot!r} now (stopped, or waiting for a table): make sure `applier "
+                f"run` runs with source.publications {', '.join(pubs)}, or the copied tables' changes are lost")
+            return
+        pid, query = row
+        m = re.search(r"\"?publication_names\"?\s+'((?:[^']|'')*)'", query or "")
+        if m is None:
+            say(f"cannot tell which publications the applier streaming from slot {slot!r} (walsender pid {pid}) "
+                f"was started with (its command is not visible to this role): make sure they include the copied "
+                f"tables' ({', '.join(pubs)})")
+            return
+        streamed = [a or b.replace('""', '"') for a, b in
+                    re.findall(r'([^",]+)|"((?:[^"]|"")*)"', m[1].replace("''", "'"))]
+        missing = []
+        for t in tables:
+            by = [r[0] for r in conn.execute("SELECT pubname FROM pg_publication_tables WHERE pubname = ANY(%s) "
+                                             "AND schemaname = %s AND tablename = %s", [pubs, t.schema, t.name])]
+            if not set(by) & set(streamed):
+                missing.append(f"{t.qualified} ({', '.join(by)})")
+    if missing:
+        raise SyncError(f"the applier streaming from slot {slot!r} (walsender pid {pid}) streams publications "
+                        f"{', '.join(streamed)}, which do not publish " + ", ".join(missing) + ": its position "
+                        f"would pass the copy without their changes. Restart `applier run` (it reads "
+                        f"{cfg.where('source', 'publications')} when it starts), then run `applier sync --table` "
+                        f"again")
 
 
 def _published(cfg: Config, names: list[str]) -> list[SourceTable]:
@@ -129,12 +204,23 @@ def _published(cfg: Config, names: list[str]) -> list[SourceTable]:
             if (schema, table) in published:
                 out.append(published[(schema, table)])
                 continue
-            found = conn.execute("SELECT 1 FROM pg_class c JOIN pg_namespace s ON s.oid = c.relnamespace "
+            found = conn.execute("SELECT c.relkind FROM pg_class c JOIN pg_namespace s ON s.oid = c.relnamespace "
                                  "WHERE s.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')",
                                  [schema, table]).fetchone()
-            problems.append(f"source table {schema}.{table} is not published by {pubs} "
-                            f"({cfg.where('source', 'publications')}): ALTER PUBLICATION … ADD TABLE {schema}.{table} "
-                            f"first" if found else f"source table {schema}.{table} does not exist")
+            leaves = [] if found is None or found[0] != "p" else [r[0] for r in conn.execute(
+                "SELECT DISTINCT p.schemaname || '.' || p.tablename FROM pg_partition_tree(%s::regclass) t "
+                "JOIN pg_class c ON c.oid = t.relid JOIN pg_namespace s ON s.oid = c.relnamespace "
+                "JOIN pg_publication_tables p ON p.schemaname = s.nspname AND p.tablename = c.relname "
+                "WHERE p.pubname = ANY(%s) ORDER BY 1",
+                [quote_ident(schema) + "." + quote_ident(table), cfg.source["publications"]])]
+            if leaves:
+                problems.append(f"source table {schema}.{table} is partitioned and published through its partitions "
+                                f"{', '.join(leaves)} by {pubs} (publish_via_partition_root = false): give those to "
+                                f"--table, or set publish_via_partition_root = true")
+            else:
+                problems.append(f"source table {schema}.{table} is not published by {pubs} "
+                                f"({cfg.where('source', 'publications')}): ALTER PUBLICATION … ADD TABLE "
+                                f"{schema}.{table} first" if found else f"source table {schema}.{table} does not exist")
     if problems:
         raise SyncError("\n".join(problems))
     return out
@@ -162,30 +248,43 @@ def _begin_table(cfg: Config, target: TargetDb, t: SourceTable, run: str, force:
         raise SyncError(f"target table {shown} exists, but not from `applier sync --table {t.qualified}`: "
                         f"`applier run` may have applied changes to it. Use --force to empty it and copy it "
                         f"(stop `applier run` first)")
-    if exists and (row is None or row[0] == "ready"):  # --force
-        holder = target_holder(target.dialect, target.conn, target.where, name)
-        if holder is not None:
+    guard: TargetDb | None = None
+    if exists and (row is None or row[0] == "ready"):  # --force: no applier may bind the table without the row
+        guard = TargetDb(cfg)
+        try:
+            guard.claim("sync --table --force")  # held until the row is 'init' and the table emptied
+        except InUseError:
+            holder = guard.holder(name) or "a process that has since ended; try again"
+            guard.close()
             raise SyncError(f"--force empties target table {shown}, but an applier applies to this target for "
-                            f"apply.name {name!r} and may apply changes to that table: {holder}; stop it first")
-    if row is not None and row[0] != "ready":
-        say(f"restarting the interrupted copy of {t.qualified} ({row[0]}, started {row[2]}): target table {shown} "
-            f"is emptied and copied again at a new snapshot")
-    key = [name, t.schema, t.name]
-    target.transaction([
-        (f"DELETE FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} AND table_name = {ph}", key),
-        (f"INSERT INTO applier_sync_tables (name, schema_name, table_name, state, run, started_at) "
-         f"VALUES ({ph}, {ph}, {ph}, 'init', {ph}, {ph})", [*key, run, _now()]),
-    ], durable=True)
+                            f"apply.name {name!r} and may apply changes to that table: {holder}; stop it first") \
+                from None
     try:
-        for created in target.prepare([t]).created:
-            say(f"created target table {created}")
-    except BaseException:
-        if row is None:  # nothing joins: as before
-            target.transaction([(f"DELETE FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} "
-                                 f"AND table_name = {ph}", key)])
-        raise
-    if exists:
-        target.empty_tables([t])
+        if row is not None and row[0] != "ready":
+            say(f"restarting the interrupted copy of {t.qualified} ({row[0]}, started {row[2]}): target table "
+                f"{shown} is emptied and copied again at a new snapshot")
+        key = [name, t.schema, t.name]
+        target.transaction([
+            (f"DELETE FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} AND table_name = {ph}", key),
+            (f"INSERT INTO applier_sync_tables (name, schema_name, table_name, state, run, started_at) "
+             f"VALUES ({ph}, {ph}, {ph}, 'init', {ph}, {ph})", [*key, run, _now()]),
+            # partitions of earlier runs of this table (interrupted ones): never read again
+            (f"DELETE FROM applier_sync_parts WHERE name = {ph} AND tbl = {ph} AND run <> {ph}",
+             [name, t.qualified, run]),
+        ], durable=True)
+        try:
+            for created in target.prepare([t]).created:
+                say(f"created target table {created}")
+        except BaseException:
+            if row is None:  # nothing joins: as before
+                target.transaction([(f"DELETE FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} "
+                                     f"AND table_name = {ph}", key)])
+            raise
+        if exists:
+            target.empty_tables([t], f"applier sync --table {t.qualified}")
+    finally:
+        if guard is not None:
+            guard.close()
 
 
 def temporary_slot_name(name: str, run: str) -> str:
@@ -197,9 +296,6 @@ def temporary_slot_name(name: str, run: str) -> str:
 def _copy_at_new_snapshot(cfg: Config, target: TargetDb, tables: list[SourceTable], run: str, nparts: int,
                           spark: Any, reporter: Any, say: Any) -> SyncResult:
     """Steps 2 to 4 (see the module header)."""
-    # start-up time: spark.copy loads pyspark
-    from applier.migrate.spark.copy import CopyError
-
     name, ph = cfg.apply["name"], target.ph
     slot = temporary_slot_name(name, run)
     try:
@@ -217,24 +313,13 @@ def _copy_at_new_snapshot(cfg: Config, target: TargetDb, tables: list[SourceTabl
         now = [in_snapshot.get(t.qualified) for t in tables]
         if any(t is None for t in now) or _signature([t for t in now if t is not None]) != _signature(tables):
             raise SyncError("the published tables changed while `applier sync --table` started; run it again")
-        target.transaction([(f"UPDATE applier_sync_tables SET state = 'copying', snapshot_lsn = {ph} "
-                             f"WHERE name = {ph} AND run = {ph}", [str(at), name, run])], durable=True)
+        copying = target.transaction([(f"UPDATE applier_sync_tables SET state = 'copying', snapshot_lsn = {ph} "
+                                       f"WHERE name = {ph} AND run = {ph}", [str(at), name, run])], durable=True)
+        if copying[0] != len(tables):
+            raise _taken_over(tables, name)
         result = SyncResult("table", slot, at)
-        if spark is None and target.dialect != "sqlite":  # a SQLite target is copied by the driver alone
-            spark = spark_for(cfg)
-        started = time.monotonic()
-        failed: list[str] = []
-        with source_connect(cfg) as poll:
-            for i, table in enumerate(tables):
-                try:
-                    result.tables.append(_copy_table(cfg, target, table, i, run, info.snapshot_name, nparts, spark,
-                                                     reporter, say, poll))
-                except CopyError as exc:  # the other tables are still copied, every failure is reported
-                    failed.append(str(exc))
-                    say(f"{exc}; going on with the other tables")
-                    continue
-                _ready(target, name, run, table)
-        result.copy_seconds = time.monotonic() - started
+        failed = copy_tables(cfg, target, tables, run, info.snapshot_name, nparts, spark, reporter, say, result,
+                             after=lambda table: _ready(target, name, run, table))
         if failed:
             raise SyncError(f"{len(failed)} of {len(tables)} tables could not be copied (the others joined the "
                             f"stream at {at}); the failed ones stay 'copying', and `applier run` holds their changes "
@@ -243,8 +328,6 @@ def _copy_at_new_snapshot(cfg: Config, target: TargetDb, tables: list[SourceTabl
         say(f"{len(tables)} table{'s' if len(tables) > 1 else ''} copied at {at} and joined to the stream: "
             f"`applier run` / `catchup` apply their changes from there on")
         return result
-    except (psycopg.Error, sqlite3.Error) as exc:
-        raise SyncError(f"`applier sync --table` failed: {one_line(exc)}") from None
     finally:
         ws.close()  # the temporary slot goes with it
 
@@ -252,10 +335,19 @@ def _copy_at_new_snapshot(cfg: Config, target: TargetDb, tables: list[SourceTabl
 def _ready(target: TargetDb, name: str, run: str, table: SourceTable) -> None:
     """Step 4 for one table: 'ready', its partitions forgotten; durable (the copy's commits are flushed with it)."""
     ph = target.ph
-    target.transaction([
+    ready = target.transaction([
         (f"UPDATE applier_sync_tables SET state = 'ready', finished_at = {ph} WHERE name = {ph} AND run = {ph} "
          f"AND schema_name = {ph} AND table_name = {ph}", [_now(), name, run, table.schema, table.name]),
         (f"DELETE FROM applier_sync_parts WHERE name = {ph} AND run = {ph} AND tbl = {ph}",
          [name, run, table.qualified]),
     ], durable=True)
+    if ready[0] != 1:
+        raise _taken_over([table], name)
+
+
+def _taken_over(tables: list[SourceTable], name: str) -> SyncError:
+    """The run's applier_sync_tables rows are gone or another run's (a full `applier sync --force`, say)."""
+    return SyncError(f"another `applier sync` took over {', '.join(t.qualified for t in tables)} for apply.name "
+                     f"{name!r} (its applier_sync_tables row is no longer this run's): this copy stops; see "
+                     f"`applier status` and run `applier sync --table` again if the table still needs it")
 

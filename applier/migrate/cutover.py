@@ -24,7 +24,9 @@
    what the target was given (a writer still running) fails, named.
 3. **Verify** (unless ``verify=False``): ``applier.migrate.spark.verify.verify``; an error that
    stops it is reported as "could not verify", after the sequences are set.
-4. The ``CutoverReport``: lines for people, ``as_json`` for machines, ``status`` for the exit code.
+4. The ``CutoverReport``: lines for people, ``as_json`` for machines, ``status`` for the exit code. Its
+   lag is ``status``'s, measured once caught up (with ``applier run`` holding the target, what that has not
+   applied yet when P was reached).
 
 Invariants: nothing past step 1 runs unless the target holds every published change up to a moment
 when no further one was pending (or, with ``applier run`` holding the target, its progress reached
@@ -111,6 +113,8 @@ class CutoverReport:
     source: str  # the source DSN, without its password (for a command a person copies)
     dialect: str
     margin: int
+    lag_bytes: int | None = None  # measured (``applier.admin.status``) once caught up; None: not known
+    lag_seconds: float | None = None
     sequences: list[SequenceResult] = field(default_factory=list)
     verify: Any = None  # applier.migrate.spark.verify.VerifyReport, None when not run
     verify_error: str | None = None  # verify could not run: why
@@ -144,7 +148,8 @@ class CutoverReport:
         return {
             "ok": self.ok, "status": self.status, "source_lsn": self.source_lsn, "target_lsn": self.target_lsn,
             "caught_up_by": self.caught_up_by, "applied_transactions": self.applied_transactions,
-            "applied_rows": self.applied_rows, "wait_seconds": round(self.wait_seconds, 3), "lag_bytes": 0, "lag_seconds": 0.0,
+            "applied_rows": self.applied_rows, "wait_seconds": round(self.wait_seconds, 3), "lag_bytes": self.lag_bytes,
+            "lag_seconds": self.lag_seconds,
             "slot": self.slot, "margin": self.margin,
             "sequences": [{**vars(s), "ok": s.ok} for s in self.sequences],
             "verify": None if self.verify is None else self.verify.as_json(), "verify_error": self.verify_error,
@@ -159,8 +164,10 @@ class CutoverReport:
 
     def lines(self) -> list[str]:
         """For people: where the target is, each sequence, verify, then the verdict and what to do next."""
+        seconds = "unknown" if self.lag_seconds is None else f"{self.lag_seconds}s"
         out = [f"caught up: the target holds every published change up to the source's position {self.source_lsn} "
-               f"(target at {self.target_lsn}; lag 0 bytes, 0.0s; {self.applied_transactions} transactions, "
+               f"(target at {self.target_lsn}; lag {self.lag_bytes} bytes, {seconds}; "
+               f"{self.applied_transactions} transactions, "
                f"{self.applied_rows} rows applied by {self.caught_up_by} in {self.wait_seconds:.1f}s)"]
         margin = f" + margin {self.margin}" if self.margin else ""
         if not self.sequences:
@@ -200,13 +207,14 @@ class CutoverReport:
 
 
 def _without_password(dsn: str) -> str:
-    """The DSN as conninfo without its password (psql then asks, or reads ~/.pgpass); redacted if unparsable."""
+    """The DSN as conninfo without any key ``redact_dsn`` would mask (``password``, ``sslpassword``, …: psql then
+    asks, or reads ~/.pgpass), so the command it goes into runs as printed; redacted if unparsable."""
     try:
         parts = conninfo_to_dict(dsn)
     except psycopg.Error:
         return redact_dsn(dsn)
-    parts.pop("password", None)
-    return make_conninfo("", **parts)
+    kept = {k: v for k, v in parts.items() if redact_dsn(f"{k}=v") == f"{k}=v"}
+    return redact_dsn(make_conninfo("", **kept))
 
 
 # -- step 1: caught up ----------------------------------------------------------------------------
@@ -218,6 +226,7 @@ class _CatchUp:
     by: str = "cutover"
     transactions: int = 0
     rows: int = 0
+    lag: dict[str, Any] = field(default_factory=dict)  # ``status`` once caught up (lag_bytes, lag_seconds)
 
 
 def _lag(info: dict[str, Any]) -> str:
@@ -248,6 +257,7 @@ def _catch_up_here(cfg: Config, wait: bool, deadline: float | None, say: Callabl
         done.rows += summary.rows
         info = status(cfg)
         if info.get("lag_bytes", 0) == 0:
+            done.lag = info
             return done
         if stop.is_set() or (deadline is not None and time.monotonic() >= deadline):
             raise CutoverError(f"--timeout: the target has not caught up after {time.monotonic() - started:.0f}s "
@@ -267,7 +277,7 @@ def _wait_for_daemon(cfg: Config, holder: str, goal: LSN, wait: bool, deadline: 
     while True:
         applied = read_progress(cfg).lsn
         if goal_reached(applied, goal):
-            return _CatchUp(by=holder)
+            return _CatchUp(by=holder, lag=status(cfg))  # it goes on applying: measured, not assumed
         if not wait:
             raise CutoverError(f"{holder} applies to this target and has not reached the source's position {goal}: "
                                f"the target is {_lag(status(cfg))}. Stop the writers and add --wait")
@@ -363,6 +373,17 @@ def _sqlite_autoincrement(conn: sqlite3.Connection, table: str, column: str) -> 
 
 def _set_sqlite(cfg: Config, seqs: list[SourceSequence], tables: dict[tuple[str, str], SourceTable],
                 margin: int) -> list[SequenceResult]:
+    """The AUTOINCREMENT counters, in one transaction; CutoverError (one line, nothing changed) on a database
+    error."""
+    try:
+        return _set_sqlite_counters(cfg, seqs, tables, margin)
+    except sqlite3.Error as exc:
+        raise CutoverError(f"setting the SQLite target's AUTOINCREMENT counters failed, none was changed "
+                           f"({opener.location(cfg)}): {one_line(exc)}") from None
+
+
+def _set_sqlite_counters(cfg: Config, seqs: list[SourceSequence], tables: dict[tuple[str, str], SourceTable],
+                         margin: int) -> list[SequenceResult]:
     out = []
     with target_db(cfg) as conn:
         for seq in seqs:
@@ -448,7 +469,8 @@ def cutover(cfg: Config, *, wait: bool = False, timeout: float | None = None, se
     applied = read_progress(cfg).lsn
     report = CutoverReport(str(goal), str(applied), caught.by, caught.transactions, caught.rows,
                            time.monotonic() - started, cfg.source["slot"], _without_password(cfg.source["dsn"]),
-                           cfg.target_dialect, sequence_margin)
+                           cfg.target_dialect, sequence_margin, caught.lag.get("lag_bytes"),
+                           caught.lag.get("lag_seconds"))
     say(f"caught up (target at {applied}); setting the target's sequences")
     report.sequences = _set_sequences(cfg, sequence_margin)
     if verify:

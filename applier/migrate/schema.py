@@ -23,6 +23,10 @@ Created on SQLite: every published column with the declared type of the apply
 engine's documented mapping (``applier.targets.values``: INTEGER, REAL, TEXT,
 BLOB, derived from ``sqlite_text_converters`` itself, so there is one mapping),
 NOT NULL, the primary key and the replica identity index as a unique index.
+A generated column the publication sends (PostgreSQL 18+: ``publish_generated_columns =
+stored`` or a column list naming it; ``attnames`` lists it) is created as a plain column of its
+type and copied like any other, as the stream writes its values; one it does not send is created
+GENERATED on PostgreSQL (computed by the target) and left out on SQLite.
 A table that publishes no columns (all dropped or generated: PostgreSQL allows
 it, pgoutput publishes its rows) is created on PostgreSQL and refused on SQLite,
 which cannot hold it, in the list of problems.
@@ -61,7 +65,7 @@ from applier.migrate.sequences import (
 )
 from applier.migrate.usertypes import plan_types, source_types
 from applier.targets.naming import quoted_name, shown_name, target_table
-from applier.targets.values import sqlite_text_converters
+from applier.targets.values import sqlite_declared
 from applier.text import one_line, quote_ident
 
 
@@ -104,7 +108,7 @@ class SourceTable:
     pages: int = 0  # heap pages (the largest leaf's for a partitioned table)
     estimated_rows: int | None = None
     unpublished: list[str] = field(default_factory=list)  # columns the column lists leave out
-    generated: list[SourceColumn] = field(default_factory=list)  # generated columns: created, not copied
+    generated: list[SourceColumn] = field(default_factory=list)  # generated columns not published: created, not copied
 
     @property
     def only(self) -> bool:
@@ -179,7 +183,7 @@ def read_source_tables(conn: psycopg.Connection[Any], publications: list[str]) -
         pubs.setdefault((schema, name), []).append((attnames, rowfilter))
     tables = []
     for (schema, name), entries in sorted(pubs.items()):
-        tables.append(_read_table(conn, schema, name, entries))
+        tables.append(_read_table(conn, schema, name, entries, conn.info.server_version >= 180000))
     return tables
 
 
@@ -192,7 +196,9 @@ def _one(conn: psycopg.Connection[Any], sql: str, params: list[Any]) -> tuple[An
 
 
 def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
-                entries: list[tuple[list[str] | None, str | None]]) -> SourceTable:
+                entries: list[tuple[list[str] | None, str | None]], sends_generated: bool) -> SourceTable:
+    """``sends_generated``: an 18+ source, whose pgoutput sends the generated columns ``attnames`` lists (before
+    18, ``attnames`` lists them too when there is no column list, but they are never sent)."""
     oid, relkind, replident, reltuples = _one(
         conn, "SELECT c.oid, c.relkind, c.relreplident, c.reltuples::bigint FROM pg_class c "
         "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s", [schema, name])
@@ -227,7 +233,13 @@ def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
             "LEFT JOIN pg_collation co ON co.oid = a.attcollation "
             "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped "
             "ORDER BY a.attnum", [oid]):
-        if generated:  # created when what it reads is published (not sent by pgoutput before 18: not listed)
+        if generated and sends_generated and published is not None and attname in published:
+            # sent by pgoutput (18+: publish_generated_columns = stored, or named in a column list): a plain
+            # column of its type on the target, copied like any other, so that the stream can write it
+            cols.append(SourceColumn(attname, typid, typmod, type_sql, type_name, type_schema, notnull, None,
+                                     collname if collname and not default_coll else None, attnum))
+            continue
+        if generated:  # not sent: created when what it reads is published, computed by the target
             if published is None or set(reads) <= published:
                 gen_cols.append(SourceColumn(attname, typid, typmod, type_sql, type_name, type_schema, notnull, None,
                                              collname if collname and not default_coll else None, attnum, "",
@@ -279,14 +291,7 @@ def target_table_name(table: SourceTable, dialect: str, table_map: dict[str, str
 
 def sqlite_declared_types(table: SourceTable) -> list[str]:
     """The declared SQLite type of each column, from what the engine's converter makes of a value."""
-    out = []
-    for conv in sqlite_text_converters(table.relation()):
-        try:
-            sample = conv(b"1")
-        except (ValueError, TypeError):
-            sample = ""
-        out.append({int: "INTEGER", float: "REAL", bytes: "BLOB"}.get(type(sample), "TEXT"))
-    return out
+    return sqlite_declared(table.relation())
 
 
 def sqlite_affinity(declared: str) -> str:
@@ -457,7 +462,7 @@ def prepare_pg_tables(conn: psycopg.Connection[Any], tables: list[SourceTable], 
                 is None]
     created = {(t.schema, t.name) for t in missing}
     statements = list(type_sql)
-    statements += [s for q in new_seqs if not q.identity for s in create_statements(q, table_map, with_value=False)]
+    statements += [s for q in new_seqs if not q.identity for s in create_statements(q, table_map)]
     for t in missing:
         schema, name = target_table(t.relation(), "postgresql", table_map)
         statements += pg_create_statements(t, schema, name, sequences, table_map, conn.info.server_version)

@@ -196,27 +196,24 @@ def nextval_default(expr: str, seq: SourceSequence, table_map: dict[str, str]) -
     return f"nextval('{literal}'::regclass)"
 
 
-def create_statements(seq: SourceSequence, table_map: dict[str, str], *, with_value: bool = True) -> list[str]:
-    """CREATE SEQUENCE (schema first) with the source's options, and its value (``setval``) if ``with_value``.
+def create_statements(seq: SourceSequence, table_map: dict[str, str]) -> list[str]:
+    """CREATE SEQUENCE (schema first) with the source's options; its value is ``setval_statement``.
 
-    Not for identity sequences (their column creates them: ``identity_sql``). OWNED BY is ``owned_by_statement``,
-    once the owning table exists.
+    Not for identity sequences (their column creates them: ``identity_sql``). OWNED BY is the caller's
+    (``applier.migrate.schema``), once the owning table exists.
     """
     schema, _ = target_sequence_name(seq, table_map)
     qn = target_sequence_qname(seq, table_map)
     stmts = [f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}"] if schema else []
     stmts.append(f"CREATE SEQUENCE {qn} {seq.options_sql()}")
-    if with_value:
-        stmts.append(setval_statement(seq, table_map))
     return stmts
 
 
-def setval_statement(seq: SourceSequence, table_map: dict[str, str], margin: int = 0) -> str:
-    """``SELECT setval(…)`` giving the target sequence the source's value (``margin`` further on, in the
-    sequence's direction), so that its next ``nextval`` returns what the source's would (or later)."""
-    value = seq.last_value + margin * (1 if seq.increment > 0 else -1)
+def setval_statement(seq: SourceSequence, table_map: dict[str, str]) -> str:
+    """``SELECT setval(…)`` giving the target sequence the source's value, so that its next ``nextval`` returns
+    what the source's would. (``applier cutover`` sets the values again, with its margin, at the end.)"""
     literal = target_sequence_qname(seq, table_map).replace("'", "''")
-    return f"SELECT setval('{literal}'::regclass, {value}, {'true' if seq.is_called or margin else 'false'})"
+    return f"SELECT setval('{literal}'::regclass, {seq.last_value}, {'true' if seq.is_called else 'false'})"
 
 
 def identity_sql(seq: SourceSequence, table_map: dict[str, str]) -> str:

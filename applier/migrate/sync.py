@@ -89,7 +89,7 @@ from applier.rows import one_row
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
 from applier.targets import opener
-from applier.targets.claim import FileClaim, claim_target
+from applier.targets.claim import FileClaim, claim_target, copy_claim_name, target_holder
 from applier.text import one_line, quote_ident
 
 
@@ -155,6 +155,10 @@ class TargetDb:
         """Hold ``apply.name``'s progress row until ``close`` (see applier.targets.claim); InUseError if taken."""
         self._claim = claim_target(self.dialect, self.conn, self.where, self.cfg.apply["name"], command)
 
+    def holder(self, key: str) -> str | None:
+        """Who holds the claim ``key`` on this target now (None: nobody); takes nothing."""
+        return target_holder(self.dialect, self.conn, self.where, key)
+
     def close(self) -> None:
         """Close the connection (and give up the claim)."""
         self.conn.close()
@@ -166,25 +170,24 @@ class TargetDb:
         cur = self.conn.execute(sql, params or None) if self.dialect != "sqlite" else self.conn.execute(sql, params)
         return cur.fetchall() if cur.description is not None else []
 
-    def transaction(self, statements: list[tuple[str, list[Any]]], durable: bool = False) -> None:
-        """Run statements in one transaction; ``durable``: flushed to disk when it returns."""
+    def transaction(self, statements: list[tuple[str, list[Any]]], durable: bool = False) -> list[int]:
+        """Run statements in one transaction; ``durable``: flushed to disk when it returns. The rows each statement
+        changed."""
         if self.dialect == "sqlite":
             if durable:
                 self.conn.execute("PRAGMA synchronous = FULL")
             self.conn.execute("BEGIN IMMEDIATE")
             try:
-                for sql, params in statements:
-                    self.conn.execute(sql, params)
+                counts = [self.conn.execute(sql, params).rowcount for sql, params in statements]
                 self.conn.execute("COMMIT")
             except BaseException:
                 self.conn.execute("ROLLBACK")
                 raise
-            return
+            return counts
         with self.conn.transaction():
             if durable:
                 self.conn.execute("SET LOCAL synchronous_commit = on")
-            for sql, params in statements:
-                self.conn.execute(sql, params)
+            return [self.conn.execute(sql, params).rowcount for sql, params in statements]
 
     # -- tables ---------------------------------------------------------------------
 
@@ -211,8 +214,9 @@ class TargetDb:
         """Whether the target table holds any row."""
         return bool(self.execute(f"SELECT 1 FROM {self.name_of(table)[1]} LIMIT 1"))
 
-    def empty_tables(self, tables: list[SourceTable]) -> None:
-        """Delete every row of these target tables (TRUNCATE on PostgreSQL), in one transaction.
+    def empty_tables(self, tables: list[SourceTable], command: str = "applier sync") -> None:
+        """Delete every row of these target tables (TRUNCATE on PostgreSQL), in one transaction (``command``: the
+        one to run again, named in a refusal).
 
         PostgreSQL truncates only tables that no other table references: tables outside ``tables`` that refer
         to them (also through others) are truncated with them when they are empty, else SyncError naming the
@@ -240,7 +244,7 @@ class TargetDb:
                         raise SyncError(f"cannot empty target table {referenced} for the copy: target table "
                                         f"{referencing}, which is not published, references it (foreign key "
                                         f"{constraint}) and holds rows; empty {referencing} or drop {constraint}, "
-                                        f"then run `applier sync` again")
+                                        f"then run `{command}` again")
                     outside.append(oid)
             others = [r[0] for r in self.execute("SELECT oid::regclass::text FROM pg_class WHERE oid = ANY(%s)",
                                                  [outside])]
@@ -438,6 +442,12 @@ def _sync(cfg: Config, force: bool, spark: Any, reporter: Any, say: Any, partiti
                             f"stop `applier run` first")
         run = uuid.uuid4().hex
         target.start_run(name, run, slot)
+        # after start_run: a `sync --table` that claims a table later reads the sync row 'copying' and stops
+        copying = [f"{t.qualified} ({h})" for t in tables
+                   if (h := target.holder(copy_claim_name(name, t.schema, t.name))) is not None]
+        if copying:
+            raise SyncError("`applier sync --table` is copying " + "; ".join(copying) + ": let it end (or stop it), "
+                            "then run `applier sync` again")
         if slot_state is not None:
             say(f"slot {slot!r} exists but no copy has completed with it: dropping it and creating it again "
                 f"with a snapshot")
@@ -472,25 +482,11 @@ def _copy_with_new_slot(cfg: Config, target: TargetDb, tables: list[SourceTable]
         if mode != "fresh":
             target.empty_tables(in_snapshot)
         result = SyncResult(mode, slot, info.consistent_point)
-        if spark is None and target.dialect != "sqlite":  # a SQLite target is copied by the driver alone
-            spark = spark_for(cfg)
-        started = time.monotonic()
-        from applier.migrate.spark.copy import CopyError  # start-up time: spark.copy loads pyspark
-
-        failed: list[str] = []
-        with source_connect(cfg) as poll:
-            for i, table in enumerate(in_snapshot):
-                try:
-                    result.tables.append(_copy_table(cfg, target, table, i, run, info.snapshot_name, nparts, spark,
-                                                     reporter, say, poll))
-                except CopyError as exc:  # the other tables are still copied, every failure is reported
-                    failed.append(str(exc))
-                    say(f"{exc}; going on with the other tables")
+        failed = copy_tables(cfg, target, in_snapshot, run, info.snapshot_name, nparts, spark, reporter, say, result)
         if failed:
             raise SyncError(f"{len(failed)} of {len(in_snapshot)} tables could not be copied (the others were); "
                             f"fix the cause and run `applier sync` again (it copies everything again):\n  "
                             + "\n  ".join(failed))
-        result.copy_seconds = time.monotonic() - started
         reporter.close()
         target.finish(name, info.consistent_point, system, slot)
         incomplete = False
@@ -518,6 +514,32 @@ def _drop_incomplete_slot(cfg: Config, say: Any) -> None:
     say(f"slot {slot!r} dropped: the copy did not complete; `applier sync` creates it again")
 
 
+def copy_tables(cfg: Config, target: TargetDb, tables: list[SourceTable], run: str, snapshot: str | None, nparts: int,
+                spark: Any, reporter: Any, say: Any, result: SyncResult, after: Any = None) -> list[str]:
+    """Copy each table in the snapshot (``_copy_table``; ``after(table)`` once one is copied) into ``result``
+    (its ``tables`` and ``copy_seconds``, from the first table's copy on); the failures, one line each. A table
+    that cannot be copied does not stop the others."""
+    from applier.migrate.spark.copy import CopyError  # start-up time: spark.copy loads pyspark
+
+    if spark is None and target.dialect != "sqlite":  # a SQLite target is copied by the driver alone
+        spark = spark_for(cfg)
+    started = time.monotonic()
+    failed: list[str] = []
+    with source_connect(cfg) as poll:
+        for i, table in enumerate(tables):
+            try:
+                result.tables.append(_copy_table(cfg, target, table, i, run, snapshot, nparts, spark, reporter, say,
+                                                 poll))
+            except CopyError as exc:
+                failed.append(str(exc))
+                say(f"{exc}; going on with the other tables")
+                continue
+            if after is not None:
+                after(table)
+    result.copy_seconds = time.monotonic() - started
+    return failed
+
+
 def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, run: str, snapshot: str | None,
                 nparts: int, spark: Any, reporter: Any, say: Any, poll: psycopg.Connection[Any]) -> TableCopy:
     # start-up time: spark.copy and spark.source load pyspark
@@ -527,6 +549,7 @@ def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, r
         CopyWatcher,
         binary_safe,
         copy_partitions,
+        partitions_for,
         running_copies,
     )
     from applier.migrate.spark.source import pg_plan
@@ -536,7 +559,8 @@ def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, r
     label = table.qualified if shown in (table.qualified, table.name) else f"{table.qualified} -> {shown}"
     cols = [quote_ident(c.name) for c in table.columns]
     app = f"applier-sync {run[:8]} t{index}"
-    src = pg_plan(cfg.source["dsn"], table.qname, cols, pages=table.pages, partitions=nparts, snapshot=snapshot,
+    src = pg_plan(cfg.source["dsn"], table.qname, cols, pages=table.pages,
+                  partitions=partitions_for(target.dialect, table.pages, nparts), snapshot=snapshot,
                   where=table.rowfilter, app=app, only=table.only)
     plan = CopyPlan(json.loads(src), target.dialect, target.where, qtarget, cols, [c.type_oid for c in table.columns],
                     name, run, table.qualified)

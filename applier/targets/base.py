@@ -43,7 +43,7 @@ from applier.decoder.messages import NULL, UNCHANGED_TOAST, Relation, TupleData,
 from applier.errors import ApplyError
 from applier.lsn import LSN
 from applier.progress.store import Progress, ProgressSQL
-from applier.text import quote_ident
+from applier.text import one_line, quote_ident
 
 log = logging.getLogger("applier.targets")
 
@@ -310,18 +310,27 @@ def describe_values(names: Sequence[str], show: Sequence[Callable[[bytes], str]]
     return f"({', '.join(names[i] for i in idx)})=({', '.join(shown)})"
 
 
-def log_missing(op: str, b: Binding, missing: int, lsn: LSN, row: Any = None) -> None:
-    """Warn that ``missing`` rows an UPDATE/DELETE batch (or its one ``row``) looked for were not there."""
+MISSING_CONFLICT = {"UPDATE": "update_missing", "DELETE": "delete_missing"}  # PostgreSQL 18's conflict types
+
+
+def log_missing(op: str, b: Binding, missing: int, lsn: LSN, row: Any = None,
+                tally: dict[tuple[str, str], int] | None = None) -> None:
+    """Warn that ``missing`` rows an UPDATE/DELETE batch (or its one ``row``) looked for were not there; add them
+    to ``tally`` (a target's ``missing``) by (conflict type, table)."""
     if missing <= 0:
         return
     what = "updated" if op == "UPDATE" else "deleted"
+    conflict = MISSING_CONFLICT.get(op, f"{op.lower()}_missing")
+    if tally is not None:
+        tally[(conflict, b.table)] = tally.get((conflict, b.table), 0) + missing
+    fields = {"operation": op, "table": b.table, "lsn": lsn, "conflict": conflict}  # applier.logs
     if row is not None:
         t, idx, _ = b.locator(op, row.old_kind, row.old, getattr(row, "new", None), lsn)
         log.warning("row to be %s not found in table %s, key %s (transaction finished at %s): skipped",
-                    what, b.table, b.describe_key(t, idx), lsn)
+                    what, b.table, b.describe_key(t, idx), lsn, extra=fields)
     else:
         log.warning("%d rows to be %s not found in table %s (transactions from the one finished at %s): "
-                    "skipped", missing, what, b.table, lsn)
+                    "skipped", missing, what, b.table, lsn, extra=fields)
 
 
 class Dialect:
@@ -402,15 +411,28 @@ class Target(Protocol):
     ``applier_prepared`` (``store_prepared``) with the progress, in one transaction; ``kept_prepared``
     returns them for the commit, ``delete_prepared`` forgets them. ``is_prepared(xid, gid)`` tells a
     restart that a transaction was prepared (either way), so it is neither prepared twice nor lost.
+
+    Schema changes (``apply.schema_changes = "add_columns"``): ``follow(rel, previous, types, lsn, no_ddl)``
+    runs before ``bind`` in the open transaction and makes the target table fit the Relation message ``rel``
+    (``previous``: the one it replaced in this session, if any): it adds the columns the target lacks and
+    widens types as ``applier.targets.follow`` judges, logging each change, or raises ApplyError naming the
+    table, column, types and LSN (a refused type change, a target column the source does not send that is NOT
+    NULL without a default, a change needed while ``no_ddl`` says why none may be made). A missing table is
+    left to ``bind``.
     """
 
     name: str
     native_prepare: bool
+    # rows not found by updates and deletes, by (conflict type, table), added as they are known (for the
+    # metrics: the engine hands a dict over and empties it at each commit and rollback; None: not tallied)
+    missing: dict[tuple[str, str], int] | None
     # changes to different tables may be applied out of source order (neither triggers nor foreign
     # key checks run on the target session, so no table can observe another mid-transaction)
     reorder_tables: bool
 
     def bind(self, rel: Relation, types: dict[int, Type], lsn: LSN, binary: bool = False) -> Binding: ...
+    def follow(self, rel: Relation, previous: Relation | None, types: dict[int, Type], lsn: LSN,
+               no_ddl: str | None = None) -> None: ...
     def table_join(self, rel: Relation) -> Join | None: ...
     def begin(self) -> None: ...
     def commit(self, source_lsn: LSN, commit_time: int | None = None) -> None: ...
@@ -431,7 +453,7 @@ class Target(Protocol):
     def kept_prepared(self, gid: str) -> bytes | None: ...
     def delete_prepared(self, gid: str) -> None: ...
     def claim(self, command: str) -> None: ...
-    def holder(self) -> str | None: ...
+    def holder(self, name: str | None = None) -> str | None: ...
     def close(self) -> None: ...
 
 
@@ -452,6 +474,7 @@ class TargetBase:
     # binary mode: money as the source session prints it (``applier.targets.binary.money_text``), if known
     money_text: Converter | None = None
     _has_sync_tables: bool | None = None  # whether applier_sync_tables exists (asked once)
+    missing: dict[tuple[str, str], int] | None = None  # see ``Target``
 
     def begin(self) -> None:
         """Open a transaction (each target's own)."""
@@ -577,6 +600,29 @@ class TargetBase:
             f"ALWAYS AS IDENTITY; such a row can only be replaced with session_replication_role = replica, which the "
             f"target role may not set; connect to the target as a role that may (a superuser on PostgreSQL 15) or "
             f"make the target column GENERATED BY DEFAULT")
+
+    def run_schema_changes(self, rel: Relation, table: str, changes: Sequence[tuple[str, str]], stuck: Sequence[str],
+                           lsn: LSN, no_ddl: str | None) -> None:
+        """The end of each target's ``follow`` (see ``Target``): ApplyError for ``stuck`` target columns (NOT NULL
+        without a default, not sent) or for ``changes`` while ``no_ddl``; else each change (statement, what it
+        does) runs in the open transaction and is logged."""
+        src = source_name(rel)
+        if stuck:
+            cols = ", ".join(repr(n) for n in stuck)
+            raise ApplyError(f"target table {table} has column{'s' if len(stuck) > 1 else ''} {cols} NOT NULL without a "
+                             f"default, which source table {src} does not send (dropped there?) (at LSN {lsn}): make it "
+                             f"nullable or give it a default on the target")
+        if changes and no_ddl:
+            raise ApplyError(f"target table {table} needs {'; '.join(what for _, what in changes)} to follow source "
+                             f"table {src} (at LSN {lsn}), but {no_ddl}: make the change on the target, then run again")
+        for sql, what in changes:
+            try:
+                self.cur.execute(sql)
+            except Exception as exc:  # noqa: BLE001 - the driver's error (psycopg or sqlite3), named in one line
+                raise ApplyError(f"target table {table}: {what} (to follow source table {src}, at LSN {lsn}) failed: "
+                                 f"{one_line(exc)}") from exc
+            log.info("schema change followed: target table %s: %s (source table %s, transaction finished at %s)",
+                     table, what, src, lsn)
 
     def table_join(self, rel: Relation) -> Join | None:
         """The applier_sync_tables row of source table ``rel`` (``applier sync --table``), or None: no row (or a

@@ -76,10 +76,8 @@ from psycopg.pq import Format
 from applier.decoder.messages import PG_EPOCH, Relation, Type
 from applier.errors import ApplyError
 from applier.targets.base import Converter, source_name
-from applier.targets.values import BOOL, BYTEA, FLOAT4, FLOAT8, INT2, INT4, INT8, OID
+from applier.targets.values import BOOL, BYTEA, FIRST_USER_OID, FLOAT4, FLOAT8, INT2, INT4, INT8, OID
 
-# OIDs below this are built in (fixed in every database); pgoutput sends a Type message for the rest.
-FIRST_USER_OID = 10000
 # Built-in types without a send function: pgoutput sends them as text even in binary mode.
 TEXT_SENT = frozenset({1033, 3642})  # aclitem, gtsvector
 

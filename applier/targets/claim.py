@@ -205,6 +205,14 @@ def target_holder(dialect: str, conn: Any, db_path: str, name: str) -> str | Non
     return None if _unshared(db_path) else FileClaim(sqlite_claim_path(db_path, name)).holder()
 
 
+def copy_claim_name(name: str, schema: str, table: str) -> str:
+    """The claim key of one table's copy by ``applier sync --table`` (``applier.migrate.add_table``) for progress row
+    ``name``: held by that command from before it writes the table's applier_sync_tables row until the row is
+    'ready' (or the command ends), so that a second copy of the table is refused and an applier waiting for the
+    copy can tell a running copy from a dead one (nobody holds it)."""
+    return f"{name}/sync --table {schema}.{table}"
+
+
 def _unshared(db_path: str) -> bool:
     """An in-memory SQLite database (or a URI one): no other process can reach it."""
     return db_path == ":memory:" or db_path.startswith("file:")

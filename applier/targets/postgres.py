@@ -42,7 +42,7 @@ from psycopg.generators import fetch_many
 from psycopg.generators import send as psycopg_send
 
 from applier._cmodule import rowpath
-from applier.decoder.messages import BINARY, NULL, Relation, TupleData, Type, pg_timestamp
+from applier.decoder.messages import BINARY, NULL, Column, Relation, TupleData, Type, pg_timestamp
 from applier.errors import ApplyError, MissingTable
 from applier.lsn import LSN
 from applier.progress.store import PG_SQL
@@ -57,8 +57,10 @@ from applier.targets.base import (
     source_name,
 )
 from applier.targets.claim import claim_target, target_holder
+from applier.targets.follow import ADD_COLUMNS_HINT, column_changes
 from applier.targets.naming import target_table
 from applier.targets.url import parse_target_url
+from applier.targets.values import FIRST_USER_OID
 from applier.text import one_line, quote_ident
 
 log = logging.getLogger("applier.targets")
@@ -263,7 +265,7 @@ class PostgresTarget(TargetBase):
             if res.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
                 raise error_from_result(res, encoding=self._conn.info.encoding)
         if report:
-            log_missing(op, b, rows - int(results[-1].command_tuples or 0), lsn)
+            log_missing(op, b, rows - int(results[-1].command_tuples or 0), lsn, tally=self.missing)
 
     def _end_copy(self, failed: BaseException | None = None) -> None:
         """Finish the open COPY (or abandon it after ``failed``); a row the server rejected raises here."""
@@ -294,11 +296,54 @@ class PostgresTarget(TargetBase):
         """(schema, table) on the target for a source relation (applier.targets.naming)."""
         return target_table(rel, "postgresql", self.table_map)
 
+    def _names(self, rel: Relation) -> tuple[str, str]:
+        """(the target table as shown in messages, quoted) of a source relation."""
+        schema, table = self.target_table(rel)
+        return (f"{schema}.{table}" if schema else table,
+                (quote_ident(schema) + "." if schema else "") + quote_ident(table))
+
+    def follow(self, rel: Relation, previous: Relation | None, types: dict[int, Type], lsn: LSN,
+               no_ddl: str | None = None) -> None:
+        """Make the target table fit ``rel`` (see ``Target``): ADD COLUMN with the source's type (format_type of a
+        built-in type's OID and typmod, the same on every server; a user type by its Type message's name),
+        ALTER COLUMN … TYPE for a widening; a missing table is left to ``bind``."""
+        shown, qtable = self._names(rel)
+        if one_row(self.conn.execute("SELECT to_regclass(%s)", [qtable]))[0] is None:
+            return
+        have = {r[0]: r[1:] for r in self.conn.execute(
+            "SELECT a.attname, a.atttypid, a.atttypmod, format_type(a.atttypid, a.atttypmod), "
+            "format('%%s.%%s', n.nspname, t.typname), "
+            "a.attnotnull AND NOT a.atthasdef AND a.attidentity = '' AND a.attgenerated = '' "
+            "FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid JOIN pg_namespace n ON n.oid = t.typnamespace "
+            "WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped", [qtable])}
+        target = {name: ((oid if oid < FIRST_USER_OID else user, mod), shown_type)
+                  for name, (oid, mod, shown_type, user, _) in have.items()}
+        add, widen = column_changes(rel, previous, types, target, shown, lsn)
+        changes = []
+        for c in add:
+            typ = self._type_sql(c, types)
+            changes.append((f"ALTER TABLE {qtable} ADD COLUMN {quote_ident(c.name)} {typ}",
+                            f"column {c.name!r} added as {typ}"))
+        for c in widen:
+            typ = self._type_sql(c, types)
+            changes.append((f"ALTER TABLE {qtable} ALTER COLUMN {quote_ident(c.name)} TYPE {typ}",
+                            f"column {c.name!r} widened from {have[c.name][2]} to {typ}"))
+        sent = {c.name for c in rel.columns}
+        stuck = [name for name, col in have.items() if name not in sent and col[4]]
+        self.run_schema_changes(rel, shown, changes, stuck, lsn, no_ddl)
+
+    def _type_sql(self, c: Column, types: dict[int, Type]) -> str:
+        """A source column's type in SQL: format_type on this server (built-in), or the Type message's name."""
+        if c.type_oid < FIRST_USER_OID:
+            return str(one_row(self.conn.execute("SELECT format_type(%s, %s)", [c.type_oid, c.type_modifier]))[0])
+        t = types.get(c.type_oid)
+        if t is None:  # pgoutput sends a Type message before the first Relation message that uses the type
+            raise ApplyError(f"source column {c.name!r} has type OID {c.type_oid}, of which no Type message came")
+        return f"{quote_ident(t.namespace)}.{quote_ident(t.name)}"
+
     def bind(self, rel: Relation, types: dict[int, Type], lsn: LSN, binary: bool = False) -> Binding:
         """Read the target table from the catalog and build the binding; errors name table, column and LSN."""
-        schema, table = self.target_table(rel)
-        shown = f"{schema}.{table}" if schema else table
-        qtable = (quote_ident(schema) + "." if schema else "") + quote_ident(table)
+        shown, qtable = self._names(rel)
         if one_row(self.conn.execute("SELECT to_regclass(%s)", [qtable]))[0] is None:
             raise MissingTable(f"target table {shown} (for source table {source_name(rel)}) does not exist (at LSN {lsn})",
                                shown)
@@ -321,7 +366,7 @@ class PostgresTarget(TargetBase):
         for c in rel.columns:
             if c.name not in tcols:
                 raise ApplyError(f"target table {shown} has no column {c.name!r} that source table "
-                                 f"{source_name(rel)} sends (at LSN {lsn})")
+                                 f"{source_name(rel)} sends (at LSN {lsn}){ADD_COLUMNS_HINT}")
             if tcols[c.name][3]:
                 raise ApplyError(f"target table {shown} computes column {c.name!r} (GENERATED ALWAYS AS …), "
                                  f"but source table {source_name(rel)} sends its values (at LSN {lsn}); publish "
@@ -464,7 +509,7 @@ class PostgresTarget(TargetBase):
                 columns = [[m.new.values[i] for m in ms] for i in cols]
             if any(k not in cols or None in columns[cols.index(k)] for k in key):
                 # a key not sent or NULL (found by IS NULL): row by row, its missing rows logged there
-                log_missing("UPDATE", b, super().update_rows(b, ms, lsn), lsn)
+                log_missing("UPDATE", b, super().update_rows(b, ms, lsn), lsn, tally=self.missing)
                 continue
             sql = b._sql.get(("UPDATE-UNNEST", cols))
             if sql is None:
@@ -545,9 +590,10 @@ class PostgresTarget(TargetBase):
         if self.use_origin and not self.has_origin:
             self.has_origin = self._setup_origin()
 
-    def holder(self) -> str | None:
-        """Who applies to this progress row now (None: nobody)."""
-        return target_holder("postgresql", self.conn, "", self.name)
+    def holder(self, name: str | None = None) -> str | None:
+        """Who applies to this progress row now (None: nobody); ``name``: who holds that claim key instead
+        (``claim.copy_claim_name``)."""
+        return target_holder("postgresql", self.conn, "", name or self.name)
 
     def close(self) -> None:
         """Roll back anything open and close the connection."""

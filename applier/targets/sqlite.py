@@ -19,9 +19,10 @@ from applier.lsn import LSN
 from applier.progress.store import SQLITE_SQL
 from applier.targets.base import SQLITE, Binding, TargetBase, present_columns, source_name
 from applier.targets.claim import FileClaim, claim_target, target_holder
+from applier.targets.follow import ADD_COLUMNS_HINT, column_changes
 from applier.targets.naming import target_table
 from applier.targets.url import parse_target_url
-from applier.targets.values import sqlite_text_converters
+from applier.targets.values import sqlite_declared, sqlite_text_converters
 from applier.text import quote_ident
 
 
@@ -60,6 +61,26 @@ class SqliteTarget(TargetBase):
         """(None, table) on the target for a source relation (applier.targets.naming)."""
         return target_table(rel, "sqlite", self.table_map)
 
+    def follow(self, rel: Relation, previous: Relation | None, types: dict[int, Type], lsn: LSN,
+               no_ddl: str | None = None) -> None:
+        """Make the target table fit ``rel`` (see ``Target``): ADD COLUMN with the mapped declared type
+        (``applier.targets.values.sqlite_declared``). A widening needs nothing here: the declared type only picks
+        an affinity, and every widening followed maps to the same one (INTEGER, TEXT); any other type change the
+        session sees is refused (``applier.targets.follow``). A missing table is left to ``bind``."""
+        _, table = self.target_table(rel)
+        rows = self.conn.execute(f"PRAGMA table_info({quote_ident(table)})").fetchall()
+        if not rows:
+            return
+        add, _ = column_changes(rel, previous, types, {r[1]: (None, r[2] or "(no type)") for r in rows}, repr(table), lsn)
+        declared = dict(zip((c.name for c in rel.columns), sqlite_declared(rel)))
+        changes = [(f"ALTER TABLE {quote_ident(table)} ADD COLUMN {quote_ident(c.name)} {declared[c.name]}",
+                    f"column {c.name!r} added as {declared[c.name]}") for c in add]
+        sent = {c.name for c in rel.columns}
+        # NOT NULL without a default, and not the rowid (INTEGER PRIMARY KEY), which SQLite fills itself
+        stuck = [r[1] for r in rows if r[1] not in sent and r[3] and r[4] is None
+                 and not (r[5] and r[2].upper() == "INTEGER" and sum(1 for x in rows if x[5]) == 1)]
+        self.run_schema_changes(rel, repr(table), changes, stuck, lsn, no_ddl)
+
     def bind(self, rel: Relation, types: dict[int, Type], lsn: LSN, binary: bool = False) -> Binding:
         """Read the target table's columns and build the binding; errors name table, column and LSN."""
         _, table = self.target_table(rel)
@@ -71,7 +92,7 @@ class SqliteTarget(TargetBase):
         for c in rel.columns:
             if c.name not in names:
                 raise ApplyError(f"target table {table!r} has no column {c.name!r} that source table "
-                                 f"{source_name(rel)} sends (at LSN {lsn})")
+                                 f"{source_name(rel)} sends (at LSN {lsn}){ADD_COLUMNS_HINT}")
         if binary:
             # here, not at the top: start-up time (text mode never loads the binary converters)
             from applier.targets.binary import binary_converters, value_texts
@@ -139,9 +160,10 @@ class SqliteTarget(TargetBase):
         """Hold this progress row while this target is open (a lock file); InUseError naming the holder if taken."""
         self._claim = claim_target("sqlite", None, self.path, self.name, command)
 
-    def holder(self) -> str | None:
-        """Who applies to this progress row now (None: nobody)."""
-        return target_holder("sqlite", None, self.path, self.name)
+    def holder(self, name: str | None = None) -> str | None:
+        """Who applies to this progress row now (None: nobody); ``name``: who holds that claim key instead
+        (``claim.copy_claim_name``)."""
+        return target_holder("sqlite", None, self.path, name or self.name)
 
     def close(self) -> None:
         """Roll back anything open, close the file and give up the claim."""

@@ -29,6 +29,8 @@ from typing import Any
 from applier.decoder.messages import Relation
 
 BOOL, BYTEA, INT8, INT2, INT4, OID, FLOAT4, FLOAT8, NUMERIC = 16, 17, 20, 21, 23, 26, 700, 701, 1700
+# OIDs below this are built in (fixed in every database); pgoutput sends a Type message for the rest.
+FIRST_USER_OID = 10000
 
 
 def _sqlite_float(v: bytes) -> float | str:
@@ -74,3 +76,16 @@ _SQLITE_TEXT: dict[int, Callable[[bytes], Any]] = {
 def sqlite_text_converters(rel: Relation) -> list[Callable[[bytes], Any]]:
     """One converter per column for text-mode values into SQLite."""
     return [_SQLITE_TEXT.get(c.type_oid, bytes.decode) for c in rel.columns]
+
+
+def sqlite_declared(rel: Relation) -> list[str]:
+    """The declared SQLite type of each column (INTEGER, REAL, TEXT or BLOB), from what the text converter makes of a
+    value: the table above, one mapping for the engine, ``applier sync`` and schema changes followed."""
+    out = []
+    for conv in sqlite_text_converters(rel):
+        try:
+            sample = conv(b"1")
+        except (ValueError, TypeError):
+            sample = ""
+        out.append({int: "INTEGER", float: "REAL", bytes: "BLOB"}.get(type(sample), "TEXT"))
+    return out

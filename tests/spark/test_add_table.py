@@ -35,6 +35,8 @@ import pytest
 from applier.embedded import find_install
 from applier.migrate.add_table import sync_tables
 from applier.migrate.sync import sync
+from applier.targets.claim import claim_target, copy_claim_name
+from applier.targets.postgres import libpq_dsn
 from tests.plugins.cli import applier_script, clean_env, write_toml
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 from tests.spark.conftest import make_config, target_exec
@@ -113,10 +115,10 @@ def config_file(path: Path, src: ScratchDb, target_url: str, work: Path, **extra
     })
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run ``applier ARGS`` as a user would."""
+def cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``applier ARGS`` as a user would (``env``: added to the environment)."""
     return subprocess.run([applier_script(), *args], capture_output=True, text=True, timeout=timeout,
-                          env=clean_env(), stdin=subprocess.DEVNULL)
+                          env={**clean_env(), **(env or {})}, stdin=subprocess.DEVNULL)
 
 
 def start_daemon(cfg_file: Path, log: Path) -> subprocess.Popen[bytes]:
@@ -236,7 +238,10 @@ def _added_under_a_running_daemon(src: ScratchDb, target_url: str, tmp_path: Pat
 
 
 def test_refusals(src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
-    src.cluster.execute(SOURCE + "CREATE TABLE lone (id int PRIMARY KEY);", src.dbname)
+    src.cluster.execute(SOURCE + "CREATE TABLE lone (id int PRIMARY KEY);"
+                        "CREATE TABLE parent (id int, k int, PRIMARY KEY (id, k)) PARTITION BY RANGE (k);"
+                        "CREATE TABLE part1 PARTITION OF parent FOR VALUES FROM (0) TO (10);"
+                        "INSERT INTO parent VALUES (1, 1);", src.dbname)
     cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
     assert cli("init", "-c", str(cfg_file)).returncode == 0
 
@@ -246,7 +251,7 @@ def test_refusals(src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
         return res.stderr.strip()
 
     assert "no sync has run: run `applier sync` first" in refused("--table", "public.n")
-    src.cluster.execute("ALTER PUBLICATION pub ADD TABLE n", src.dbname)
+    src.cluster.execute("ALTER PUBLICATION pub ADD TABLE n, parent", src.dbname)  # parent: through part1
     done = cli("sync", "-c", str(cfg_file), "-q")
     assert done.returncode == 0, done.stderr
     line = refused("--table", "public.lone")
@@ -256,4 +261,171 @@ def test_refusals(src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
     assert "target table public.n exists, but not from `applier sync --table public.n`" in line, line
     two_phase = config_file(tmp_path / "2pc.toml", src, dst.url, tmp_path / "work", source={"two_phase": True})
     assert "cannot join a table to a two-phase stream" in refused("--table", "public.lone", cfg=two_phase)
+    line = refused("--table", "public.parent")  # in the publication already: naming its partitions helps
+    assert "source table public.parent is partitioned and published through its partitions public.part1" in line
     assert target_exec(dst.url, "SELECT count(*) FROM applier_sync_tables") == [(0,)]
+
+    with psycopg.connect(libpq_dsn(dst.url), autocommit=True) as other:
+        claim_target("postgresql", other, "", "applier", "run")  # as `applier run` does
+        line = refused("--table", "public.n", "--force")
+        assert "--force empties target table public.n, but an applier applies to this target" in line, line
+        assert "applier run (pid" in line, line
+    with psycopg.connect(libpq_dsn(dst.url), autocommit=True) as other:  # another `sync --table` of n runs
+        claim_target("postgresql", other, "", copy_claim_name("applier", "public", "n"), "sync --table")
+        line = refused("--table", "public.n", "--force")
+        assert "another `applier sync --table` is copying source table public.n" in line, line
+        assert "applier sync --table (pid" in line, line
+    assert target_exec(dst.url, "SELECT count(*) FROM applier_sync_tables") == [(0,)]
+    assert target_exec(dst.url, "SELECT count(*) FROM n") == [(ROWS,)]  # neither emptied it
+
+    target_exec(dst.url, "CREATE TABLE ref (id int REFERENCES n (id)); INSERT INTO ref VALUES (1)")
+    line = refused("--table", "public.n", "--force")
+    assert "references it (foreign key ref_id_fkey) and holds rows" in line, line
+    assert "then run `applier sync --table public.n` again" in line, line
+    target_exec(dst.url, "DROP TABLE ref")
+    with psycopg.connect(libpq_dsn(dst.url)) as other:  # a lock the copy cannot get (lock_timeout): one line
+        other.execute("LOCK TABLE n IN ACCESS EXCLUSIVE MODE")
+        res = cli("sync", "-c", str(cfg_file), "--table", "public.n", env={"PGOPTIONS": "-c lock_timeout=300"})
+        other.rollback()
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
+    assert "`applier sync --table` failed: " in res.stderr and "lock timeout" in res.stderr, res.stderr
+
+
+def wait_for(what: str, check: Any, seconds: float = 120) -> None:
+    """Poll ``check()`` until it is true; assert it was (``what``: said if not)."""
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("target_kind", ["postgresql", "sqlite"])
+def test_copy_killed_and_run_again(target_kind: str, src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
+    """`sync --table` SIGKILLed in the middle of its copy (some partitions written) while `applier run` runs:
+    the daemon says the copy is dead, `catchup` fails with that line, and `sync --table` run again empties the
+    table and copies it at a new snapshot: equal to the source, each row once, no partitions left over."""
+    big = "INSERT INTO n SELECT g, 0, repeat('x', 300) FROM generate_series(-150000, -1) g;"
+    src.cluster.execute(SOURCE + big, src.dbname)
+    target_url = f"sqlite:///{tmp_path / 'replica.db'}" if target_kind == "sqlite" else dst.url
+    cfg_file = config_file(tmp_path / "applier.toml", src, target_url, tmp_path / "work")
+    first = cli("sync", "-c", str(cfg_file), "-q")
+    assert first.returncode == 0, first.stderr
+    log = tmp_path / "daemon.log"
+    daemon = start_daemon(cfg_file, log)
+    writer = Writer(src.dsn)
+    writer.start()
+    adder: subprocess.Popen[str] | None = None
+    try:
+        writer.pause(1.0)
+        src.cluster.execute("ALTER PUBLICATION pub ADD TABLE n", src.dbname)
+        writer.pause(1.0)
+        adder = subprocess.Popen([applier_script(), "sync", "-c", str(cfg_file), "--table", "public.n",
+                                  "--partitions", "8", "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 env=clean_env(), stdin=subprocess.DEVNULL, start_new_session=True)
+
+        def some_parts() -> bool:
+            try:
+                return bool(target_exec(target_url, "SELECT 1 FROM applier_sync_parts WHERE tbl = 'public.n'"))
+            except Exception:  # noqa: BLE001 - SQLite may be busy
+                return False
+
+        wait_for("a partition of n copied", lambda: some_parts() or adder.poll() is not None)
+        assert adder.poll() is None, "the copy was over before it could be killed"
+        os.killpg(adder.pid, signal.SIGKILL)  # the command and its Spark JVM, as a service manager would
+        adder.wait(30)
+        assert sync_state(target_url) == "copying"
+        wait_for("the daemon to see the dead copy", lambda: "is not running" in log.read_text(), seconds=60)
+        writer.pause(1.0)
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(60) == 0, log.read_text()
+        stuck = cli("catchup", "-c", str(cfg_file))  # ends, with the line, instead of waiting for nobody
+        assert stuck.returncode != 0 and "Traceback" not in stuck.stderr, stuck.stderr
+        assert "the copy of table public.n at " in stuck.stderr, stuck.stderr
+        assert "is not running (no `applier sync --table` holds it" in stuck.stderr, stuck.stderr
+        daemon = start_daemon(cfg_file, log)
+        again = cli("sync", "-c", str(cfg_file), "--table", "public.n", "--partitions", "8")
+        assert again.returncode == 0, again.stderr
+        assert "restarting the interrupted copy of public.n (copying" in again.stdout + again.stderr
+        writer.pause(2.0)
+    finally:
+        writer.stop()
+        if adder is not None and adder.poll() is None:
+            adder.kill()
+    try:
+        equal_soon(src, target_url)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        code = daemon.wait(60)
+    text = log.read_text()
+    assert code == 0, text
+    assert "the copy of table public.n at " in text and "run `applier sync --table public.n` again" in text, text
+    assert "apply failed" not in text and "ERROR" not in text, text
+    assert target_exec(target_url, "SELECT count(*) FROM applier_sync_parts") == [(0,)]  # the killed run's too
+    assert target_exec(target_url, "SELECT state FROM applier_sync_tables") == [("ready",)]
+
+
+def test_refused_while_the_running_stream_lacks_the_publication(src: ScratchDb, dst: ScratchDb,
+                                                                 tmp_path: Path) -> None:
+    """`applier run` streams with the publications it started with: `sync --table` of a table published only by a
+    publication added to the config since is refused (the daemon would pass the copy without its changes)."""
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
+    first = cli("sync", "-c", str(cfg_file), "-q")
+    assert first.returncode == 0, first.stderr
+    daemon = start_daemon(cfg_file, tmp_path / "daemon.log")
+    try:
+        wait_for("the daemon to stream", lambda: src.cluster.execute(
+            "SELECT active FROM pg_replication_slots WHERE slot_name = 'applier'", src.dbname) == [(True,)])
+        src.cluster.execute("CREATE PUBLICATION pub2 FOR TABLE n", src.dbname)
+        both = config_file(tmp_path / "both.toml", src, dst.url, tmp_path / "work",
+                           source={"publications": ["pub", "pub2"]})
+        res = cli("sync", "-c", str(both), "--table", "public.n")
+        assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
+        assert "streams publications pub, which do not publish public.n (pub2)" in res.stderr, res.stderr
+        assert "Restart `applier run`" in res.stderr
+        assert target_exec(dst.url, "SELECT count(*) FROM applier_sync_tables") == [(0,)]
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(60) == 0
+
+
+def test_prepared_transaction_committed_during_the_copy(src: ScratchDb, tmp_path: Path) -> None:
+    """A two-phase stream into SQLite keeps a prepared transaction until COMMIT PREPARED and applies it then, at
+    its commit LSN. Committed while `sync --table` copies the table it changes (after the copy's snapshot), its
+    replay waits for the copy like any change (rolled back, no failure), and it lands once: the daemon does not
+    stop (``apply.on_error = stop``). (`sync --table` itself runs with a config without two_phase.)"""
+    big = "INSERT INTO n SELECT g, 0, repeat('x', 300) FROM generate_series(-150000, -1) g;"
+    src.cluster.execute(SOURCE + big, src.dbname)
+    target_url = f"sqlite:///{tmp_path / 'replica.db'}"
+    two_phase = config_file(tmp_path / "2pc.toml", src, target_url, tmp_path / "work", source={"two_phase": True})
+    plain = config_file(tmp_path / "applier.toml", src, target_url, tmp_path / "work")
+    first = cli("sync", "-c", str(two_phase), "-q")
+    assert first.returncode == 0, first.stderr
+    log = tmp_path / "daemon.log"
+    daemon = start_daemon(two_phase, log)
+    adder: subprocess.Popen[str] | None = None
+    try:
+        src.cluster.execute("ALTER PUBLICATION pub ADD TABLE n", src.dbname)
+        adder = subprocess.Popen([applier_script(), "sync", "-c", str(plain), "--table", "public.n", "-q"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                                 stdin=subprocess.DEVNULL)
+        wait_for("the copy", lambda: sync_state(target_url) == "copying" or adder.poll() is not None)
+        src.cluster.execute("BEGIN; INSERT INTO n VALUES (-200000, 7, 'prepared'); UPDATE a SET v = 7 WHERE id = 1;"
+                            "PREPARE TRANSACTION 'p1'", src.dbname)
+        src.cluster.execute("COMMIT PREPARED 'p1'", src.dbname)
+        assert sync_state(target_url) == "copying", "the copy was over before the prepared transaction committed"
+        out, err = adder.communicate(timeout=300)
+        assert adder.returncode == 0, err
+        equal_soon(src, target_url)
+        assert daemon.poll() is None, log.read_text()
+    finally:
+        if adder is not None and adder.poll() is None:
+            adder.kill()
+        daemon.send_signal(signal.SIGTERM)
+        code = daemon.wait(60)
+        for (gid,) in src.cluster.execute("SELECT gid FROM pg_prepared_xacts", src.dbname):
+            src.cluster.execute(f"ROLLBACK PREPARED '{gid}'", src.dbname)
+    text = log.read_text()
+    assert code == 0, text
+    assert "table public.n is being copied at its snapshot" in text, text  # the replay waited
+    assert "apply failed" not in text and "ERROR" not in text, text

@@ -75,16 +75,20 @@ def test_binary_where_safe_text_where_not_with_equal_contents(spark, src: Scratc
         assert _rows(dst, table) == want, table
 
 
-def test_binary_across_versions(spark, pg_clusters: ClusterPool, dst: ScratchDb, tmp_path: Path) -> None:
-    """PostgreSQL 15 to the newest: built-in types go in binary, and arrive equal."""
+@pytest.mark.parametrize("older", ["source", "target"], ids=["15-to-newest", "newest-to-15"])
+def test_binary_across_versions(spark, pg_clusters: ClusterPool, src: ScratchDb, dst: ScratchDb, older: str,
+                                tmp_path: Path) -> None:
+    """PostgreSQL 15 to the newest, and the newest into 15 (a newer sender, an older receiver): built-in types go
+    in binary, and arrive equal."""
     try:
-        old = pg_clusters.get(find_install(15), "source")
+        old = pg_clusters.get(find_install(15), older)
     except Exception as exc:  # noqa: BLE001 - no PostgreSQL 15 on this machine
         pytest.skip(f"no PostgreSQL 15: {exc}")
-    with scratch_db(old, "src15") as src:
-        src.cluster.execute(TYPES + TABLES + ROWS, src.dbname)
-        dst.cluster.execute(TYPES + TABLES, dst.dbname)
-        res = sync(make_config(src, dst.url, tmp_path / "work", partitions=2), spark=spark)
+    with scratch_db(old, f"{older}15") as db15:
+        source, target = (db15, dst) if older == "source" else (src, db15)
+        source.cluster.execute(TYPES + TABLES + ROWS, source.dbname)
+        target.cluster.execute(TYPES + TABLES, target.dbname)
+        res = sync(make_config(source, target.url, tmp_path / "work", partitions=2), spark=spark)
         assert {t.table: t.copy_format for t in res.tables}["public.plain"] == "binary"
         for table in ("plain", "typed", "named"):
-            assert _rows(dst, table) == _rows(src, table), table
+            assert _rows(target, table) == _rows(source, table), table

@@ -25,9 +25,12 @@ from typing import Any
 import psycopg
 import pytest
 
-from applier.admin import init
+from applier.admin import init, read_progress
 from applier.config import Config
+from applier.engine.runner import goal_reached
+from applier.lsn import LSN
 from applier.migrate.cutover import CutoverError, cutover
+from applier.migrate.sync import sync
 from tests.plugins.cli import applier_script, clean_env, write_toml
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config, target_exec
@@ -243,7 +246,7 @@ def test_a_sqlite_autoincrement_counter_is_raised(source_db: ScratchDb, tmp_path
 
 def _toml(cfg: Config, path: Path) -> Path:
     return write_toml(path, {
-        "source": {"dsn": cfg.source["dsn"] + " password=sekret", "slot": cfg.source["slot"], "publications": cfg.source["publications"],
+        "source": {"dsn": cfg.source["dsn"] + " password=sekret sslpassword=keypass", "slot": cfg.source["slot"], "publications": cfg.source["publications"],
                    "status_interval": 0.5},
         "target": {"url": cfg.target["url"]},
         "apply": {"work_dir": cfg.apply["work_dir"], "group_commit_delay": 0.0},
@@ -283,7 +286,9 @@ def test_the_command_refuses_in_one_line_and_prints_json(source_db: ScratchDb, t
     last_line = human.stdout.splitlines()[-1]
     assert last_line.startswith("cutover: complete. Next: point the application at the target; then drop the slot")
     assert last_line.endswith("-c \"SELECT pg_drop_replication_slot('applier')\"")
+    assert "password" not in out["next"][1] and "password" not in last_line
     assert all("sekret" not in p.stdout + p.stderr for p in (refused, done, human))  # the DSN's password
+    assert all("keypass" not in p.stdout + p.stderr for p in (refused, done, human))  # and the key's
 
 
 def test_a_running_applier_is_waited_for(source_db: ScratchDb, target_db: ScratchDb, tmp_path: Path) -> None:
@@ -311,6 +316,70 @@ def test_a_running_applier_is_waited_for(source_db: ScratchDb, target_db: Scratc
     finally:
         os.kill(daemon.pid, signal.SIGTERM)
         daemon.communicate(timeout=60)
+
+
+def test_the_lag_is_measured_when_applier_run_holds_the_target(source_db: ScratchDb, target_db: ScratchDb,
+                                                              tmp_path: Path) -> None:
+    """`applier run` goes on applying while cutover sets the sequences: the report gives the lag it measured."""
+    cfg = _replica(source_db, target_db, tmp_path)
+    daemon = subprocess.Popen([applier_script(), "run", "-c", str(_toml(cfg, tmp_path / "applier.toml"))],
+                              env=clean_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    stopped = threading.Event()
+
+    def after_the_goal_is_read(line: str) -> None:
+        # the daemon reaches P, then stops applying: what the source commits next is sent to it, not applied
+        if not line.startswith("the source is at "):
+            return
+        goal = LSN.parse(line.rsplit(" ", 1)[1])
+        deadline = time.monotonic() + 60
+        while not goal_reached(read_progress(cfg).lsn, goal):
+            assert time.monotonic() < deadline and daemon.poll() is None, daemon.stderr
+            time.sleep(0.1)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        stopped.set()
+        _write(source_db.dsn, 5)
+        time.sleep(1.0)  # the walsender sends them
+
+    try:
+        _write(source_db.dsn, 10)
+        deadline = time.monotonic() + 60
+        while _counts(target_db) != [10] * 4:
+            assert time.monotonic() < deadline and daemon.poll() is None, daemon.stderr
+            time.sleep(0.2)
+        report = cutover(cfg, wait=True, timeout=60, verify=False, say=after_the_goal_is_read)
+    finally:
+        if stopped.is_set():
+            os.kill(daemon.pid, signal.SIGCONT)
+        os.kill(daemon.pid, signal.SIGTERM)
+        daemon.communicate(timeout=60)
+    assert stopped.is_set() and report.caught_up_by.startswith("applier run (pid ")
+    assert report.lag_bytes is not None and report.lag_bytes > 0
+    assert report.as_json()["lag_bytes"] == report.lag_bytes
+    assert f"; lag {report.lag_bytes} bytes, " in report.lines()[0]
+
+
+def test_a_sqlite_database_error_while_setting_the_counters_is_one_line(source_db: ScratchDb,
+                                                                         tmp_path: Path) -> None:
+    source_db.cluster.execute(SOURCE, source_db.dbname)
+    db = tmp_path / "replica.db"
+    url = f"sqlite:///{db}"
+    for t in ("s", "i", "d", "n"):
+        target_exec(url, f"CREATE TABLE {t} (id INTEGER PRIMARY KEY AUTOINCREMENT, v TEXT)")
+    cfg = make_config(source_db, url, tmp_path / "work")
+    init(cfg)
+    _write(source_db.dsn, 3)
+
+    def break_the_file(line: str) -> None:  # once caught up, the target file is no database any more
+        if line.startswith("caught up"):
+            for extra in (Path(f"{db}-wal"), Path(f"{db}-shm")):
+                extra.unlink(missing_ok=True)
+            db.write_bytes(b"not a SQLite database\n" * 500)
+
+    with pytest.raises(CutoverError) as err:
+        cutover(cfg, verify=False, say=break_the_file)
+    assert str(err.value) == (f"setting the SQLite target's AUTOINCREMENT counters failed, none was changed ({db}): "
+                              f"file is not a database")
 
 
 MIGRATION = """
@@ -345,8 +414,6 @@ def _workload(dsn: str, start: int, n: int) -> None:
 def test_end_to_end_migration_with_types_sequences_and_generated_columns(
         spark: Any, source_db: ScratchDb, target_db: ScratchDb, tmp_path: Path) -> None:
     """The goal of issue 15: sync, a write workload, catchup, cutover: sequences above the source's, verify agrees."""
-    from applier.migrate.sync import sync
-
     source_db.cluster.execute(MIGRATION, source_db.dbname)
     _workload(source_db.dsn, 0, 300)
     cfg = make_config(source_db, target_db.url, tmp_path / "work")

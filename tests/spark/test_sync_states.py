@@ -14,6 +14,7 @@ the connection closes), and said to be kept only if it stays in use.
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ import pytest
 from applier.admin import init, read_progress
 from applier.lsn import LSN
 from applier.migrate.schema import SchemaError, read_source_tables
-from applier.migrate.spark.copy import CopyError, CopyPlan, copy_partitions, copy_pg_partitions
+from applier.migrate.spark.copy import SQLITE_PART_PAGES, CopyError, CopyPlan, copy_partitions, copy_pg_partitions
 from applier.migrate.spark.source import pg_plan
 from applier.migrate.spark.verify import verify
 from applier.migrate.sync import SyncError, _drop_incomplete_slot, sync
@@ -162,6 +163,45 @@ def test_a_sqlite_copy_resumes_with_the_missing_partitions(src: ScratchDb, tmp_p
     again = copy_partitions(None, plan, {p for p, _ in parts}, "public.b")
     assert [(d.part, d.skipped) for d in again] == [(3, False)]
     assert target_exec(f"sqlite:///{path}", "SELECT count(*), count(DISTINCT id) FROM b")[0] == (20000, 20000)
+
+
+def test_a_sqlite_copy_holds_the_write_lock_only_while_it_writes(src: ScratchDb, tmp_path: Path) -> None:
+    """An applier writing the same SQLite file (``sync --table`` beside ``applier run``) is not kept waiting
+    while the copy reads the source: here the source table is locked, so the reads wait."""
+    src.cluster.execute(SOURCE, src.dbname)
+    path = tmp_path / "replica.db"
+    migrate(f"sqlite:///{path}")
+    target_exec(f"sqlite:///{path}", "CREATE TABLE b (id INTEGER, n INTEGER NOT NULL)")
+    plan = _plan(src, str(path), "b", 2)
+    done: list[object] = []
+    with psycopg.connect(src.dsn) as blocker:
+        blocker.execute("LOCK TABLE b IN ACCESS EXCLUSIVE MODE")
+        copier = threading.Thread(target=lambda: done.append(copy_partitions(None, plan, set(), "public.b")))
+        copier.start()
+        time.sleep(1.5)  # the copy has started; its reads wait for the lock
+        other = sqlite3.connect(path, timeout=0.5)
+        try:
+            other.execute("CREATE TABLE written_meanwhile (x)")  # "database is locked" if the copy held the lock
+            other.commit()
+        finally:
+            other.close()
+        blocker.rollback()
+    copier.join(60)
+    assert len(done) == 1 and target_exec(f"sqlite:///{path}", "SELECT count(*), count(DISTINCT id) FROM b") \
+        == [(20000, 20000)]
+
+
+def test_a_sqlite_targets_partitions_are_small(src: ScratchDb, tmp_path: Path) -> None:
+    """A partition is written in one transaction that holds SQLite's write lock: a SQLite target's partitions are
+    at most SQLITE_PART_PAGES, however few spark.partitions asks for."""
+    src.cluster.execute("CREATE TABLE big (id int PRIMARY KEY, v text); "
+                        "INSERT INTO big SELECT g, repeat('x', 200) || g FROM generate_series(1, 45000) g; "
+                        "CREATE PUBLICATION pub FOR TABLE big", src.dbname)
+    pages = src.cluster.execute("SELECT pg_relation_size('big') / 8192", src.dbname)[0][0]
+    assert pages > SQLITE_PART_PAGES
+    res = sync(make_config(src, f"sqlite:///{tmp_path / 'replica.db'}", tmp_path / "work", partitions=1))
+    [table] = res.tables
+    assert (table.rows, table.partitions) == (45000, -(-pages // SQLITE_PART_PAGES))
 
 
 def test_a_slot_made_by_init_is_recreated_with_a_snapshot(spark, src: ScratchDb, dst: ScratchDb,

@@ -26,9 +26,13 @@ key and one rolls back.
   replicated rows).
 - SQLite target (a file of the driver's; no Spark): up to ``SQLITE_READERS`` partitions are read at once
   by threads on the driver (CSV parsed by pyarrow, values converted with the apply engine's
-  ``sqlite_text_converters``), and the one writer stores them one after the other with batched
-  ``executemany`` inserts (``BEGIN IMMEDIATE``; ``synchronous = NORMAL`` in WAL mode, made durable by the
-  final ``synchronous = FULL`` commit of ``applier.migrate.sync``).
+  ``sqlite_text_converters``), each read whole before it is written, and the one writer stores them one
+  after the other with batched ``executemany`` inserts (``BEGIN IMMEDIATE``; ``synchronous = NORMAL`` in
+  WAL mode, made durable by the final ``synchronous = FULL`` commit of ``applier.migrate.sync``). The write
+  lock is so held only while a partition is written, never while the source is read, and a partition is at
+  most ``SQLITE_PART_PAGES`` heap pages (``partitions_for``: about a second of writing), so an ``applier
+  run`` writing the same file meanwhile (``sync --table``) waits that long at most, far inside its busy
+  timeout. At most ``SQLITE_READERS`` partitions are held in memory, read and not yet written.
 
 ``PartDone.nbytes`` (and the ``bytes`` of ``applier_sync_parts``): the COPY data moved (PostgreSQL, in its
 format) or the values' bytes (SQLite).
@@ -39,12 +43,13 @@ Progress: the driver polls ``applier_sync_parts`` (finished partitions, exact) a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import re
 import sqlite3
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -61,8 +66,9 @@ from applier.targets.values import sqlite_text_converters
 from applier.text import one_line
 
 SQLITE_LOCK_WAIT = 86400.0  # seconds the SQLite writer waits for the write lock
-SQLITE_READERS = 2  # partitions read at once for a SQLite target (the one being written, one ahead)
-SQLITE_READ_AHEAD = 2  # converted batches a SQLite reader keeps ready
+SQLITE_READERS = 2  # partitions read (and held) at once for a SQLite target: the one being written, one ahead
+# heap pages (8 kB) of a SQLite target's partition at most: ~8 MB of rows, written in about a second
+SQLITE_PART_PAGES = 1024
 COPY_CHUNK = 1 << 20  # bytes of COPY data handed to the PostgreSQL target at a time
 # Built-in types have OIDs below 10000 (FirstGenbkiObjectId), the same on every server; information_schema's
 # domains (10000-16383) are made by initdb and may differ. These built-in types' binary form is an OID of a
@@ -112,6 +118,15 @@ class PartDone:
     rows: int
     nbytes: int
     skipped: bool
+
+
+def partitions_for(dialect: str, pages: int, partitions: int) -> int:
+    """How many partitions to ask ``ctid_ranges`` for a table of ``pages`` heap pages: ``partitions``
+    (``spark.partitions``), or more for a SQLite target so that none exceeds ``SQLITE_PART_PAGES`` (see the
+    module header: how long the write lock is held)."""
+    if dialect != "sqlite":
+        return partitions
+    return max(partitions, -(-pages // SQLITE_PART_PAGES))
 
 
 def binary_safe(source: psycopg.Connection[Any], target: psycopg.Connection[Any], qtarget: str,
@@ -199,61 +214,80 @@ def _sqlite_column(arr: pa.Array, conv: Callable[[bytes], Any]) -> list[Any]:
     return [None if v is None else conv(v) for v in arr.to_pylist()]
 
 
-_END = object()  # a SQLite reader's last item
-
-
 class _SqliteReaders:
-    """Reader threads of a SQLite copy: partition ``p``'s rows, converted, arrive in batches on ``take(p)``."""
+    """Reader threads of a SQLite copy: partition ``p``'s rows, converted and read whole, on ``take(p)``.
+
+    Invariant: the k-th partition (in ``parts`` order) is read only once fewer than ``SQLITE_READERS``
+    partitions before it are waiting to be written (``done`` counts the ones handled), so at most that many
+    are held in memory, and the one the writer waits for is always among them (no deadlock).
+    """
 
     def __init__(self, plan: CopyPlan, parts: list[int]) -> None:
         self.plan = plan
         rel = Relation(None, 0, "", "", "d", tuple(Column(0, f"c{i}", t, -1) for i, t in enumerate(plan.types)))
         self.convs = sqlite_text_converters(rel)
-        self.queues: dict[int, queue.Queue[Any]] = {p: queue.Queue(SQLITE_READ_AHEAD) for p in parts}
+        self.order = {p: k for k, p in enumerate(parts)}
+        self.handled = 0  # partitions the writer is done with
+        self.room = threading.Condition()
+        self.queues: dict[int, queue.Queue[Any]] = {p: queue.Queue(1) for p in parts}
         self.dropped: dict[int, threading.Event] = {p: threading.Event() for p in parts}
         self.stop = threading.Event()
         self.pool = ThreadPoolExecutor(min(len(parts), SQLITE_READERS), thread_name_prefix="applier-sync-read")
         for p in parts:
             self.pool.submit(self._read, p)
 
-    def _put(self, part: int, item: Any) -> bool:
-        """Hand ``item`` to the writer; False once the writer no longer wants this partition."""
-        while not (self.stop.is_set() or self.dropped[part].is_set()):
-            try:
-                self.queues[part].put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
+    def _wanted(self, part: int) -> bool:
+        return not (self.stop.is_set() or self.dropped[part].is_set())
 
     def _read(self, part: int) -> None:
-        if self.stop.is_set() or self.dropped[part].is_set():
+        with self.room:
+            while self._wanted(part) and self.order[part] >= self.handled + SQLITE_READERS:
+                self.room.wait(0.2)
+        if not self._wanted(part):
             return
         lo, hi = self.plan.source["ranges"][part]
-        batches = read_pg_range(self.plan.source, part, lo, hi)
+        item: Any
         try:
-            for batch in batches:
-                if batch.num_rows == 0:
-                    continue
-                cols = [_sqlite_column(arr, conv) for arr, conv in zip(batch.columns, self.convs, strict=True)]
-                if not self._put(part, (list(zip(*cols)), _data_bytes(batch))):
-                    return
-            self._put(part, _END)
+            whole = []
+            with contextlib.closing(read_pg_range(self.plan.source, part, lo, hi)) as batches:
+                for batch in batches:
+                    if batch.num_rows == 0:
+                        continue
+                    cols = [_sqlite_column(arr, conv) for arr, conv in zip(batch.columns, self.convs, strict=True)]
+                    whole.append((list(zip(*cols)), _data_bytes(batch)))
+                    if not self._wanted(part):
+                        return
+            item = whole
         except Exception as exc:  # noqa: BLE001 - the writer raises it when it reaches this partition
-            self._put(part, exc)
-        finally:
-            batches.close()
+            item = exc
+        if self._wanted(part):
+            self.queues[part].put(item)
 
-    def take(self, part: int) -> Iterator[tuple[list[tuple[Any, ...]], int]]:
-        """Partition ``part``'s batches (rows, value bytes), in order; a reader's error is raised here."""
-        while (item := self.queues[part].get()) is not _END:
-            if isinstance(item, Exception):
-                raise item
-            yield item
+    def take(self, part: int) -> list[tuple[list[tuple[Any, ...]], int]]:
+        """Partition ``part``'s batches (rows, value bytes), in order, once read whole; a reader's error is raised
+        here."""
+        while True:
+            try:
+                item = self.queues[part].get(timeout=0.2)
+                break
+            except queue.Empty:
+                if self.stop.is_set():
+                    raise CopyError(f"the reader of partition {part} stopped") from None
+        if isinstance(item, Exception):
+            raise item
+        out: list[tuple[list[tuple[Any, ...]], int]] = item
+        return out
 
-    def drop(self, part: int) -> None:
-        """The writer will not take partition ``part``: its reader stops."""
+    def done(self, part: int) -> None:
+        """The writer is done with partition ``part`` (written, or skipped: its reader stops): the next may be read."""
         self.dropped[part].set()
+        try:
+            self.queues[part].get_nowait()  # read meanwhile, not wanted: not kept
+        except queue.Empty:
+            pass
+        with self.room:
+            self.handled += 1
+            self.room.notify_all()
 
     def close(self) -> None:
         """Stop every reader, wait for them (their source connections closed)."""
@@ -275,15 +309,17 @@ def copy_sqlite_partitions(plan: CopyPlan, parts: list[int]) -> list[PartDone]:
             conn.execute("PRAGMA synchronous = NORMAL")
             for part in parts:
                 key = [plan.name, plan.run, plan.tbl, part]
+                # read whole before the write lock is taken; written once: looked for again under the lock
+                whole = [] if conn.execute(done_q, key).fetchone() else readers.take(part)
                 conn.execute("BEGIN IMMEDIATE")
                 try:
                     if conn.execute(done_q, key).fetchone():
                         conn.execute("ROLLBACK")
-                        readers.drop(part)
+                        readers.done(part)
                         out.append(PartDone(part, 0, 0, True))
                         continue
                     rows = nbytes = 0
-                    for batch, size in readers.take(part):
+                    for batch, size in whole:
                         conn.executemany(insert, batch)
                         rows += len(batch)
                         nbytes += size
@@ -293,6 +329,8 @@ def copy_sqlite_partitions(plan: CopyPlan, parts: list[int]) -> list[PartDone]:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
                     raise
+                del whole
+                readers.done(part)
                 out.append(PartDone(part, rows, nbytes, False))
         finally:
             conn.close()

@@ -39,6 +39,14 @@ its partitions'; the target's own rows likewise), in Spark:
   target, extra on the target, or changed, with the first ``max_keys`` (in
   key order) shown with both sides' values.
 
+PostgreSQL target (``compare_on_servers``): when every compared column has the same type on both
+sides and the two servers share an encoding, job 1 runs on the servers instead
+(``applier.migrate.spark.rangehash``: per range of the md5 of the key's canonical text, the row count
+and hash sums, computed by each server over its page ranges, in Spark tasks that see only those sums);
+the driver compares the ranges, and job 2 reads only the rows of the differing ranges (the filter runs
+on the servers). Otherwise (a column declared differently on the target, a SQLite target) the rows
+are read into Spark as above. Either way: 1024 key ranges, the same report.
+
 A target column that a column list leaves out (it exists on the source) and
 that has no default must be NULL, as the copy and the stream leave it: it is
 compared with NULL. A table without columns compares its row counts.
@@ -55,6 +63,7 @@ report's last line names both the differing tables and those not compared.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -62,7 +71,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from applier.admin import check_source, check_target, read_progress
+from applier.admin import check_source, check_target, read_progress, source_connect
 from applier.config import Config, ConfigError
 from applier.decoder.messages import Keepalive, XLogData
 from applier.engine.runner import Runner
@@ -306,8 +315,6 @@ def compare(spark: Any, source_plan: str, target_plan: str, target_format: str, 
     """Compare one table (see the module header); fills a TableResult (table names left to the caller)."""
     from pyspark.sql import functions as F
 
-    from applier.migrate.spark.canonical import display  # start-up time: pyarrow, as pyspark above
-
     ncols = len(columns)
     key_idx = [columns.index(k) for k in key]
     res = TableResult("", "", key, ranges=1 << KEY_BITS)
@@ -332,45 +339,91 @@ def compare(spark: Any, source_plan: str, target_plan: str, target_format: str, 
             if any(r[f"a_{c}"] != r[f"b_{c}"] for c in _SUMS):
                 differing.append(int(r["bucket"]))
         res.differing_ranges = len(differing)
+        if differing:
+            differing_keys(src.where(F.col("bucket").isin(differing)), tgt.where(F.col("bucket").isin(differing)),
+                           columns, key, dialect, max_keys, res)
+        log.debug("%s: differing keys found in %.1fs", label, time.monotonic() - t0)
+        return res
+    finally:
+        sc.setJobDescription(None)
+
+
+def differing_keys(src: Any, tgt: Any, columns: list[str], key: list[str], dialect: str, max_keys: int,
+                   res: TableResult) -> None:
+    """Job 2 (see the module header) over both sides' rows (``_prepared``) of the differing ranges: fills the
+    differing keys' counts and the first ``max_keys`` of them into ``res``."""
+    from pyspark.sql import functions as F
+
+    from applier.migrate.spark.canonical import display  # start-up time: pyarrow, as pyspark above
+
+    ncols = len(columns)
+
+    def by_key(df: Any, p: str) -> Any:
+        agg = df.groupBy("key").agg(
+            *_hash_sums(F), F.first(F.struct(*[f"c{i}" for i in range(ncols)])).alias("row"))
+        return agg.select("key", "row", *[F.col(c) for c in _SUMS]).select(
+            "key", *[F.col(c).alias(p + c) for c in ("row", *_SUMS)])
+
+    joined = by_key(src, "a_").join(by_key(tgt, "b_"), on="key", how="full_outer")
+    same = None
+    for c in _SUMS:
+        cond = F.col(f"a_{c}").eqNullSafe(F.col(f"b_{c}"))
+        same = cond if same is None else same & cond
+    kind = (F.when(F.col("b_n").isNull(), F.lit("missing")).when(F.col("a_n").isNull(), F.lit("extra"))
+            .otherwise(F.lit("changed" if key else "count")))
+    assert same is not None  # a table without columns is compared by counts, before this
+    diff = joined.where(~same).withColumn("kind", kind).persist()
+    try:
+        counts = {r["kind"]: r["count"] for r in diff.groupBy("kind").count().collect()}
+        first = diff.orderBy("key").limit(max_keys).collect() if max_keys > 0 else []
+    finally:
+        diff.unpersist()
+    res.missing_on_target = counts.get("missing", 0)
+    res.extra_on_target = counts.get("extra", 0)
+    res.changed = counts.get("changed", 0) + counts.get("count", 0)
+    res.differing_keys = sum(counts.values())
+
+    def values(row: Any) -> dict[str, Any] | None:
+        if row is None:
+            return None
+        return {c: display(row[f"c{i}"], dialect) for i, c in enumerate(columns)}
+
+    for r in first:
+        a, b = values(r["a_row"]), values(r["b_row"])
+        some = a or b or {}
+        res.first.append({"kind": r["kind"], "key": {k: some.get(k) for k in key}, "source": a, "target": b,
+                          "source_count": r["a_n"] or 0, "target_count": r["b_n"] or 0})
+
+
+def compare_on_servers(spark: Any, source_plan: str, target_plan: str, columns: list[str], key: list[str],
+                       max_keys: int, label: str) -> TableResult:
+    """Compare one table of a PostgreSQL target with the per-range sums computed on the servers
+    (``applier.migrate.spark.rangehash``); only the rows of the differing ranges are read, by job 2."""
+    from applier.migrate.spark.rangehash import RANGES, bucket_filter, hash_plan, range_sums  # start-up: pyspark
+
+    plans = [json.loads(source_plan), json.loads(target_plan)]
+    qkey = [quote_ident(k) for k in key]
+    res = TableResult("", "", key, ranges=RANGES)
+    sc = spark.sparkContext
+    sc.setJobDescription(f"applier verify: {label} (key ranges hashed on the servers)")
+    try:
+        t0 = time.monotonic()
+        a, b = range_sums(spark, *[hash_plan(p, p["columns"], qkey) for p in plans])
+        log.debug("%s: key ranges compared on the servers in %.1fs", label, time.monotonic() - t0)
+        res.source_rows, res.target_rows = sum(v[0] for v in a.values()), sum(v[0] for v in b.values())
+        differing = sorted(r for r in a.keys() | b.keys() if a.get(r) != b.get(r))
+        res.differing_ranges = len(differing)
         if not differing:
             return res
-
-        def by_key(df: Any, p: str) -> Any:
-            agg = df.where(F.col("bucket").isin(differing)).groupBy("key").agg(
-                *_hash_sums(F), F.first(F.struct(*[f"c{i}" for i in range(ncols)])).alias("row"))
-            return agg.select("key", "row", *[F.col(c) for c in _SUMS]).select(
-                "key", *[F.col(c).alias(p + c) for c in ("row", *_SUMS)])
-
-        joined = by_key(src, "a_").join(by_key(tgt, "b_"), on="key", how="full_outer")
-        same = None
-        for c in _SUMS:
-            cond = F.col(f"a_{c}").eqNullSafe(F.col(f"b_{c}"))
-            same = cond if same is None else same & cond
-        kind = (F.when(F.col("b_n").isNull(), F.lit("missing")).when(F.col("a_n").isNull(), F.lit("extra"))
-                .otherwise(F.lit("changed" if key else "count")))
-        assert same is not None  # a table without columns is compared by counts, before this
-        diff = joined.where(~same).withColumn("kind", kind).persist()
-        try:
-            counts = {r["kind"]: r["count"] for r in diff.groupBy("kind").count().collect()}
-            first = diff.orderBy("key").limit(max_keys).collect() if max_keys > 0 else []
-        finally:
-            diff.unpersist()
+        key_idx = [columns.index(k) for k in key]
+        sides = []
+        for p in plans:  # only the rows of the differing ranges (a table without a key: its row is its key)
+            only = bucket_filter(qkey or p["columns"], differing)
+            narrowed = json.dumps({**p, "where": f"({p['where']}) AND {only}" if p.get("where") else only})
+            sides.append(_prepared(spark.read.format("applier_pg").option("plan", narrowed).load(), len(columns),
+                                   key_idx))
+        differing_keys(sides[0], sides[1], columns, key, "postgresql", max_keys, res)
         log.debug("%s: differing keys found in %.1fs", label, time.monotonic() - t0)
-        res.missing_on_target = counts.get("missing", 0)
-        res.extra_on_target = counts.get("extra", 0)
-        res.changed = counts.get("changed", 0) + counts.get("count", 0)
-        res.differing_keys = sum(counts.values())
-
-        def values(row: Any) -> dict[str, Any] | None:
-            if row is None:
-                return None
-            return {c: display(row[f"c{i}"], dialect) for i, c in enumerate(columns)}
-
-        for r in first:
-            a, b = values(r["a_row"]), values(r["b_row"])
-            some = a or b or {}
-            res.first.append({"kind": r["kind"], "key": {k: some.get(k) for k in key}, "source": a, "target": b,
-                              "source_count": r["a_n"] or 0, "target_count": r["b_n"] or 0})
         return res
     finally:
         sc.setJobDescription(None)
@@ -388,6 +441,7 @@ def check_spark_target(cfg: Config) -> None:
 def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = None,
            partitions: int | None = None) -> VerifyReport:
     """Compare every published table at one consistent moment (see the module header)."""
+    from applier.migrate.spark.rangehash import same_types, server_encoding, target_types  # start-up: pyspark
     from applier.migrate.spark.source import pg_plan, sqlite_plan, sqlite_rowid_ranges  # start-up time: pyspark
 
     say = say or (lambda line: None)
@@ -423,6 +477,10 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
         tables = read_tables_in_snapshot(cfg, info.snapshot_name)
         target = TargetDb(cfg)
         try:
+            same_encoding = False  # PostgreSQL on both sides: the key ranges can be hashed on the servers
+            if target.dialect != "sqlite":
+                with source_connect(cfg) as conn:
+                    same_encoding = server_encoding(conn) == server_encoding(target.conn)
             for t in tables:
                 shown, qtarget = target.name_of(t)
                 cols = [c.name for c in t.columns]
@@ -453,9 +511,16 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                                        app="applier-verify target", only=not target.partitioned(t))
                     fmt = "applier_pg"
                 say(f"comparing {t.qualified}")
+                on_servers = not sqlite and same_encoding and same_types(
+                    [(c.name, c.type_schema, c.type_name, c.type_mod) for c in t.columns],
+                    target_types(target.conn, qtarget))
                 try:
-                    res = compare(spark, src_plan, tgt_plan, fmt, cols + nulls, t.key_columns, target.dialect,
-                                  max_keys, t.qualified)
+                    if on_servers:
+                        res = compare_on_servers(spark, src_plan, tgt_plan, cols + nulls, t.key_columns, max_keys,
+                                                 t.qualified)
+                    else:
+                        res = compare(spark, src_plan, tgt_plan, fmt, cols + nulls, t.key_columns, target.dialect,
+                                      max_keys, t.qualified)
                 except Exception as exc:  # noqa: BLE001 - one table's failure is reported, the others go on
                     from applier.migrate.spark.copy import spark_error_line  # start-up time: pyspark
                     log.debug("comparing %s failed", t.qualified, exc_info=exc)

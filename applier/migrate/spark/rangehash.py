@@ -1,0 +1,121 @@
+"""Per-key-range row counts and hashes computed on the PostgreSQL servers, for ``applier verify``.
+
+Between a PostgreSQL source and a PostgreSQL target a table is compared without its rows leaving the
+servers: each side's query returns, per key range, the row count and two sums of 64-bit row hashes
+(at most ``RANGES`` small rows); the driver compares them, and only the rows of the ranges that differ
+are read (``bucket_filter``) to name the differing keys.
+
+Canonical text, the same on both servers: a row is ``ROW(c1, …, cN)::text`` (the record output of its
+columns' text output: NULL is empty, an empty string ``""``, so the form is unambiguous), its key
+``ROW(k1, …)::text`` (the whole row for a table without a key). Both sessions pin the output settings
+(``applier.migrate.spark.source.pinned_dsn``: ISO dates, UTC, ``intervalstyle = postgres``,
+``extra_float_digits = 3``, hex bytea), so the text is equal exactly when the values are, provided
+each column has the same type on both sides (``same_types``: schema, name and modifier) and the two
+servers share an encoding (``md5`` hashes the server-encoded bytes): otherwise verify reads the rows
+(the Spark path). ``md5`` (not ``hashtextextended``) because its result does not depend on the
+server's version or byte order.
+
+- key range ("bucket"): the top ``KEY_BITS`` bits of ``md5(key text)``: the same range on both sides,
+  whatever the target's collation or physical order;
+- row hash: ``md5(row text)`` as two signed 64-bit halves, summed per range (``sum(bigint)`` is
+  ``numeric``: no overflow; a sum, not a XOR, so duplicate rows count).
+
+Scheduling: one Spark job per table; the items are the ctid page ranges of both sides
+(``applier.migrate.spark.source.ctid_ranges``), a task runs every k-th item (k: the session's task
+slots), each in its own connection (the source's in the exported snapshot, ``pg_in_snapshot``) and
+returns the partial sums of its page range; the driver adds them up. Spark sees only those sums.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+
+from applier.migrate.spark.session import task_slots
+from applier.migrate.spark.source import pg_in_snapshot, range_query
+
+KEY_BITS = 10  # 1024 key ranges, as the Spark path
+RANGES = 1 << KEY_BITS
+
+Sums = tuple[int, int, int]  # rows, sum of the first hash halves, sum of the second
+
+
+def row_text(columns: Sequence[str]) -> str:
+    """SQL for the canonical text of a row of these (quoted) columns or expressions."""
+    return f"ROW({', '.join(columns)})::text"
+
+
+def _bucket_of(md5_hex: str) -> str:
+    return f"(('x' || left({md5_hex}, 3))::bit(12)::int >> {12 - KEY_BITS})"
+
+
+def bucket_filter(key: Sequence[str], buckets: Sequence[int]) -> str:
+    """A condition selecting the rows whose key (quoted columns) lies in one of these ranges."""
+    return f"{_bucket_of(f'md5({row_text(key)})')} IN ({', '.join(str(int(b)) for b in buckets)})"
+
+
+def sums_query(plan: dict[str, Any], lo: int | None, hi: int | None) -> str:
+    """The per-range count and hash sums of one page range of a ``hash_plan``."""
+    inner = range_query(plan, lo, hi)
+    key = "k" if plan["keyed"] else "m"
+    cols = "md5(r) AS m, md5(k) AS k" if plan["keyed"] else "md5(r) AS m"
+    return (f"SELECT {_bucket_of(key)} AS b, count(*), sum(('x' || left(m, 16))::bit(64)::bigint), "
+            f"sum(('x' || right(m, 16))::bit(64)::bigint) FROM (SELECT {cols} FROM ({inner}) AS q) AS h GROUP BY 1")
+
+
+def hash_plan(plan: dict[str, Any], columns: list[str], key: list[str]) -> dict[str, Any]:
+    """A ``pg_plan`` (parsed) turned into the plan of ``sums_query``: its columns (quoted names or SQL, in the
+    order of the comparison) become the row text ``r`` and, when ``key`` (quoted) is not empty, the key text
+    ``k``."""
+    exprs = [f"{row_text(columns)} AS r"] + ([f"{row_text(key)} AS k"] if key else [])
+    return {**plan, "columns": exprs, "keyed": bool(key)}
+
+
+def _sums_of(plans: list[dict[str, Any]], items: list[tuple[int, int]]) -> list[tuple[int, int, Sums]]:
+    """(side, bucket, sums) of page ranges ``items`` ((side, range index)): a Spark task's work."""
+    out = []
+    for side, index in items:
+        plan = plans[side]
+        lo, hi = plan["ranges"][index]
+        with pg_in_snapshot(plan, index) as conn:
+            for b, n, s1, s2 in conn.execute(sums_query(plan, lo, hi)):
+                out.append((side, int(b), (int(n), int(s1), int(s2))))
+    return out
+
+
+def range_sums(spark: Any, source: dict[str, Any], target: dict[str, Any]) -> tuple[dict[int, Sums], dict[int, Sums]]:
+    """Per-range sums of both sides (``hash_plan``s), computed on the servers in one Spark job (see the module
+    header); a failure raises Spark's exception (the caller reports its cause)."""
+    plans = [source, target]
+    items = [(side, i) for side in (0, 1) for i in range(len(plans[side]["ranges"]))]
+    tasks = max(1, min(len(items), task_slots(spark)))
+    sc = spark.sparkContext
+    parts = sc.parallelize([items[i::tasks] for i in range(tasks)], tasks).flatMap(
+        functools.partial(_sums_of, plans)).collect()
+    sides: tuple[dict[int, Sums], dict[int, Sums]] = ({}, {})
+    for side, b, (n, s1, s2) in parts:
+        n0, a0, b0 = sides[side].get(b, (0, 0, 0))
+        sides[side][b] = (n0 + n, a0 + s1, b0 + s2)
+    return sides
+
+
+def server_encoding(conn: psycopg.Connection[Any]) -> str:
+    """The server's encoding (``md5`` hashes text in it)."""
+    row = conn.execute("SHOW server_encoding").fetchone()
+    return str(row[0]) if row else ""
+
+
+def target_types(conn: psycopg.Connection[Any], qtable: str) -> dict[str, tuple[str, str, int]]:
+    """Column name -> (type schema, ``format_type(type, NULL)``, type modifier) of a PostgreSQL table."""
+    return {r[0]: (r[1], r[2], int(r[3])) for r in conn.execute(
+        "SELECT a.attname, n.nspname, format_type(a.atttypid, NULL), a.atttypmod FROM pg_attribute a "
+        "JOIN pg_type t ON t.oid = a.atttypid JOIN pg_namespace n ON n.oid = t.typnamespace "
+        "WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped", [qtable])}
+
+
+def same_types(source: Sequence[tuple[str, str, str, int]], target: dict[str, tuple[str, str, int]]) -> bool:
+    """Whether every source column (name, type schema, type name, modifier) has the same type on the target."""
+    return all(target.get(name) == (schema, tname, mod) for name, schema, tname, mod in source)
