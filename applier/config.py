@@ -253,4 +253,6 @@ def redact_dsn(dsn: str) -> str:
     """A DSN or URL with any password replaced by ***, safe to log."""
 
     dsn = re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", dsn, flags=re.I)
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", dsn)
+    # user:password@ of a URL: neither part crosses a space or a '/', so in a whole log line the match never
+    # reaches an '@' further on (a mail address) and swallows the host, port and database between
+    return re.sub(r"(://[^:/@\s]*:)[^@\s/]*@", r"\1***@", dsn)

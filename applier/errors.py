@@ -12,6 +12,12 @@ class ApplyError(RuntimeError):
     """A change could not be applied; the message names operation, table, key and LSN."""
 
 
+class FinalError(ApplyError):
+    """A change applier refuses whatever the retry (a schema verdict of ``apply.schema_changes``, made from the
+    target's catalog and the Relation message, the same in every session): the runner does not retry it row by
+    row, since that cannot change the verdict."""
+
+
 class InUseError(RuntimeError):
     """Another process holds what this one needs (the target's progress row, the replication slot).
 

@@ -7,19 +7,33 @@ metrics are on: importing prometheus_client is start-up time.
 Where the numbers come from, none of it per row:
 - the runner hands each session over (``watch``) and back (``unwatch``); positions, lag, spool
   bytes and prepared transactions are read from it when scraped;
-- the engine reports each committed target transaction (``committed``): source transactions, row
-  changes by operation and table, conflicts by type and table, tallied per batch and added when
-  the target commits, so a group rolled back and applied again is counted once. Row changes are
-  the rows written: a batch folds changes to one row (an insert then an update of it is one
-  insert, an insert then a delete nothing), and rows an update or delete did not find count as
-  conflicts, not changes;
+- the engine reports each committed target transaction (``committed``): source transactions, rows
+  written by operation and table, conflicts by type and table, tallied per batch and added when
+  the target commits, so a group rolled back and applied again is counted once. A group is a
+  target transaction that applied at least one source transaction: one that only records progress
+  (a keepalive's, a skipped transaction's) is not one. A transaction prepared on the target counts
+  when COMMIT PREPARED commits it (not at PREPARE; not at all after ROLLBACK PREPARED); on a
+  PostgreSQL target its rows are held meanwhile by the engine, so the rows of one prepared before a
+  restart and committed after it are not counted. Rows written are what the target was sent, after
+  a batch folded the changes to one row (an insert then an update of it is one insert, an insert
+  then a delete nothing), so they depend on batching (``group_commit_delay``, load); counting the
+  source's changes instead would take work per row. Rows an update or delete did not find count as
+  conflicts and are taken off;
 - the runner reports errors (by kind), retries and reconnects (sessions after the first).
 
-Lag is 0 when everything received is applied: the engine holds nothing (no transaction, group,
-batch or stream in hand) and has applied every transaction it finished. Otherwise the bytes are the source's WAL position (the WAL end of its
-keepalives and XLogData, or the commit LSN of the transaction in hand) minus the applied position,
-and the seconds are now minus the commit time of the last applied transaction (its source
-clock; the start of the process while none is known). Between sessions after a failure the last positions stand and the seconds keep growing.
+Lag: "received" is the furthest WAL position the source's walsender has sent (the WAL end of its
+XLogData and keepalives, or the commit LSN of the transaction in hand), which is what it has
+decoded: lag inside the source (a big transaction being decoded and not streamed, a backlog after
+a restart) is not seen here; the source's ``pg_replication_slots`` (``pg_current_wal_lsn() -
+confirmed_flush_lsn``) shows it. Both gauges are 0 when everything received is applied (the engine
+holds nothing: no transaction, group, batch or stream in hand, and every transaction it finished
+is committed). Otherwise the bytes are received minus applied, and the seconds are now minus the
+source commit time of the oldest transaction received and not yet applied (for a streamed one
+still coming in, or applied from its spool: when its first change was received). Between
+sessions after a failure the last positions stand and the seconds keep growing.
+
+The LSN gauges are floats, exact up to 2**53 (8 PiB of WAL). prometheus_client also exports a
+``_created`` series (the time it started) for every counter and histogram.
 
 Labels are operation, table (target table names), conflict type (PostgreSQL 18's names), error
 kind: never keys or values, so their number is bounded by the schema.
@@ -37,7 +51,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from applier import __version__
 from applier._cmodule import IMPLEMENTATION
 from applier.config import ConfigError
-from applier.decoder.messages import PG_EPOCH_UNIX
 from applier.targets.base import MISSING_CONFLICT
 
 if TYPE_CHECKING:
@@ -55,29 +68,32 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.server: Any = None
-        self.started = time.time()
         # the session in hand (``watch``), or what the last one left (``unwatch``)
         self._engine: ApplyEngine | None = None
         self._source: ChunkReader | None = None
         self._received = 0
         self._applied = 0
-        self._commit_time: int | None = None  # PostgreSQL microseconds since 2000-01-01
+        self._since: float | None = None  # the last session's ``pending_since`` (unix seconds)
         self._behind = False
         self._waiting = 0.0
 
-        Gauge("applier_received_lsn", "Furthest source WAL position received (keepalives, XLogData, the "
-              "transaction in hand), as a number", registry=r).set_function(lambda: self._positions()[0])
+        Gauge("applier_received_lsn", "Furthest source WAL position received: what the walsender sent (the WAL end "
+              "of XLogData and keepalives, the transaction in hand), as a number", registry=r).set_function(
+            lambda: self._positions()[0])
         Gauge("applier_applied_lsn", "Source WAL position applied and recorded on the target, as a number",
               registry=r).set_function(lambda: self._positions()[1])
-        Gauge("applier_lag_bytes", "Source WAL position received minus applied; 0 when everything received is "
-              "applied", registry=r).set_function(lambda: self._lag()[0])
-        Gauge("applier_lag_seconds", "Now minus the commit time of the last applied transaction; 0 when "
-              "everything received is applied", registry=r).set_function(lambda: self._lag()[1])
+        Gauge("applier_lag_bytes", "Source WAL position received (sent by the walsender, so decoded: lag inside "
+              "the source's decoding is not seen) minus applied; 0 when everything received is applied",
+              registry=r).set_function(lambda: self._lag()[0])
+        Gauge("applier_lag_seconds", "Now minus the source commit time of the oldest transaction received and not "
+              "yet applied (a streamed one: when its first change was received); 0 when everything received is "
+              "applied", registry=r).set_function(lambda: self._lag()[1])
         self.transactions = Counter("applier_transactions_applied", "Source transactions applied", registry=r)
-        self.changes = Counter("applier_row_changes_applied", "Row changes applied, by operation and target table",
-                               ["operation", "table"], registry=r)
-        self.groups = Counter("applier_groups_committed", "Target transactions committed (each holds one or "
-                              "more source transactions)", registry=r)
+        self.changes = Counter("applier_rows_written", "Rows written to the target, by operation and target table, "
+                               "after a batch folded changes to one row (an insert then an update of it: one "
+                               "insert)", ["operation", "table"], registry=r)
+        self.groups = Counter("applier_groups_committed", "Target transactions committed that applied one or more "
+                              "source transactions", registry=r)
         self.group_size = Histogram("applier_group_size_transactions", "Source transactions per committed "
                                     "target transaction", buckets=GROUP_BUCKETS, registry=r)
         self.conflicts = Counter("applier_conflicts", "Conflicts met, by type (PostgreSQL 18's names) and target "
@@ -115,11 +131,8 @@ class Metrics:
 
     # -- reports from the runner and the engine --------------------------------------------------
 
-    def watch(self, engine: ApplyEngine, source: ChunkReader, commit_time: int | None) -> None:
-        """A session starts: read positions from ``engine`` and ``source`` (``commit_time``: the recorded
-        progress's, until the engine applies one)."""
-        if self._commit_time is None or (commit_time is not None and commit_time > self._commit_time):
-            self._commit_time = commit_time
+    def watch(self, engine: ApplyEngine, source: ChunkReader) -> None:
+        """A session starts: read positions from ``engine`` and ``source``."""
         self._source = source
         self._engine = engine
 
@@ -127,18 +140,19 @@ class Metrics:
         """The session ends: keep its last positions; ``failed``: it ended on an error (still behind)."""
         received, applied, behind = self._positions()
         self._waiting = self._prepared()
+        self._since = self._pending()
         self._engine = None
         self._source = None
         self._received, self._applied, self._behind = received, applied, behind or failed
 
     def committed(self, transactions: int, changes: Mapping[tuple[str, str], int],
-                  conflicts: Mapping[tuple[str, str], int], commit_time: int | None) -> None:
-        """A target transaction committed with ``transactions`` source transactions, ``changes`` rows sent by
-        (operation, table) and ``conflicts`` (rows not found, as ``Target.missing``) by (type, table);
-        ``commit_time``: the last one's."""
-        self.groups.inc()
-        self.group_size.observe(transactions)
-        if transactions:
+                  conflicts: Mapping[tuple[str, str], int]) -> None:
+        """A target transaction committed with ``transactions`` source transactions (0: it recorded progress
+        only, no group), ``changes`` rows sent by (operation, table) and ``conflicts`` (rows not found, as
+        ``Target.missing``) by (type, table)."""
+        if transactions > 0:
+            self.groups.inc()
+            self.group_size.observe(transactions)
             self.transactions.inc(transactions)
         applied = dict(changes)
         for (kind, table), n in conflicts.items():
@@ -149,8 +163,6 @@ class Metrics:
         for (op, table), n in applied.items():
             if n > 0:
                 self.changes.labels(op.lower(), table).inc(n)
-        if commit_time is not None:
-            self._commit_time = commit_time
 
     def failed(self, kind: str) -> None:
         """A session ended on an error of ``kind`` (one of ``ERROR_KINDS``)."""
@@ -185,9 +197,17 @@ class Metrics:
         received, applied, behind = self._positions()
         if not behind:
             return 0.0, 0.0
-        when = self._commit_time
-        since = PG_EPOCH_UNIX + when / 1_000_000 if when is not None else self.started
-        return float(max(0, received - applied)), max(0.0, time.time() - since)
+        since = self._pending()
+        return float(max(0, received - applied)), max(0.0, time.time() - since) if since is not None else 0.0
+
+    def _pending(self) -> float | None:
+        """When the oldest transaction received and not applied was committed at the source, or its first
+        change received (unix seconds); None: none known."""
+        engine = self._engine
+        if engine is None:
+            return self._since
+        times = [t for t in (engine.pending_since, engine.spools.since()) if t is not None]
+        return min(times, default=None)
 
     def _spool_bytes(self) -> float:
         engine = self._engine

@@ -184,6 +184,10 @@ def test_example_documents_every_key_and_loads() -> None:
     ("postgresql://user:sekret@h:5432/d", "postgresql://user:***@h:5432/d"),
     ("postgresql+psycopg://user:sekret@h/d", "postgresql+psycopg://user:***@h/d"),
     ("host=h dbname=d", "host=h dbname=d"),
+    # in a whole log line: a later '@' is not the end of a password
+    ("cannot reach postgresql://replica:5432/app; mail dba@example.com",
+     "cannot reach postgresql://replica:5432/app; mail dba@example.com"),
+    ("postgresql://u:sekret@h/d failed; mail dba@example.com", "postgresql://u:***@h/d failed; mail dba@example.com"),
 ])
 def test_redact_dsn(dsn: str, shown: str) -> None:
     assert redact_dsn(dsn) == shown

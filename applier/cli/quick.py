@@ -140,6 +140,8 @@ def apply(catchup: bool, config: Path | None = None, dsn: str | None = None, slo
     finally:
         if bar is not None:
             bar.close(complete)
+        if served is not None:  # the port is free again when the command ends
+            served.close()
     echo(summary.line())
 
 

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from applier.decoder.messages import (
+    PG_EPOCH_UNIX,
     Begin,
     BeginPrepare,
     Commit,
@@ -66,7 +67,7 @@ from applier.decoder.pgoutput import decode_message
 from applier.engine.batch import Batch
 from applier.engine.relation import RawMessage, RelationMap
 from applier.engine.spool import Spool, SpoolSet, records
-from applier.errors import ApplyError, MissingTable, TableWait
+from applier.errors import ApplyError, FinalError, MissingTable, TableWait
 from applier.lsn import LSN
 from applier.targets.base import Binding, Join, Target, describe_values, log_missing, source_name
 from applier.targets.claim import copy_claim_name
@@ -76,10 +77,10 @@ from applier.text import one_line
 class CommitObserver(Protocol):
     """Told of each committed target transaction (``applier.metrics.Metrics`` is one): ``transactions`` source
     transactions, ``changes`` rows sent by (operation, table), ``conflicts`` (rows not found) by (type, table),
-    ``commit_time`` the last one's. Never told of a rolled-back group."""
+    (0 transactions: the commit recorded progress only). Never told of a rolled-back group."""
 
     def committed(self, transactions: int, changes: Mapping[tuple[str, str], int],
-                  conflicts: Mapping[tuple[str, str], int], commit_time: int | None) -> None: ...
+                  conflicts: Mapping[tuple[str, str], int]) -> None: ...
 
 log = logging.getLogger("applier.engine")
 
@@ -137,7 +138,16 @@ class ApplyEngine:
         self.group_conflicts: dict[tuple[str, str], int] = {}  # (conflict type, table) -> rows (``Target.missing``)
         if metrics is not None:
             target.missing = self.group_conflicts
-        self.txns_reported = 0  # ``stats.transactions`` when the last group committed or rolled back
+        # ``stats.transactions`` when the last group committed or rolled back, plus the transactions prepared and
+        # not committed yet (the metrics count a prepared transaction at COMMIT PREPARED, not at PREPARE)
+        self.txns_reported = 0
+        # xid -> the (changes, conflicts) tally of a transaction prepared on the target, added at COMMIT PREPARED
+        self.prepared_tally: dict[int, tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]] = {}
+        # when the oldest source transaction received and not yet committed on the target was committed at the
+        # source (unix seconds; a streamed one being applied: when its first change was received); None when none
+        # is. Set at Begin (once a transaction, not per row), reset when a group commits. With the spools'
+        # ``since`` (streams still coming in), the metrics' lag in seconds
+        self.pending_since: float | None = None
         self.prepared_waiting: int | None = None  # prepared on the target, not finished (None: not counted)
         # a published table with neither a target table nor an applier_sync_tables row: wait (TableWait) for
         # `applier sync --table` (the daemon), or fail naming it
@@ -240,6 +250,8 @@ class ApplyEngine:
     def handle_begin(self, m: Begin) -> None:
         """Start a source transaction; decide whether it is skipped."""
         self.txn = SourceTxn(m.xid, m.final_lsn, self.should_skip(m.final_lsn))
+        if self.pending_since is None:
+            self.pending_since = PG_EPOCH_UNIX + m.commit_time / 1_000_000
 
     def should_skip(self, final_lsn: LSN) -> Skip | None:
         """Why a transaction finishing at ``final_lsn`` is skipped (None: it is applied)."""
@@ -272,6 +284,8 @@ class ApplyEngine:
             self.last_commit_end = end_lsn
         if txn.skip is Skip.APPLIED_BEFORE:
             self.stats.skipped += 1
+            if not self.group_open:
+                self.pending_since = None
             return
         if self.careful:
             self.flush_batch()
@@ -311,9 +325,10 @@ class ApplyEngine:
         self.applied = self.group_end
         self.last_flush = time.monotonic()
         self.stats.groups += 1
+        self.pending_since = None  # a group commits between source transactions
         if self.metrics is not None:
             self.metrics.committed(self.stats.transactions - self.txns_reported, self.group_changes,
-                                   self.group_conflicts, self.group_time)
+                                   self.group_conflicts)
             self.txns_reported = self.stats.transactions
             self.group_changes = {}
             self.group_conflicts.clear()
@@ -461,8 +476,10 @@ class ApplyEngine:
                 if rel is None:
                     raise
                 key = _key_text(rel, op, row, self.relmap.types if self.binary else None)
-                raise ApplyError(f"{op} on table {source_name(rel)} (key {key}) in transaction "
-                                 f"{txn.xid} finished at {txn.final_lsn}: {exc}") from exc
+                # a FinalError stays one: the runner does not retry it row by row
+                raise (FinalError if isinstance(exc, FinalError) else ApplyError)(
+                    f"{op} on table {source_name(rel)} (key {key}) in transaction {txn.xid} finished at "
+                    f"{txn.final_lsn}: {exc}") from exc
             if b.join is not None and self.held(b, txn):
                 return
         self.stats.rows += 1
@@ -589,6 +606,8 @@ class ApplyEngine:
         sp = self.spools.pop(m.xid)
         txn = SourceTxn(m.xid, m.commit_lsn, self.should_skip(m.commit_lsn))
         self.txn = txn
+        if self.pending_since is None:
+            self.pending_since = sp.opened if sp is not None else PG_EPOCH_UNIX + m.commit_time / 1_000_000
         if sp is not None:
             try:
                 if txn.skip is None:
@@ -643,6 +662,8 @@ class ApplyEngine:
         if not txn.skip and not self.target.native_prepare:
             txn.spool = self.spools.open(m.xid, True)
         self.txn = txn
+        if self.pending_since is None:
+            self.pending_since = PG_EPOCH_UNIX + m.prepare_time / 1_000_000
 
     def handle_prepare(self, m: Prepare) -> None:
         """Prepare the transaction in hand (or keep it in the table)."""
@@ -656,6 +677,8 @@ class ApplyEngine:
         sp = self.spools.pop(m.xid)
         txn = self._start_prepared(m.xid, m.prepare_lsn, m.gid)
         self.txn = txn
+        if self.pending_since is None:
+            self.pending_since = sp.opened if sp is not None else PG_EPOCH_UNIX + m.prepare_time / 1_000_000
         try:
             if txn.skip or sp is None:
                 pass
@@ -679,10 +702,13 @@ class ApplyEngine:
             self.last_commit_end = end_lsn
         if txn.skip is Skip.APPLIED_BEFORE:
             self.stats.skipped += 1
+            if not self.group_open:
+                self.pending_since = None
             return
         if txn.skip:
             self.stats.skipped += 1
             if txn.spool is not None:
+                self.spools.pop(txn.xid)
                 txn.spool.remove()
             if txn.skip is Skip.ASKED:
                 self.group_clears_skip = True
@@ -691,6 +717,7 @@ class ApplyEngine:
             return
         if txn.spool is not None:
             blob = self.relmap.meta_blob() + txn.spool.read_all()
+            self.spools.pop(txn.xid)  # kept in the table now: nothing of it is in hand (``quiet``)
             txn.spool.remove()
             self.ensure_group()
             self.target.store_prepared(gid, txn.xid, prepare_lsn, end_lsn, when, blob)
@@ -703,6 +730,12 @@ class ApplyEngine:
                 self.target.prepare(txn.xid)
             self.group_open = False
         self.stats.transactions += 1
+        if self.metrics is not None:  # counted when committed (COMMIT PREPARED), not now: see ``txns_reported``
+            self.txns_reported += 1
+            if self.group_changes or self.group_conflicts:
+                self.prepared_tally[txn.xid] = (self.group_changes, dict(self.group_conflicts))
+                self.group_changes = {}
+                self.group_conflicts.clear()
         if self.prepared_waiting is not None:
             self.prepared_waiting += 1
         self._progress_only(end_lsn, when)
@@ -722,6 +755,8 @@ class ApplyEngine:
         if end_lsn <= self.applied:
             self.stats.skipped += 1
             return
+        if self.pending_since is None:
+            self.pending_since = PG_EPOCH_UNIX + when / 1_000_000
         what = "COMMIT PREPARED" if commit else "ROLLBACK PREPARED"
         with rolled_back_on_error(self, lambda exc: ApplyError(
                 f"{what} of source transaction {xid} ({gid!r}) ending at {end_lsn} failed on the target: "
@@ -740,6 +775,12 @@ class ApplyEngine:
                 self.target.delete_prepared(gid)
         if self.prepared_waiting:
             self.prepared_waiting -= 1
+        tally = self.prepared_tally.pop(xid, None)
+        if self.metrics is not None and commit:  # now it counts (see ``_prepare``): with the progress commit
+            self.txns_reported -= 1
+            if tally is not None:
+                self.group_changes, conflicts = tally
+                self.group_conflicts.update(conflicts)
         self._progress_only(end_lsn, when)
 
 

@@ -8,10 +8,10 @@ As PostgreSQL's relation.c does for its subscriber, this module owns the remoteâ
   misses them and decides each change (``ApplyEngine.held``); ``promote`` moves one to ``bindings``
   once every later change is the stream's;
 - ``meta_raw``: the raw bytes of those Relation and Type messages, so that a prepared transaction
-  kept in the target's table carries the definitions its changes need (``meta_blob``);
-- ``replaced``: the Relation message each later one for its OID replaced, so that a schema change
-  followed on the target (``follow``: ``apply.schema_changes = "add_columns"``, ``target.follow``
-  before ``target.bind``) knows what the source changed.
+  kept in the target's table carries the definitions its changes need (``meta_blob``).
+
+With ``follow`` (``apply.schema_changes = "add_columns"``) ``target.follow`` makes the target table fit
+the Relation message before ``target.bind``, judging from the two alone (no earlier Relation message).
 
 Invariants:
 - a new Relation message for an OID drops that OID's binding, so the next change re-reads the
@@ -37,7 +37,7 @@ RawMessage = tuple[bool, bytes]  # (in a stream block, the message's bytes): one
 class RelationMap:
     """Source relations and types by OID, their raw messages and their target bindings; see the module header."""
 
-    __slots__ = ("target", "binary", "follow", "relations", "types", "bindings", "gated", "meta_raw", "replaced")
+    __slots__ = ("target", "binary", "follow", "relations", "types", "bindings", "gated", "meta_raw")
 
     def __init__(self, target: Target, binary: bool = False, follow: bool = False) -> None:
         self.target = target
@@ -49,15 +49,11 @@ class RelationMap:
         self.gated: dict[int, Binding] = {}
         # raw Relation/Type messages by ('R'|'Y', oid): a prepared transaction kept in a table carries them
         self.meta_raw: dict[tuple[str, int], RawMessage] = {}
-        self.replaced: dict[int, Relation] = {}
 
     def add_relation(self, m: Relation, raw: RawMessage) -> None:
         """Cache a Relation message; a binding made from an earlier one for its OID is dropped."""
         self.bindings.pop(m.oid, None)
         self.gated.pop(m.oid, None)
-        old = self.relations.get(m.oid)
-        if old is not None:
-            self.replaced[m.oid] = old
         self.relations[m.oid] = m
         self.meta_raw[("R", m.oid)] = raw
 
@@ -78,7 +74,7 @@ class RelationMap:
                 raise ApplyError(f"change for relation OID {oid} before its Relation message "
                                  f"(transaction finished at {lsn})")
             if self.follow:
-                self.target.follow(rel, self.replaced.get(oid), self.types, lsn, no_ddl)
+                self.target.follow(rel, self.types, lsn, no_ddl)
             b = self.target.bind(rel, self.types, lsn, self.binary)
             b.join = self.target.table_join(rel)  # after bind: a row is made before its table (add_table)
             (self.bindings if b.join is None else self.gated)[oid] = b
@@ -101,8 +97,7 @@ class RelationMap:
     def isolated(self) -> Iterator[None]:
         """An empty map for the duration (a kept prepared transaction carries its own definitions),
         then the one before, as it was."""
-        saved = (dict(self.relations), dict(self.types), dict(self.bindings), dict(self.meta_raw), dict(self.gated),
-                 dict(self.replaced))
+        saved = (dict(self.relations), dict(self.types), dict(self.bindings), dict(self.meta_raw), dict(self.gated))
         self._clear()
         try:
             yield
@@ -113,7 +108,6 @@ class RelationMap:
             self.bindings.update(saved[2])
             self.meta_raw.update(saved[3])
             self.gated.update(saved[4])
-            self.replaced.update(saved[5])
 
     def _clear(self) -> None:
         self.relations.clear()
@@ -121,4 +115,3 @@ class RelationMap:
         self.bindings.clear()
         self.gated.clear()
         self.meta_raw.clear()
-        self.replaced.clear()

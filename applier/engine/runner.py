@@ -50,7 +50,7 @@ from applier.config import Config, ConfigError
 from applier.engine.apply import ApplyEngine
 from applier.engine.heartbeat import CATCHUP_EVERY, Heartbeat
 from applier.engine.spool import SpoolFull
-from applier.errors import ApplyError, TableWait
+from applier.errors import ApplyError, FinalError, TableWait
 from applier.inspect import current_wal_insert_lsn, stream_options
 from applier.lsn import LSN
 from applier.progress.store import Progress
@@ -275,7 +275,8 @@ class Runner:
                     if self.max_connect_retries is not None and failures > self.max_connect_retries:
                         raise
                     log.warning("connection problem, retrying in %.1fs: %s", delay, msg, extra=where)
-                elif not (careful and self.ended_careful):  # careful mode ends past the fail point
+                # careful mode ends past the fail point; a FinalError is a verdict a retry cannot change
+                elif not (careful and self.ended_careful or isinstance(exc, FinalError)):
                     log.warning("apply failed, retrying the failing transaction row by row: %s", msg, extra=where)
                     careful = True
                     if self.metrics is not None:
@@ -318,7 +319,7 @@ class Runner:
             source = open_source(cfg, progress, self.wrap_source)  # first: is this the source of the progress?
             if self.metrics is not None:
                 engine.prepared_waiting = prepared_count(target)
-                self.metrics.watch(engine, source, progress.commit_time)
+                self.metrics.watch(engine, source)
             target.source_system = source.system_id
             target.money_text = source.money_text
             target.slot = cfg.source["slot"]

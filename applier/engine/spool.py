@@ -27,6 +27,7 @@ import errno
 import os
 import shutil
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -66,7 +67,7 @@ class SpoolFull(SpoolError):
 class Spool:
     """One streamed transaction's changes on disk."""
 
-    __slots__ = ("xid", "path", "_f", "first_offset", "count")
+    __slots__ = ("xid", "path", "_f", "first_offset", "count", "opened")
 
     def __init__(self, directory: Path, xid: int, fresh: bool) -> None:
         self.xid = xid
@@ -77,6 +78,7 @@ class Spool:
             raise self._failed(exc) from exc
         self.first_offset: dict[int, int] = {}
         self.count = 0
+        self.opened = time.time()  # when its first change was received (unix seconds): the metrics' lag
 
     def append(self, subxid: int, data: bytes, in_stream: bool = True) -> None:
         """Append one message of (sub)transaction ``subxid``."""
@@ -178,6 +180,10 @@ class SpoolSet:
             except OSError:  # removed meanwhile
                 pass
         return total
+
+    def since(self) -> float | None:
+        """When the oldest spool's first change was received (unix seconds); None without spools."""
+        return min((sp.opened for sp in list(self.spools.values())), default=None)  # safe from another thread
 
     def pop(self, xid: int) -> Spool | None:
         """Take the spool of ``xid`` out of the set."""

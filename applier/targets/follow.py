@@ -6,36 +6,36 @@ needs. A column's type is a ``TypeKey``: (type OID, typmod) for a built-in type,
 server, or (``schema.name`` of the Type message or the target's catalog, typmod) for a user type, whose OIDs differ
 between servers.
 
-``judge(target, new, previous)``: ``target`` is the target column's type (None on SQLite, whose declared type
-only picks an affinity), ``new`` the source's type now, ``previous`` the source's type in the Relation message
-this one replaced in the session (None: none seen, e.g. the first after a restart):
+``judge(target, new)`` decides from the target column's type as the target's catalog has it and the source's type in
+the Relation message, never from an earlier Relation message, so every session (a restart, the row-by-row retry)
+decides the same (PostgreSQL targets; SQLite's declared types only pick an affinity and are not compared):
 
 - the same type: nothing to do (KEEP);
-- the target's type is one the source's widens (WIDEN, PostgreSQL only): ALTER COLUMN … TYPE the source's.
-  The widenings (``widens``) keep every value and its meaning: smallint → integer → bigint,
-  varchar(n) → varchar(m > n), varchar or text, numeric(p, s) → numeric(p' ≥ p, s) or numeric;
-- the source's type is one the target's widens: a narrowing on the source (the target had the wider type);
-  REFUSE: the target keeps the source's types, a narrowing rewrites values, so the operator decides;
-- any other difference: REFUSE if the session saw this column's type change (``previous``) and the change is
-  not a widening on SQLite (where widenings change no affinity: INTEGER stays INTEGER, TEXT stays TEXT);
-  KEEP otherwise: a difference that was there before (a target made with another type on purpose) stays, as
-  with ``schema_changes = "error"``.
+- the target's type is one the source's widens (WIDEN): ALTER COLUMN … TYPE the source's. The widenings
+  (``widens``) keep every value and its meaning: smallint → integer → bigint, varchar(n) → varchar(m > n),
+  varchar or text, numeric(p, s) → numeric(p' ≥ p, s) or numeric;
+- the source's type is one the target's widens (WIDER): the target already holds every value the source can
+  send (it was widened first, or made so); kept, logged once per binding;
+- any other difference (a narrowing, another typmod that rounds or truncates, another type): REFUSE, a
+  ``FinalError`` naming table, column, both types and the LSN: the target would change values, so the operator
+  decides.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Mapping
 
-from psycopg.postgres import types as pg_types
-
 from applier.decoder.messages import Column, Relation, Type
-from applier.errors import ApplyError
+from applier.errors import FinalError
 from applier.lsn import LSN
 from applier.targets.base import source_name
 from applier.targets.values import FIRST_USER_OID, INT2, INT4, INT8, NUMERIC
 
-TEXT, BPCHAR, VARCHAR = 25, 1042, 1043
+log = logging.getLogger(__name__)
+
+TEXT, VARCHAR = 25, 1043
 _INT_RANK = {INT2: 1, INT4: 2, INT8: 3}
 
 TypeKey = tuple[int | str, int]  # (built-in type OID | 'schema.name' of a user type, typmod)
@@ -53,6 +53,7 @@ class Verdict(enum.Enum):
 
     KEEP = "keep"
     WIDEN = "widen"
+    WIDER = "wider"
     REFUSE = "refuse"
 
 
@@ -62,21 +63,6 @@ def source_key(c: Column, types: dict[int, Type]) -> TypeKey:
         return (c.type_oid, c.type_modifier)
     t = types.get(c.type_oid)
     return (f"{t.namespace}.{t.name}" if t is not None else f"type OID {c.type_oid}", c.type_modifier)
-
-
-def type_text(key: TypeKey) -> str:
-    """A type as format_type shows it (built-in types: by psycopg's registry; user types: schema.name)."""
-    oid, mod = key
-    if isinstance(oid, str):
-        return oid
-    info = pg_types.get(oid)
-    name = getattr(info, "regtype", None) or (info.name if info is not None else f"type OID {oid}")
-    if mod >= 4 and oid in (VARCHAR, BPCHAR):
-        return f"{name}({mod - 4})"
-    if mod >= 4 and oid == NUMERIC:
-        p, s = _numeric_mod(mod)
-        return f"numeric({p},{s})"
-    return str(name)
 
 
 def _numeric_mod(mod: int) -> tuple[int, int]:
@@ -105,26 +91,29 @@ def widens(frm: TypeKey, to: TypeKey) -> bool:
     return False
 
 
-def judge(target: TypeKey | None, new: TypeKey, previous: TypeKey | None) -> Verdict:
-    """What the target column needs; see the module header."""
-    if target is not None:
-        if target == new:
-            return Verdict.KEEP
-        if widens(target, new):
-            return Verdict.WIDEN
-        if widens(new, target):
-            return Verdict.REFUSE
-    if previous is None or previous == new or target is None and widens(previous, new):
+def rewrites(frm: TypeKey) -> bool:
+    """Whether widening a column of type ``frm`` rewrites its table on PostgreSQL (every row and index, under an
+    ACCESS EXCLUSIVE lock): the integer widenings do; varchar's and numeric's change only the typmod (PostgreSQL's
+    varchar_support, numeric_support), and varchar → text is binary coercible."""
+    return frm[0] in _INT_RANK
+
+
+def judge(target: TypeKey, new: TypeKey) -> Verdict:
+    """What the target column of type ``target`` needs for the source's type ``new``; see the module header."""
+    if target == new:
         return Verdict.KEEP
+    if widens(target, new):
+        return Verdict.WIDEN
+    if widens(new, target):
+        return Verdict.WIDER
     return Verdict.REFUSE
 
 
-def column_changes(rel: Relation, previous: Relation | None, types: dict[int, Type],
-                   target: Mapping[str, tuple[TypeKey | None, str]], table: str, lsn: LSN) -> tuple[list[Column], list[Column]]:
+def column_changes(rel: Relation, types: dict[int, Type], target: Mapping[str, tuple[TypeKey, str]],
+                   named: Mapping[str, str], table: str, lsn: LSN) -> tuple[list[Column], list[Column]]:
     """(the sent columns target ``table`` lacks, those whose type it must widen to the source's), given each target
-    column's (``TypeKey`` or None, type as shown); ApplyError naming table, column, both types and the LSN for a
-    type change refused (see the module header)."""
-    olds = {c.name: c for c in previous.columns} if previous is not None else {}
+    column's (``TypeKey``, type as shown) and each sent column's type as shown (``named``); FinalError naming
+    table, column, both types and the LSN for a type change refused (see the module header)."""
     add: list[Column] = []
     widen: list[Column] = []
     for c in rel.columns:
@@ -132,14 +121,14 @@ def column_changes(rel: Relation, previous: Relation | None, types: dict[int, Ty
             add.append(c)
             continue
         have, shown = target[c.name]
-        new = source_key(c, types)
-        prev = source_key(olds[c.name], types) if c.name in olds else None
-        verdict = judge(have, new, prev)
+        verdict = judge(have, source_key(c, types))
         if verdict is Verdict.WIDEN:
             widen.append(c)
+        elif verdict is Verdict.WIDER:
+            log.info("target table %s has column %r as %s, wider than source table %s's %s: kept (at LSN %s)",
+                     table, c.name, shown, source_name(rel), named[c.name], lsn)
         elif verdict is Verdict.REFUSE:
-            was = f" (was {type_text(prev)})" if prev is not None and prev != new else ""
-            raise ApplyError(f"column {c.name!r} of source table {source_name(rel)} is {type_text(new)}{was} at LSN "
-                             f"{lsn}, and target table {table} has it as {shown}: not a type change applier follows "
+            raise FinalError(f"column {c.name!r} of source table {source_name(rel)} is {named[c.name]} at LSN {lsn}, "
+                             f"and target table {table} has it as {shown}: not a type change applier follows "
                              f"({WIDENINGS}); change the target column to fit, then run again")
     return add, widen

@@ -42,7 +42,7 @@ from psycopg.generators import fetch_many
 from psycopg.generators import send as psycopg_send
 
 from applier._cmodule import rowpath
-from applier.decoder.messages import BINARY, NULL, Column, Relation, TupleData, Type, pg_timestamp
+from applier.decoder.messages import BINARY, NULL, Relation, TupleData, Type, pg_timestamp
 from applier.errors import ApplyError, MissingTable
 from applier.lsn import LSN
 from applier.progress.store import PG_SQL
@@ -57,7 +57,7 @@ from applier.targets.base import (
     source_name,
 )
 from applier.targets.claim import claim_target, target_holder
-from applier.targets.follow import ADD_COLUMNS_HINT, column_changes
+from applier.targets.follow import ADD_COLUMNS_HINT, column_changes, rewrites
 from applier.targets.naming import target_table
 from applier.targets.url import parse_target_url
 from applier.targets.values import FIRST_USER_OID
@@ -302,11 +302,11 @@ class PostgresTarget(TargetBase):
         return (f"{schema}.{table}" if schema else table,
                 (quote_ident(schema) + "." if schema else "") + quote_ident(table))
 
-    def follow(self, rel: Relation, previous: Relation | None, types: dict[int, Type], lsn: LSN,
-               no_ddl: str | None = None) -> None:
+    def follow(self, rel: Relation, types: dict[int, Type], lsn: LSN, no_ddl: str | None = None) -> None:
         """Make the target table fit ``rel`` (see ``Target``): ADD COLUMN with the source's type (format_type of a
         built-in type's OID and typmod, the same on every server; a user type by its Type message's name),
-        ALTER COLUMN … TYPE for a widening; a missing table is left to ``bind``."""
+        ALTER COLUMN … TYPE for a widening (a WARNING first for one that rewrites the table); a missing table is
+        left to ``bind``."""
         shown, qtable = self._names(rel)
         if one_row(self.conn.execute("SELECT to_regclass(%s)", [qtable]))[0] is None:
             return
@@ -318,28 +318,46 @@ class PostgresTarget(TargetBase):
             "WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped", [qtable])}
         target = {name: ((oid if oid < FIRST_USER_OID else user, mod), shown_type)
                   for name, (oid, mod, shown_type, user, _) in have.items()}
-        add, widen = column_changes(rel, previous, types, target, shown, lsn)
-        changes = []
+        named = self._type_names(rel, types)
+        add, widen = column_changes(rel, types, target, {c.name: named[c.name] or f"type OID {c.type_oid}"
+                                                         for c in rel.columns}, shown, lsn)
+        changes: list[tuple[str, str, str | None]] = []
         for c in add:
-            typ = self._type_sql(c, types)
+            typ = named[c.name]
+            if typ is None:  # pgoutput sends a Type message before the first Relation message that uses the type
+                raise ApplyError(f"source column {c.name!r} of source table {source_name(rel)} has type OID "
+                                 f"{c.type_oid}, of which no Type message came (target table {shown}, at LSN {lsn})")
             changes.append((f"ALTER TABLE {qtable} ADD COLUMN {quote_ident(c.name)} {typ}",
-                            f"column {c.name!r} added as {typ}"))
+                            f"column {c.name!r} added as {typ}", None))
         for c in widen:
-            typ = self._type_sql(c, types)
+            typ = named[c.name]
+            was, _ = target[c.name]
+            warn = None
+            if rewrites(was):
+                size = one_row(self.conn.execute("SELECT pg_size_pretty(pg_total_relation_size(%s::regclass))",
+                                                 [qtable]))[0]
+                warn = (f"target table {shown} ({size} with its indexes) is rewritten to widen column {c.name!r} from "
+                        f"{have[c.name][2]} to {typ}, under an ACCESS EXCLUSIVE lock held until the transaction "
+                        f"commits (its readers and the apply wait)")
             changes.append((f"ALTER TABLE {qtable} ALTER COLUMN {quote_ident(c.name)} TYPE {typ}",
-                            f"column {c.name!r} widened from {have[c.name][2]} to {typ}"))
+                            f"column {c.name!r} widened from {have[c.name][2]} to {typ}", warn))
         sent = {c.name for c in rel.columns}
         stuck = [name for name, col in have.items() if name not in sent and col[4]]
         self.run_schema_changes(rel, shown, changes, stuck, lsn, no_ddl)
 
-    def _type_sql(self, c: Column, types: dict[int, Type]) -> str:
-        """A source column's type in SQL: format_type on this server (built-in), or the Type message's name."""
-        if c.type_oid < FIRST_USER_OID:
-            return str(one_row(self.conn.execute("SELECT format_type(%s, %s)", [c.type_oid, c.type_modifier]))[0])
-        t = types.get(c.type_oid)
-        if t is None:  # pgoutput sends a Type message before the first Relation message that uses the type
-            raise ApplyError(f"source column {c.name!r} has type OID {c.type_oid}, of which no Type message came")
-        return f"{quote_ident(t.namespace)}.{quote_ident(t.name)}"
+    def _type_names(self, rel: Relation, types: dict[int, Type]) -> dict[str, str | None]:
+        """Each sent column's type in SQL, in one round trip: format_type on this server (a built-in type, with its
+        typmod), or the Type message's name (None: no Type message came for the user type)."""
+        builtin = [c for c in rel.columns if c.type_oid < FIRST_USER_OID]
+        rows = self.conn.execute(
+            "SELECT format_type(o, m) FROM unnest(%s::oid[], %s::int4[]) WITH ORDINALITY AS u(o, m, i) ORDER BY i",
+            [[c.type_oid for c in builtin], [c.type_modifier for c in builtin]]).fetchall() if builtin else []
+        named: dict[str, str | None] = {c.name: str(r[0]) for c, r in zip(builtin, rows, strict=True)}
+        for c in rel.columns:
+            if c.type_oid >= FIRST_USER_OID:
+                t = types.get(c.type_oid)
+                named[c.name] = None if t is None else f"{quote_ident(t.namespace)}.{quote_ident(t.name)}"
+        return named
 
     def bind(self, rel: Relation, types: dict[int, Type], lsn: LSN, binary: bool = False) -> Binding:
         """Read the target table from the catalog and build the binding; errors name table, column and LSN."""

@@ -19,7 +19,7 @@ from applier.lsn import LSN
 from applier.progress.store import SQLITE_SQL
 from applier.targets.base import SQLITE, Binding, TargetBase, present_columns, source_name
 from applier.targets.claim import FileClaim, claim_target, target_holder
-from applier.targets.follow import ADD_COLUMNS_HINT, column_changes
+from applier.targets.follow import ADD_COLUMNS_HINT
 from applier.targets.naming import target_table
 from applier.targets.url import parse_target_url
 from applier.targets.values import sqlite_declared, sqlite_text_converters
@@ -61,20 +61,21 @@ class SqliteTarget(TargetBase):
         """(None, table) on the target for a source relation (applier.targets.naming)."""
         return target_table(rel, "sqlite", self.table_map)
 
-    def follow(self, rel: Relation, previous: Relation | None, types: dict[int, Type], lsn: LSN,
-               no_ddl: str | None = None) -> None:
+    def follow(self, rel: Relation, types: dict[int, Type], lsn: LSN, no_ddl: str | None = None) -> None:
         """Make the target table fit ``rel`` (see ``Target``): ADD COLUMN with the mapped declared type
-        (``applier.targets.values.sqlite_declared``). A widening needs nothing here: the declared type only picks
-        an affinity, and every widening followed maps to the same one (INTEGER, TEXT); any other type change the
-        session sees is refused (``applier.targets.follow``). A missing table is left to ``bind``."""
+        (``applier.targets.values.sqlite_declared``). A type change needs nothing and is never refused: SQLite holds
+        no value to a declared type's precision or length (the declared type only picks the column's affinity), so
+        each value is stored as the source's type now gives it, under that affinity, as any value is with
+        ``schema_changes = "error"``. A missing table is left to ``bind``."""
         _, table = self.target_table(rel)
         rows = self.conn.execute(f"PRAGMA table_info({quote_ident(table)})").fetchall()
         if not rows:
             return
-        add, _ = column_changes(rel, previous, types, {r[1]: (None, r[2] or "(no type)") for r in rows}, repr(table), lsn)
+        have = {r[1] for r in rows}
+        add = [c for c in rel.columns if c.name not in have]
         declared = dict(zip((c.name for c in rel.columns), sqlite_declared(rel)))
         changes = [(f"ALTER TABLE {quote_ident(table)} ADD COLUMN {quote_ident(c.name)} {declared[c.name]}",
-                    f"column {c.name!r} added as {declared[c.name]}") for c in add]
+                    f"column {c.name!r} added as {declared[c.name]}", None) for c in add]
         sent = {c.name for c in rel.columns}
         # NOT NULL without a default, and not the rowid (INTEGER PRIMARY KEY), which SQLite fills itself
         stuck = [r[1] for r in rows if r[1] not in sent and r[3] and r[4] is None

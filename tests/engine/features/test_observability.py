@@ -125,12 +125,14 @@ def test_metrics_of_a_running_daemon(cli_rig: Rig) -> None:
     rig = cli_rig
     rig.both("CREATE TABLE t (id int PRIMARY KEY, v text)")
     rig.both("CREATE TABLE u (id int PRIMARY KEY)")
+    rig.src("CREATE TABLE other (id serial, v text)")  # not published: WAL that moves only the progress
     rig.publish("t", "u")
     rig.init()
     port = free_port()
     # one source transaction a group: a batch folds changes to one row across the transactions of a group (an
-    # insert then an update of it is written as one insert), and the metrics count what is written
-    config = rig.config_file(metrics_listen=f"127.0.0.1:{port}", apply_group_commit_delay=0.0)
+    # insert then an update of it is written as one insert), and the metrics count the rows written
+    config = rig.config_file(metrics_listen=f"127.0.0.1:{port}", apply_group_commit_delay=0.0,
+                             source_status_interval=0.5)
     table = {"t": "public.t", "u": "public.u"} if rig.kind == "postgresql" else {"t": "t", "u": "u"}
     with daemon(rig, config) as (proc, err):
         first = wait_for("the metrics endpoint", lambda: scrape(port), proc=proc, log=err)
@@ -144,20 +146,30 @@ def test_metrics_of_a_running_daemon(cli_rig: Rig) -> None:
         rig.src("DELETE FROM u WHERE id = 20")
         done = scrape_until(port, "the conflict", lambda m: bool(by_label(m, "applier_conflicts_total", "type",
                                                                              "table")), proc, err)
-        assert by_label(done, "applier_row_changes_applied_total", "operation", "table") == {
+        assert by_label(done, "applier_rows_written_total", "operation", "table") == {
             ("insert", table["t"]): 50, ("update", table["t"]): 10, ("delete", table["t"]): 5,
             ("insert", table["u"]): 20}
         assert by_label(done, "applier_conflicts_total", "type", "table") == {("delete_missing", table["u"]): 1}
         assert value(done, "applier_transactions_applied_total") == 5
-        assert value(done, "applier_groups_committed_total") >= 5  # type: ignore[operator]
         assert value(done, "applier_group_size_transactions_sum") == 5
         assert value(done, "applier_errors_total", kind="apply") == 0
         wait_for("no lag", lambda: value(scrape(port), "applier_lag_bytes") == 0, proc=proc, log=err)
+        # WAL of an unpublished table: keepalives carry it, and the daemon records it as applied in commits of
+        # progress alone, which are no groups
+        published = value(scrape(port), "applier_applied_lsn")
+        rig.src("INSERT INTO other (v) SELECT repeat('x', 100) FROM generate_series(1, 2000)")
+        idle = scrape_until(port, "a commit of progress alone",
+                            lambda m: value(m, "applier_applied_lsn") > published, proc, err)  # type: ignore[operator]
+        assert value(idle, "applier_groups_committed_total") == 5  # one source transaction each
+        assert value(idle, "applier_group_size_transactions_count") == 5
+        assert value(idle, "applier_lag_seconds") == 0
+        time.sleep(3)  # idle: the lag of the next transaction is counted from its own commit, not from the last one
 
         with blocked_target(rig):
             rig.src("INSERT INTO t SELECT g, 'late' FROM generate_series(1001, 1010) g")
             sent = rig.wal_lsn()
             a = scrape_until(port, "lag", lambda m: bool(value(m, "applier_lag_bytes")), proc, err)
+            assert value(a, "applier_lag_seconds") < 2.5  # type: ignore[operator]
             time.sleep(1.5)
             b = scrape(port)
             assert rig.tgt("SELECT count(*) FROM t WHERE v = 'late'") == [(0,)]  # still blocked
@@ -169,8 +181,44 @@ def test_metrics_of_a_running_daemon(cli_rig: Rig) -> None:
                              and value(m, "applier_lag_seconds") == 0, proc, err)
         assert rig.tgt("SELECT count(*) FROM t WHERE v = 'late'") == [(10,)]
         assert value(after, "applier_applied_lsn") >= sent - 1024  # type: ignore[operator] # its commit, near
-        assert value(after, "applier_row_changes_applied_total", operation="insert", table=table["t"]) == 60
+        assert value(after, "applier_rows_written_total", operation="insert", table=table["t"]) == 60
         assert value(after, "applier_transactions_applied_total") == 6
+        assert value(after, "applier_groups_committed_total") == 6
+
+
+@pytest.mark.parametrize("target_kind", ["sqlite"])
+def test_errors_retries_and_reconnects_are_counted(cli_rig: Rig) -> None:
+    rig = cli_rig
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    rig.publish("t")
+    rig.init()
+    rig.tgt("INSERT INTO t VALUES (1, 'local')")  # the source's insert of id 1 fails on it: insert_exists
+    port = free_port()
+    config = rig.config_file(metrics_listen=f"127.0.0.1:{port}", apply_on_error="retry", apply_retry_initial=0.2,
+                             apply_retry_max=0.5)
+    with daemon(rig, config) as (proc, err):
+        rig.src("INSERT INTO t VALUES (1, 'remote')")
+        failing = scrape_until(port, "apply errors",
+                               lambda m: (value(m, "applier_errors_total", kind="apply") or 0) >= 3, proc, err)
+        # each failed session: an apply error, a retry (row by row, then after the backoff) and a new session
+        assert value(failing, "applier_retries_total") >= 2  # type: ignore[operator]
+        assert value(failing, "applier_reconnects_total") >= 2  # type: ignore[operator]
+        assert value(failing, "applier_transactions_applied_total") == 0  # rolled back each time: not counted
+        assert value(failing, "applier_lag_bytes") > 0  # type: ignore[operator]
+        assert value(failing, "applier_lag_seconds") > 0  # type: ignore[operator]
+        rig.tgt("DELETE FROM t WHERE id = 1")
+        fixed = scrape_until(port, "the row applied", lambda m: value(m, "applier_transactions_applied_total") == 1,
+                             proc, err)
+        assert rig.tgt("SELECT v FROM t") == [("remote",)]
+        assert value(fixed, "applier_errors_total", kind="connection") == 0
+        reconnects = value(fixed, "applier_reconnects_total")
+        # the source side of the connection goes: a connection error, and a new session
+        rig.src("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = %s", [rig.slot])
+        lost = scrape_until(port, "a connection error", lambda m: value(m, "applier_errors_total", kind="connection")
+                            == 1 and value(m, "applier_reconnects_total") > reconnects, proc, err)  # type: ignore[operator]
+        assert value(lost, "applier_errors_total", kind="apply") == value(fixed, "applier_errors_total", kind="apply")
+        rig.src("INSERT INTO t VALUES (2, 'after')")
+        scrape_until(port, "the next row", lambda m: value(m, "applier_transactions_applied_total") == 2, proc, err)
 
 
 def test_json_log_lines(cli_rig: Rig) -> None:

@@ -1,18 +1,21 @@
 """Schema changes that follow the source (``apply.schema_changes = "add_columns"``), on both targets.
 
 A column added on the source mid-stream arrives with its values (and is refused, naming it, by default); a
-widening type change is applied; a narrowing one, and a dropped source column that the target needs (NOT NULL,
-no default), stop with one error naming table, column, types and LSN.
+widening type change is applied (a WARNING first where it rewrites the table); a target column already wider
+than the source's is kept; any other type change on PostgreSQL, and a dropped source column that the target
+needs (NOT NULL, no default), stop with one error naming table, column, types and LSN, in every session alike
+and without the row-by-row retry.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from decimal import Decimal
 
 import pytest
 
-from applier.errors import ApplyError
+from applier.errors import ApplyError, FinalError
 from applier.lsn import LSN
 
 from .conftest import Rig
@@ -21,12 +24,12 @@ FOLLOW = {"apply_schema_changes": "add_columns"}
 FINISHED_AT = re.compile(r"finished at ([0-9A-F]{1,8}/[0-9A-F]{1,8})\b")
 
 
-def target_type(rig: Rig, column: str) -> str:
-    """The declared type of column ``column`` of target table t."""
+def target_type(rig: Rig, column: str, table: str = "t") -> str:
+    """The declared type of column ``column`` of target table ``table``."""
     if rig.target is not None:
-        return str(rig.tgt("SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = 't'::regclass "
-                           "AND attname = %s", [column])[0][0])
-    return next(str(r[2]) for r in rig.tgt("PRAGMA table_info(t)") if r[1] == column)
+        return str(rig.tgt("SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = %s::regclass "
+                           "AND attname = %s", [table, column])[0][0])
+    return next(str(r[2]) for r in rig.tgt(f"PRAGMA table_info({table})") if r[1] == column)
 
 
 def test_added_columns_arrive_with_their_values(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
@@ -88,10 +91,11 @@ def test_added_column_is_refused_by_default(rig: Rig) -> None:
                                        [(r[1],) for r in rig.tgt("PRAGMA table_info(t)")])]
 
 
-def test_widening_type_changes_are_applied(rig: Rig) -> None:
+def test_widening_type_changes_are_applied(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
     """int → bigint mid-stream (rows before and after in one run), then varchar(5) → varchar(50) and
     numeric(6,2) → numeric(14,2) while applier was not running: the target follows, and values beyond the old
-    types' range arrive."""
+    types' range arrive. On PostgreSQL the integer widening rewrites the table: a WARNING names it first; the
+    others do not."""
     rig.both("CREATE TABLE t (id int PRIMARY KEY, n int, s varchar(5), m numeric(6,2))")
     rig.publish("t")
     rig.init()
@@ -101,11 +105,24 @@ def test_widening_type_changes_are_applied(rig: Rig) -> None:
     rig.src("ALTER TABLE t ALTER COLUMN n TYPE bigint")
     rig.src("INSERT INTO t VALUES (2, 9000000000, 'two', 2.5)")
     rig.src("UPDATE t SET n = -9000000000 WHERE id = 1")
-    rig.catchup(**FOLLOW)
+    with caplog.at_level(logging.INFO, logger="applier.targets"):
+        rig.catchup(**FOLLOW)
     assert rig.tgt("SELECT id, n FROM t ORDER BY id") == [(1, -9000000000), (2, 9000000000), (3, 3)]
+    rewritten = [(r.levelno, r.getMessage()) for r in caplog.records if "rewritten" in r.getMessage()]
+    if rig.target is not None:
+        assert len(rewritten) == 1 and rewritten[0][0] == logging.WARNING, rewritten
+        assert re.search(r"target table public\.t \(\d+ \w+ with its indexes\) is rewritten to widen column 'n' "
+                         r"from integer to bigint, under an ACCESS EXCLUSIVE lock", rewritten[0][1]), rewritten
+        assert [r.getMessage() for r in caplog.records].index(rewritten[0][1]) < next(
+            i for i, r in enumerate(caplog.records) if "widened from integer to bigint" in r.getMessage())
+    else:
+        assert rewritten == []
+    caplog.clear()
     rig.src("ALTER TABLE t ALTER COLUMN s TYPE varchar(50), ALTER COLUMN m TYPE numeric(14,2)")
     rig.src("INSERT INTO t VALUES (4, 4, 'a good deal longer than five', 123456789012.25)")
-    rig.catchup(**FOLLOW)
+    with caplog.at_level(logging.INFO, logger="applier.targets"):
+        rig.catchup(**FOLLOW)
+    assert not [r for r in caplog.records if "rewritten" in r.getMessage()]
     assert rig.tgt("SELECT id, n, s FROM t ORDER BY id") == [
         (1, -9000000000, "one"), (2, 9000000000, "two"), (3, 3, "three"), (4, 4, "a good deal longer than five")]
     assert str(rig.tgt("SELECT m FROM t WHERE id = 4")[0][0]) == "123456789012.25"
@@ -113,30 +130,102 @@ def test_widening_type_changes_are_applied(rig: Rig) -> None:
         assert [target_type(rig, c) for c in "nsm"] == ["bigint", "character varying(50)", "numeric(14,2)"]
 
 
-def test_narrowing_type_change_is_refused(rig: Rig) -> None:
-    """bigint → integer on the source: one error naming table, column, both types and the LSN; nothing of that
-    transaction applied, the target column as it was."""
+def test_narrowing_is_kept_and_another_type_refused(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    """bigint → integer on the source: the target's bigint holds every value, so it is kept and the rows arrive.
+    integer → text: on PostgreSQL one error naming table, column, both types and the LSN, not retried row by row,
+    nothing of that transaction applied, the target column as it was; SQLite holds no value to a declared type,
+    so the change is followed there."""
     rig.both("CREATE TABLE t (id int PRIMARY KEY, n bigint)")
-    rig.publish("t")
+    rig.both("CREATE TABLE v (id int PRIMARY KEY, c int)")
+    rig.publish("t", "v")
     rig.init()
     rig.src("INSERT INTO t VALUES (1, 1)")
+    rig.src("INSERT INTO v VALUES (1, 1)")
     rig.src("ALTER TABLE t ALTER COLUMN n TYPE integer")
-    before = rig.wal_lsn()
     rig.src("INSERT INTO t VALUES (2, 2)")
+    rig.catchup(**FOLLOW)
+    assert rig.tgt("SELECT id, n FROM t ORDER BY id") == [(1, 1), (2, 2)]
+    assert target_type(rig, "n") == "bigint"
+    rig.src("ALTER TABLE v ALTER COLUMN c TYPE text")
+    before = rig.wal_lsn()
+    rig.src("INSERT INTO v VALUES (2, 'two')")
     after = rig.wal_lsn()
-    with pytest.raises(ApplyError) as err:
+    if rig.target is None:
         rig.catchup(**FOLLOW)
+        assert rig.tgt("SELECT id, c FROM v ORDER BY id") == [(1, 1), (2, "two")]
+        return
+    with caplog.at_level(logging.INFO), pytest.raises(FinalError) as err:
+        rig.catchup(**FOLLOW, apply_group_commit_delay=0)
     msg = str(err.value)
     assert "\n" not in msg
-    # "(was bigint)" too when the run that stops has seen the Relation message before the change (the refusal
-    # does not depend on it: a target column wider than the source's is a narrowing)
-    assert "column 'n' of source table public.t is integer" in msg
-    assert ("target table public.t has it as bigint" if rig.target is not None else "target table 't' has it as bigint") in msg
+    assert "column 'c' of source table public.v is text" in msg
+    assert "target table public.v has it as integer" in msg
     m = re.search(r"at LSN ([0-9A-F]{1,8}/[0-9A-F]{1,8})\b", msg)
     assert m, msg
     assert before < LSN.parse(m.group(1)) < after
-    assert rig.tgt("SELECT id, n FROM t ORDER BY id") == [(1, 1)]
-    assert target_type(rig, "n") == "bigint"
+    assert not [r for r in caplog.records if "row by row" in r.getMessage()]  # a verdict no retry changes
+    assert rig.tgt("SELECT id, c FROM v ORDER BY id") == [(1, 1)]
+    assert target_type(rig, "c", "v") == "integer"
+
+
+def test_type_change_that_would_round_is_refused_in_every_session(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    """numeric(10,2) → numeric(12,4) (the target's scale would round 1.2345 to 1.23) and timestamp(3) →
+    timestamp(0): refused on PostgreSQL whether the session saw the change or started after it (a second run, a
+    restart), naming both types with their modifiers; nothing rounded. On SQLite the values arrive whole."""
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, m numeric(10,2))")
+    rig.both("CREATE TABLE u (id int PRIMARY KEY, ts timestamp(3))")
+    rig.publish("t", "u")
+    rig.init()
+    rig.src("INSERT INTO t VALUES (1, 1.25)")
+    rig.src("INSERT INTO u VALUES (1, '2024-01-01 10:00:00.125')")
+    rig.src("ALTER TABLE t ALTER COLUMN m TYPE numeric(12,4)")
+    rig.src("INSERT INTO t VALUES (2, 1.2345)")
+    if rig.target is None:
+        rig.catchup(**FOLLOW)
+        assert rig.tgt("SELECT id, CAST(m AS TEXT) FROM t ORDER BY id") == [(1, "1.25"), (2, "1.2345")]
+        return
+    for _ in range(2):  # the first run sees the change in the stream, the second starts after it
+        caplog.clear()
+        with caplog.at_level(logging.INFO), pytest.raises(FinalError) as err:
+            rig.catchup(**FOLLOW, apply_group_commit_delay=0)
+        assert "column 'm' of source table public.t is numeric(12,4)" in str(err.value)
+        assert "target table public.t has it as numeric(10,2)" in str(err.value)
+        assert not [r for r in caplog.records if "row by row" in r.getMessage()]
+        assert rig.tgt("SELECT id, m::text FROM t ORDER BY id") == [(1, "1.25")]
+    rig.tgt("ALTER TABLE t ALTER COLUMN m TYPE numeric(12,4)")  # the operator decides
+    rig.src("ALTER TABLE u ALTER COLUMN ts TYPE timestamp(0)")
+    rig.src("INSERT INTO u VALUES (2, '2024-01-01 10:00:00')")
+    with pytest.raises(FinalError) as err:
+        rig.catchup(**FOLLOW)
+    assert ("column 'ts' of source table public.u is timestamp(0) without time zone at LSN" in str(err.value)
+            and "target table public.u has it as timestamp(3) without time zone" in str(err.value)), str(err.value)
+    rig.tgt("ALTER TABLE u ALTER COLUMN ts TYPE timestamp(0)")
+    rig.catchup(**FOLLOW)
+    assert rig.tgt("SELECT id, m FROM t ORDER BY id") == [(1, Decimal("1.25")), (2, Decimal("1.2345"))]
+    assert rig.tgt("SELECT id, ts::text FROM u ORDER BY id") == [(1, "2024-01-01 10:00:00"), (2, "2024-01-01 10:00:00")]
+
+
+def test_target_already_wider_is_kept(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    """The target widened first (bigint for integer, text for varchar(10)), then the source, to varchar(20): the
+    target holds every value, so it is kept as it is, with an INFO line, and the rows arrive."""
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, n int, s varchar(10))")
+    rig.publish("t")
+    rig.init()
+    if rig.target is not None:
+        rig.tgt("ALTER TABLE t ALTER COLUMN n TYPE bigint, ALTER COLUMN s TYPE text")
+    rig.src("INSERT INTO t VALUES (1, 1, 'one')")
+    rig.src("ALTER TABLE t ALTER COLUMN s TYPE varchar(20)")
+    rig.src("INSERT INTO t VALUES (2, 2, 'twenty characters!!!')")
+    with caplog.at_level(logging.INFO, logger="applier.targets"):
+        rig.catchup(**FOLLOW)
+    assert rig.tgt("SELECT id, n, s FROM t ORDER BY id") == [(1, 1, "one"), (2, 2, "twenty characters!!!")]
+    if rig.target is not None:
+        assert [target_type(rig, c) for c in "ns"] == ["bigint", "text"]
+        lines = {r.getMessage() for r in caplog.records if "wider than" in r.getMessage()}
+        assert any("target table public.t has column 'n' as bigint, wider than source table public.t's integer: "
+                   "kept" in line for line in lines), lines
+        assert any("column 's' as text, wider than source table public.t's character varying(20)" in line
+                   for line in lines), lines
 
 
 def test_dropped_source_columns(rig: Rig) -> None:
@@ -147,15 +236,15 @@ def test_dropped_source_columns(rig: Rig) -> None:
     rig.publish("t", "u")
     rig.init()
     rig.src("INSERT INTO t VALUES (1, 'a', 'x1')")
+    rig.src("INSERT INTO u VALUES (1, 'a', 'w1')")
     rig.src("ALTER TABLE t DROP COLUMN x")
     rig.src("INSERT INTO t VALUES (2, 'b')")
     rig.catchup(**FOLLOW)
     assert rig.tgt("SELECT id, v, x FROM t ORDER BY id") == [(1, "a", "x1"), (2, "b", None)]
 
-    rig.src("INSERT INTO u VALUES (1, 'a', 'w1')")
     rig.src("ALTER TABLE u DROP COLUMN w")
     rig.src("INSERT INTO u VALUES (2, 'b')")
-    with pytest.raises(ApplyError) as err:
+    with pytest.raises(FinalError) as err:
         rig.catchup(**FOLLOW)
     msg = str(err.value)
     assert "\n" not in msg
