@@ -29,7 +29,7 @@ from applier.migrate.schema import (  # noqa: E402
 )
 from applier.migrate.spark.canonical import canon, canonical_rows_batch, display, sqlite_source_canonicalizer  # noqa: E402
 from applier.migrate.spark.copy import spark_error_line  # noqa: E402
-from applier.migrate.spark.session import task_slots  # noqa: E402
+from applier.migrate.spark.session import copy_streams, task_slots  # noqa: E402
 from applier.migrate.spark.source import csv_batches, ctid_ranges  # noqa: E402
 from applier.migrate.spark.verify import StopBefore  # noqa: E402
 
@@ -204,4 +204,6 @@ def test_spark_error_line_names_a_workers_python_that_does_not_start() -> None:
 
 
 def test_task_slots_of_the_session_are_its_local_threads(spark) -> None:
-    assert task_slots(spark) == 2  # the tests' local[2]: a copy of 8 partitions runs as 2 tasks of 4
+    assert task_slots(spark) == 2  # the tests' local[2]
+    # a local master streams half its threads' worth of partitions at once: 8 partitions run as 1 task of 8
+    assert copy_streams(spark) == 1

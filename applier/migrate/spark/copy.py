@@ -9,8 +9,9 @@ looks for that row and skips itself if it is there, so a partition retried by Sp
 run, snapshot still open) is written exactly once; two concurrent attempts collide on the row's primary
 key and one rolls back.
 
-- PostgreSQL target: one Spark job per table, as many tasks as the session runs at once
-  (``applier.migrate.spark.session.task_slots``; a Spark task costs tens of milliseconds, so a task copies
+- PostgreSQL target: one Spark job per table, as many tasks as the session streams at once
+  (``applier.migrate.spark.session.copy_streams``: a cluster's task slots, half a local master's threads; a
+  Spark task costs tens of milliseconds, so a task copies
   every k-th partition, one after the other, each as below): Spark spreads the tasks over the executors
   (local or a cluster), retries them (a retried task skips its partitions already written), and reports
   failures. For each partition the task opens both ends itself and streams the source's COPY data, in
@@ -60,7 +61,7 @@ import pyarrow.compute as pc
 
 from applier.decoder.messages import Column, Relation
 from applier.errors import ApplyError
-from applier.migrate.spark.session import task_slots
+from applier.migrate.spark.session import copy_streams
 from applier.migrate.spark.source import pg_in_snapshot, pinned_dsn, range_query, read_pg_range
 from applier.targets.values import sqlite_text_converters
 from applier.text import one_line
@@ -436,7 +437,7 @@ def copy_partitions(spark: Any, plan: CopyPlan, done: Collection[int], label: st
             raise CopyError(f"copying {label} failed: {type(exc).__name__}: {one_line(exc)}") from exc
     sc = spark.sparkContext
     sc.setJobDescription(f"applier sync: copy {label}")
-    tasks = min(len(parts), task_slots(spark))
+    tasks = min(len(parts), copy_streams(spark))
     try:
         out: list[PartDone] = sc.parallelize([parts[i::tasks] for i in range(tasks)], tasks).flatMap(
             functools.partial(copy_pg_partitions, plan)).collect()

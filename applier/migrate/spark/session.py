@@ -89,6 +89,16 @@ def task_slots(spark: Any) -> int:
     return max(1, int(spark.sparkContext.defaultParallelism))
 
 
+def copy_streams(spark: Any) -> int:
+    """How many partitions a copy streams at once: a cluster's task slots (``task_slots``); on a local master half
+    its threads, at least one. Each stream keeps its task's Python process busy relaying COPY data, and the servers'
+    two backends of that stream need about as much again when they share the machine (the usual reason to copy with
+    a local master): more streams than that only fight over the CPUs (bench/README.md, sync: on 2 CPUs, 2 streams
+    were 8-13 % slower than 1)."""
+    slots = task_slots(spark)
+    return max(1, slots // 2) if is_local(spark.sparkContext.master) else slots
+
+
 def _log4j_file() -> str:
     path = Path(tempfile.gettempdir()) / "applier-spark-log4j2.properties"
     if not path.exists() or path.read_text() != _LOG4J:
