@@ -92,6 +92,21 @@ GOAL_RATIO_1 = 0.9  # 1 partition: at least this × pg_dump | psql
 GOAL_SQLITE_ROWS_S = 150_000  # SQLite target: the copy's rows/s
 
 
+def table_sizes(rows: int) -> dict[str, int]:
+    """Rows per bench table: 70% orders, 30% wide."""
+    return {"orders": rows * 7 // 10, "wide": rows - rows * 7 // 10}
+
+
+def load_source(src: Cluster, sizes: dict[str, int]) -> None:
+    """Create database ``src`` on ``src`` with the bench tables of ``sizes`` rows, vacuumed and analyzed."""
+    src.create_database("src")
+    sql = SCHEMA
+    for k, v in sizes.items():
+        sql = sql.replace("{" + k + "}", str(v))
+    src.execute(sql, "src")
+    src.execute("VACUUM ANALYZE", "src")
+
+
 def counts(cluster: Cluster, db: str) -> dict[str, int]:
     return {t: cluster.execute(f"SELECT count(*) FROM {t}", db)[0][0] for t in TABLES}
 
@@ -176,17 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from applier.migrate.spark.session import spark_session
 
-    sizes = {"orders": args.rows * 7 // 10, "wide": args.rows - args.rows * 7 // 10}
+    sizes = table_sizes(args.rows)
     load_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="applier-bench-sync-"))
     with Cluster(install, name="bench-sync-src") as src, Cluster(install, name="bench-sync-dst") as tgt:
         print(f"PostgreSQL {install.version}; loading {args.rows:,} rows ({sizes}) …", file=sys.stderr)
-        src.create_database("src")
-        sql = SCHEMA
-        for k, v in sizes.items():
-            sql = sql.replace("{" + k + "}", str(v))
-        src.execute(sql, "src")
-        src.execute("VACUUM ANALYZE", "src")
+        load_source(src, sizes)
         want = counts(src, "src")
         nbytes = copy_bytes(src, "src")
         spark = spark_session(args.master, app_name="applier-bench-sync")

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sync import SCHEMA, counts  # bench/sync.py: the same tables
+from sync import counts, load_source, table_sizes  # bench/sync.py: the same tables
 
 from applier.config import load_config
 from applier.embedded import Cluster, find_install
@@ -71,17 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     from applier.migrate.spark.session import spark_session
     from applier.migrate.sync import sync
 
-    sizes = {"orders": args.rows * 7 // 10, "wide": args.rows - args.rows * 7 // 10}
+    sizes = table_sizes(args.rows)
     load_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="applier-bench-verify-"))
     with Cluster(install, name="bench-verify-src") as src, Cluster(install, name="bench-verify-dst") as tgt:
         print(f"PostgreSQL {install.version}; loading {args.rows:,} rows ({sizes}) …", file=sys.stderr)
-        src.create_database("src")
-        sql = SCHEMA
-        for k, v in sizes.items():
-            sql = sql.replace("{" + k + "}", str(v))
-        src.execute(sql, "src")
-        src.execute("VACUUM ANALYZE", "src")
+        load_source(src, sizes)
         tgt.create_database("dst")
         cfg = load_config(None, {"source.dsn": src.dsn("src"), "source.slot": "bench_verify",
                                  "source.publications": ["bench_pub"], "target.url": tgt.url("dst"),

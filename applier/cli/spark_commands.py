@@ -108,16 +108,7 @@ def verify(
         cfg = _config(config, dsn, slot, publication, target, master, partitions)
         return do_verify(cfg, max_keys=keys, say=_say)
 
-    report = run_guarded(go)
-    if report is None:
-        fail("verify did not run")
-    if as_json:
-        typer.echo(json.dumps(report.as_json(), ensure_ascii=False, default=str))
-    else:
-        for line in report.lines():
-            typer.echo(line)
-    sys.stdout.flush()
-    raise typer.Exit(report.status)
+    _report(run_guarded(go), "verify", as_json)
 
 
 @app.command()
@@ -153,9 +144,13 @@ def cutover(
         cfg = _config(config, dsn, slot, publication, target, master, partitions)
         return do_cutover(cfg, wait=wait, timeout=timeout, sequence_margin=margin, verify=not no_verify, say=_say)
 
-    report = run_guarded(go)
+    _report(run_guarded(go), "cutover", as_json)
+
+
+def _report(report: Any, command: str, as_json: bool) -> None:
+    """Print a verify/cutover report (its lines, or one JSON object) and exit with its status."""
     if report is None:
-        fail("cutover did not run")
+        fail(f"{command} did not run")
     if as_json:
         typer.echo(json.dumps(report.as_json(), ensure_ascii=False, default=str))
     else:

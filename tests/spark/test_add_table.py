@@ -144,6 +144,18 @@ def equal_soon(src: ScratchDb, target_url: str, seconds: float = 90) -> None:
     assert got_n == want_n
 
 
+def equal_then_stop(src: ScratchDb, target_url: str, daemon: subprocess.Popen[bytes], log: Path) -> str:
+    """Wait until the target equals the source, then SIGTERM the daemon, which must exit 0; its log."""
+    try:
+        equal_soon(src, target_url)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        code = daemon.wait(60)
+    text = log.read_text()
+    assert code == 0, text
+    return text
+
+
 def sync_state(target_url: str) -> str | None:
     try:
         rows = target_exec(target_url, "SELECT state FROM applier_sync_tables WHERE table_name = 'n'")
@@ -225,13 +237,7 @@ def _added_under_a_running_daemon(src: ScratchDb, target_url: str, tmp_path: Pat
         writer.stop()
         if adder is not None and adder.poll() is None:
             adder.kill()
-    try:
-        equal_soon(src, target_url)
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        code = daemon.wait(60)
-    text = log.read_text()
-    assert code == 0, text
+    text = equal_then_stop(src, target_url, daemon, log)
     assert "source table public.n is published but target table" in text, text
     assert "waiting for `applier sync --table public.n`" in text
     assert "apply failed" not in text and "ERROR" not in text, text
@@ -351,13 +357,7 @@ def test_copy_killed_and_run_again(target_kind: str, src: ScratchDb, dst: Scratc
         writer.stop()
         if adder is not None and adder.poll() is None:
             adder.kill()
-    try:
-        equal_soon(src, target_url)
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        code = daemon.wait(60)
-    text = log.read_text()
-    assert code == 0, text
+    text = equal_then_stop(src, target_url, daemon, log)
     assert "the copy of table public.n at " in text and "run `applier sync --table public.n` again" in text, text
     assert "apply failed" not in text and "ERROR" not in text, text
     assert target_exec(target_url, "SELECT count(*) FROM applier_sync_parts") == [(0,)]  # the killed run's too
