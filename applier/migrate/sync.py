@@ -114,7 +114,7 @@ class TableCopy:
 class SyncResult:
     """What ``sync`` did."""
 
-    mode: str  # 'fresh', 'restart' or 'force'
+    mode: str  # 'fresh', 'restart' or 'force'; 'table': `sync --table` (applier.migrate.add_table)
     slot: str
     consistent_point: LSN
     tables: list[TableCopy] = field(default_factory=list)
@@ -518,7 +518,8 @@ def copy_tables(cfg: Config, target: TargetDb, tables: list[SourceTable], run: s
                 spark: Any, reporter: Any, say: Any, result: SyncResult, after: Any = None) -> list[str]:
     """Copy each table in the snapshot (``_copy_table``; ``after(table)`` once one is copied) into ``result``
     (its ``tables`` and ``copy_seconds``, from the first table's copy on); the failures, one line each. A table
-    that cannot be copied does not stop the others."""
+    that cannot be copied does not stop the others. ``result.mode`` 'table': the run is that of each table's
+    applier_sync_tables row, else that of the sync row (``applier.migrate.spark.copy.check_run``)."""
     from applier.migrate.spark.copy import CopyError  # start-up time: spark.copy loads pyspark
 
     if spark is None and target.dialect != "sqlite":  # a SQLite target is copied by the driver alone
@@ -529,7 +530,7 @@ def copy_tables(cfg: Config, target: TargetDb, tables: list[SourceTable], run: s
         for i, table in enumerate(tables):
             try:
                 result.tables.append(_copy_table(cfg, target, table, i, run, snapshot, nparts, spark, reporter, say,
-                                                 poll))
+                                                 poll, result.mode == "table"))
             except CopyError as exc:
                 failed.append(str(exc))
                 say(f"{exc}; going on with the other tables")
@@ -541,7 +542,8 @@ def copy_tables(cfg: Config, target: TargetDb, tables: list[SourceTable], run: s
 
 
 def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, run: str, snapshot: str | None,
-                nparts: int, spark: Any, reporter: Any, say: Any, poll: psycopg.Connection[Any]) -> TableCopy:
+                nparts: int, spark: Any, reporter: Any, say: Any, poll: psycopg.Connection[Any],
+                joining: bool) -> TableCopy:
     # start-up time: spark.copy and spark.source load pyspark
     from applier.migrate.spark.copy import (
         CopyError,
@@ -563,7 +565,7 @@ def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, r
                   partitions=partitions_for(target.dialect, table.pages, nparts), snapshot=snapshot,
                   where=table.rowfilter, app=app, only=table.only)
     plan = CopyPlan(json.loads(src), target.dialect, target.where, qtarget, cols, [c.type_oid for c in table.columns],
-                    name, run, table.qualified)
+                    name, run, table.qualified, joining=(table.schema, table.name) if joining else None)
     if target.dialect != "sqlite" and table.columns:
         plan.binary = binary_safe(poll, target.conn, qtarget, [(c.name, c.type_oid) for c in table.columns])
     nranges = plan.partitions

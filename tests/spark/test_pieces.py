@@ -28,7 +28,7 @@ from applier.migrate.schema import (  # noqa: E402
     sqlite_declared_types,
 )
 from applier.migrate.spark.canonical import canon, canonical_rows_batch, display, sqlite_source_canonicalizer  # noqa: E402
-from applier.migrate.spark.copy import spark_error_line  # noqa: E402
+from applier.migrate.spark.copy import GROUP_PAGES, CopyPlan, spark_error_line, task_groups  # noqa: E402
 from applier.migrate.spark.session import copy_streams, task_slots  # noqa: E402
 from applier.migrate.spark.source import csv_batches, ctid_ranges  # noqa: E402
 from applier.migrate.spark.verify import StopBefore  # noqa: E402
@@ -207,3 +207,21 @@ def test_task_slots_of_the_session_are_its_local_threads(spark) -> None:
     assert task_slots(spark) == 2  # the tests' local[2]
     # a local master streams half its threads' worth of partitions at once: 8 partitions run as 1 task of 8
     assert copy_streams(spark) == 1
+
+
+def _copy_plan(pages: int, partitions: int) -> CopyPlan:
+    return CopyPlan({"ranges": ctid_ranges(pages, partitions)}, "postgresql", "", "t", [], [], "n", "r", "public.t")
+
+
+@pytest.mark.parametrize("pages,partitions,parts,streams,want", [
+    (1000, 8, range(8), 1, [[[0, 1, 2, 3, 4, 5, 6, 7]]]),  # a local[2] master: one task, one group
+    (1000, 8, range(8), 16, [[[p]] for p in range(8)]),  # a cluster with more slots: a partition each
+    (1000, 8, range(8), 3, [[[0, 1]], [[2, 3, 4]], [[5, 6, 7]]]),  # slices of consecutive partitions
+    (1000, 8, [0, 1, 3, 4, 7], 1, [[[0, 1], [3, 4], [7]]]),  # a resumed copy: the missing runs, a group each
+    (8 * GROUP_PAGES, 8, range(8), 2, [[[0], [1], [2], [3]], [[4], [5], [6], [7]]]),  # at most GROUP_PAGES
+    (8 * GROUP_PAGES, 16, range(16), 1, [[[p, p + 1] for p in range(0, 16, 2)]]),
+    (10 ** 9, 1, range(1), 1, [[[0]]]),  # one partition: one group, however large
+])
+def test_task_groups_are_consecutive_partitions_of_bounded_size(pages: int, partitions: int, parts: range | list[int],
+                                                                 streams: int, want: list[list[list[int]]]) -> None:
+    assert task_groups(_copy_plan(pages, partitions), list(parts), streams) == want

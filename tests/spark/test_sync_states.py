@@ -13,6 +13,7 @@ the connection closes), and said to be kept only if it stays in use.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
@@ -25,6 +26,7 @@ import pytest
 from applier.admin import init, read_progress
 from applier.lsn import LSN
 from applier.migrate.schema import SchemaError, read_source_tables
+from applier.migrate.spark import copy as spark_copy
 from applier.migrate.spark.copy import SQLITE_PART_PAGES, CopyError, CopyPlan, copy_partitions, copy_pg_partitions
 from applier.migrate.spark.source import pg_plan
 from applier.migrate.spark.verify import verify
@@ -85,12 +87,17 @@ def test_an_interrupted_sync_is_restarted_by_the_next(spark, src: ScratchDb, tar
 
 
 def _plan(src: ScratchDb, target: str, table: str, partitions: int) -> CopyPlan:
-    """The copy plan of a source table (the newest snapshot) into the same-named target table."""
+    """The copy plan of a source table (the newest snapshot) into the same-named target table (migrated): run 'r' of
+    apply.name 'n', recorded in the target's sync row as the copy under way."""
     with psycopg.connect(src.dsn) as conn:
         [t] = [t for t in read_source_tables(conn, ["pub"]) if t.name == table]
     cols = [f'"{c.name}"' for c in t.columns]
+    sqlite = target.endswith(".db")
+    with contextlib.closing(sqlite3.connect(target)) if sqlite else psycopg.connect(target) as conn:
+        conn.execute("INSERT INTO applier_sync (name, state, run) VALUES ('n', 'copying', 'r')")
+        conn.commit()
     return CopyPlan(json.loads(pg_plan(src.dsn, t.qname, cols, pages=t.pages, partitions=partitions)),
-                    "sqlite" if target.endswith(".db") else "postgresql", target, f'"{table}"', cols,
+                    "sqlite" if sqlite else "postgresql", target, f'"{table}"', cols,
                     [c.type_oid for c in t.columns], "n", "r", t.qualified)
 
 
@@ -102,12 +109,86 @@ def test_a_partition_is_written_once(src: ScratchDb, dst: ScratchDb, binary: boo
     migrate(dst.url)
     plan = _plan(src, dst.dsn, "t", 1)
     plan.binary = binary
-    [first] = copy_pg_partitions(plan, [0])
-    [again] = copy_pg_partitions(plan, [0])
+    [first] = copy_pg_partitions(plan, [[0]])
+    [again] = copy_pg_partitions(plan, [[0]])
     assert (first.rows, first.skipped, again.rows, again.skipped) == (2, False, 0, True)
     assert dst.cluster.execute("SELECT id, v FROM t ORDER BY id", dst.dbname) == [(1, "x"), (2, None)]
     assert dst.cluster.execute("SELECT part, rows FROM applier_sync_parts", dst.dbname) == [(0, 2)]
 
+
+def test_a_tasks_consecutive_partitions_are_one_copy_and_one_transaction(spark, src: ScratchDb, dst: ScratchDb) -> None:
+    """On local[2] one task copies all 4 partitions: one source COPY, one target transaction with all 4 records
+    (no drain of the pipeline per partition); a rerun skips exactly the recorded partitions."""
+    src.cluster.execute(SOURCE, src.dbname)
+    dst.cluster.execute("CREATE TABLE b (id integer, n integer NOT NULL)", dst.dbname)
+    migrate(dst.url)
+    plan = _plan(src, dst.dsn, "b", 4)
+    assert plan.partitions == 4
+    done = copy_partitions(spark, plan, set(), "public.b")
+    assert sorted((d.part, d.skipped) for d in done) == [(p, False) for p in range(4)]
+    assert sum(d.rows for d in done) == 20000
+    [(xid,)] = dst.cluster.execute("SELECT DISTINCT xmin::text FROM b", dst.dbname)
+    assert dst.cluster.execute("SELECT part, xmin::text FROM applier_sync_parts ORDER BY part", dst.dbname) \
+        == [(p, xid) for p in range(4)]
+    assert [d.skipped for d in copy_partitions(spark, plan, set(), "public.b")] == [True] * 4
+    assert dst.cluster.execute("SELECT count(*), count(DISTINCT id) FROM b", dst.dbname) == [(20000, 20000)]
+
+
+@pytest.mark.parametrize("joining", [False, True])
+def test_a_partition_of_a_replaced_run_does_not_land(src: ScratchDb, dst: ScratchDb, joining: bool) -> None:
+    """A task of a killed run still copying (a cluster's executor) when a new run starts: its partition's
+    transaction checks the run before it commits and rolls back; nothing of it lands."""
+    src.cluster.execute(SOURCE, src.dbname)
+    dst.cluster.execute("CREATE TABLE b (id integer, n integer NOT NULL)", dst.dbname)
+    migrate(dst.url)
+    plan = _plan(src, dst.dsn, "b", 1)
+    if joining:  # sync --table: the run of the table's applier_sync_tables row
+        plan.joining = ("public", "b")
+        dst.cluster.execute("INSERT INTO applier_sync_tables (name, schema_name, table_name, state, run) "
+                            "VALUES ('n', 'public', 'b', 'copying', 'r')", dst.dbname)
+    failed: list[BaseException] = []
+
+    def old_task() -> None:
+        try:
+            copy_pg_partitions(plan, [[0]])
+        except BaseException as exc:  # noqa: BLE001 - looked at below
+            failed.append(exc)
+
+    with psycopg.connect(dst.dsn) as new_run:
+        new_run.execute("LOCK TABLE b IN SHARE MODE")  # the old task's COPY waits, its transaction begun
+        task = threading.Thread(target=old_task)
+        task.start()
+        deadline = time.monotonic() + 30
+        while not dst.cluster.execute("SELECT 1 FROM pg_locks WHERE relation = 'b'::regclass AND NOT granted",
+                                      dst.dbname):
+            assert time.monotonic() < deadline and task.is_alive(), failed
+            time.sleep(0.05)
+        if joining:  # as `sync --table` does for a table whose copy starts again
+            new_run.execute("DELETE FROM applier_sync_tables WHERE name = 'n'")
+            new_run.execute("INSERT INTO applier_sync_tables (name, schema_name, table_name, state, run) "
+                            "VALUES ('n', 'public', 'b', 'init', 'new')")
+        else:  # as `sync` does when it starts a run
+            new_run.execute("UPDATE applier_sync SET run = 'new' WHERE name = 'n'")
+        new_run.commit()
+    task.join(60)
+    assert [str(e) for e in failed] == ["sync run r of 'n' is no longer the copy of public.b under way (a newer run "
+                                        "replaced it, or it ended): its partitions are not written"]
+    assert dst.cluster.execute("SELECT (SELECT count(*) FROM b), (SELECT count(*) FROM applier_sync_parts)",
+                               dst.dbname) == [(0, 0)]
+
+
+def test_a_sqlite_partition_of_an_ended_run_does_not_land(src: ScratchDb, tmp_path: Path) -> None:
+    src.cluster.execute(SOURCE, src.dbname)
+    path = tmp_path / "replica.db"
+    migrate(f"sqlite:///{path}")
+    target_exec(f"sqlite:///{path}", "CREATE TABLE b (id INTEGER, n INTEGER NOT NULL)")
+    plan = _plan(src, str(path), "b", 2)
+    target_exec(f"sqlite:///{path}", "UPDATE applier_sync SET state = 'done'")
+    with pytest.raises(CopyError, match=r"^copying public\.b failed: CopyError: sync run r of 'n' is no longer the "
+                                        r"copy of public\.b under way"):
+        copy_partitions(None, plan, set(), "public.b")
+    assert target_exec(f"sqlite:///{path}", "SELECT (SELECT count(*) FROM b), (SELECT count(*) FROM "
+                                            "applier_sync_parts)") == [(0, 0)]
 
 FAIL_ONCE = """
 CREATE TABLE b (id integer, n integer NOT NULL);
@@ -123,10 +204,12 @@ ALTER TABLE b ENABLE ALWAYS TRIGGER fail_once;
 
 
 def test_a_failed_partition_is_retried_and_only_the_missing_partitions_are_written(
-        spark, src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
+        spark, src: ScratchDb, dst: ScratchDb, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src.cluster.execute(SOURCE, src.dbname)
     # target b without a key (a partition written twice would show as duplicates); its first row with id > 15000
-    # fails, once (a sequence is not rolled back): the last of the 4 partitions fails after others are written
+    # fails, once (a sequence is not rolled back): the last of the 4 partitions fails after others are written;
+    # each partition its own group (resume granularity: these tables' partitions would be one group)
+    monkeypatch.setattr(spark_copy, "GROUP_PAGES", 1)
     dst.cluster.execute(FAIL_ONCE, dst.dbname)
     said: list[str] = []
     res = sync(make_config(src, dst.url, tmp_path / "work", partitions=4), spark=spark, say=said.append)

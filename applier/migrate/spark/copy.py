@@ -3,20 +3,29 @@
 A partition is one page range of the source table (``applier.migrate.spark.source.ctid_ranges``), read
 with ``COPY (SELECT cols FROM [ONLY] t WHERE ctid range [AND (row filter)]) TO STDOUT`` inside the
 exported snapshot (``applier.migrate.spark.source.pg_in_snapshot``: pinned output settings,
-``application_name`` ``<app> p<n>``). Each partition is written in **one target transaction** that also
-inserts its row into ``applier_sync_parts`` (name, run, table, partition). Before writing, the partition
+``application_name`` ``<app> p<n>``). Each partition is written in **one target transaction** (on PostgreSQL
+together with the other partitions of its group, below) that also inserts its row into ``applier_sync_parts``
+(name, run, table, partition). Before writing, the partition
 looks for that row and skips itself if it is there, so a partition retried by Spark or by ``sync`` (same
 run, snapshot still open) is written exactly once; two concurrent attempts collide on the row's primary
-key and one rolls back.
+key and one rolls back. Before that transaction commits, ``check_run`` makes sure that its run is still the
+copy under way (the sync row, or the table's ``applier_sync_tables`` row for ``sync --table``, locked on
+PostgreSQL): a task of a killed run that still runs on a cluster, or a straggler of a failed attempt, rolls
+back instead of writing into a table that a newer run has emptied.
 
 - PostgreSQL target: one Spark job per table, as many tasks as the session streams at once
   (``applier.migrate.spark.session.copy_streams``: a cluster's task slots, half a local master's threads; a
-  Spark task costs tens of milliseconds, so a task copies
-  every k-th partition, one after the other, each as below): Spark spreads the tasks over the executors
-  (local or a cluster), retries them (a retried task skips its partitions already written), and reports
-  failures. For each partition the task opens both ends itself and streams the source's COPY data, in
-  chunks of whole rows, into ``COPY t (cols) FROM STDIN`` on the target. Spark only sees the small
-  ``PartDone`` records. Binary format when ``binary_safe`` (every column's type a
+  Spark task costs tens of milliseconds), each with a slice of consecutive partitions (``task_groups``):
+  Spark spreads the tasks over the executors (local or a cluster), retries them (a retried task skips its
+  partitions already written), and reports failures. A task opens both ends itself and copies its partitions
+  in **groups** of consecutive ones of at most ``GROUP_PAGES`` heap pages together: a group is one source
+  COPY of its pages, streamed in chunks of whole rows into ``COPY t (cols) FROM STDIN`` on the target, in
+  one target transaction with every one of its partitions' ``applier_sync_parts`` rows (its rows and bytes
+  on the first; a partition's rows and its record still commit together, and a rerun skips exactly the
+  recorded ones). A COPY per partition would cost a pipeline drain each (the target finishing the data in
+  flight while the source waits, ~17 ms a partition on the development machine: bench/README.md, sync), so
+  more partitions than streams would be slower than one. Spark only sees the small ``PartDone`` records.
+  Binary format when ``binary_safe`` (every column's type a
   built-in one with binary I/O that does not name catalog objects by OID, and the same type on the
   target: a binary ``regclass`` is the source's OID of a relation, and arrays and composites of user
   types carry the source's type OIDs, which differ on the target and which servers without
@@ -39,7 +48,8 @@ key and one rolls back.
 format) or the values' bytes (SQLite).
 
 Progress: the driver polls ``applier_sync_parts`` (finished partitions, exact) and the source's
-``pg_stat_progress_copy`` (running partitions, by ``application_name``) while the copy runs.
+``pg_stat_progress_copy`` (running copies, by ``application_name``: a group's under its first partition) while
+the copy runs.
 """
 
 from __future__ import annotations
@@ -71,6 +81,9 @@ SQLITE_READERS = 2  # partitions read (and held) at once for a SQLite target: th
 # heap pages (8 kB) of a SQLite target's partition at most: ~8 MB of rows, written in about a second
 SQLITE_PART_PAGES = 1024
 COPY_CHUNK = 1 << 20  # bytes of COPY data handed to the PostgreSQL target at a time
+# heap pages (8 kB) of a PostgreSQL target's group of partitions at most (one source COPY, one target transaction):
+# 1 GiB, about 10 s of copying on the development machine; a failed group is copied again whole
+GROUP_PAGES = 1 << 17
 # Built-in types have OIDs below 10000 (FirstGenbkiObjectId), the same on every server; information_schema's
 # domains (10000-16383) are made by initdb and may differ. These built-in types' binary form is an OID of a
 # catalog object (a table, a type, a function ...), which differs between servers: always text.
@@ -104,6 +117,9 @@ class CopyPlan:
     run: str  # the sync run
     tbl: str  # the source table, schema.name (key of applier_sync_parts)
     binary: bool = False  # PostgreSQL: COPY in binary format (see binary_safe)
+    # sync --table: the source table's (schema, name), whose applier_sync_tables row names the run; None: a full
+    # sync, whose applier_sync row does (check_run)
+    joining: tuple[str, str] | None = None
 
     @property
     def partitions(self) -> int:
@@ -151,50 +167,94 @@ def binary_safe(source: psycopg.Connection[Any], target: psycopg.Connection[Any]
     return all(on_target.get(name) == oid for name, oid in columns)
 
 
-def copy_pg_partitions(plan: CopyPlan, parts: list[int]) -> list[PartDone]:
-    """Copy partitions ``parts`` from the source straight into a PostgreSQL target, one after the other (a Spark
-    task's work; see the module header): one connection to each end, the source's inside the snapshot throughout,
-    each partition in its own target transaction together with its record."""
-    if not parts:
+def copy_pg_partitions(plan: CopyPlan, groups: list[list[int]]) -> list[PartDone]:
+    """Copy ``groups`` of partitions from the source straight into a PostgreSQL target, one group after the other (a
+    Spark task's work; see the module header): one connection to each end, the source's inside the snapshot
+    throughout, each group of consecutive partitions in one source COPY and one target transaction together with its
+    partitions' records (``_copy_pg_group``)."""
+    if not groups:
         return []
     with psycopg.connect(pinned_dsn(plan.target, f"{plan.source['app']} write"), autocommit=True) as dst, \
-            pg_in_snapshot(plan.source, parts[0]) as src:
+            pg_in_snapshot(plan.source, groups[0][0]) as src:
         dst.execute("SET synchronous_commit = off")
         try:
             dst.execute("SET session_replication_role = replica")
         except psycopg.Error:
             pass
-        return [_copy_pg_partition(plan, part, src, dst) for part in parts]
+        return [done for group in groups for done in _copy_pg_group(plan, group, src, dst)]
 
 
-def _copy_pg_partition(plan: CopyPlan, part: int, src: psycopg.Connection[Any],
-                       dst: psycopg.Connection[Any]) -> PartDone:
+def _copy_pg_group(plan: CopyPlan, group: list[int], src: psycopg.Connection[Any],
+                   dst: psycopg.Connection[Any]) -> list[PartDone]:
+    """One target transaction: the group's partitions not yet recorded, each run of consecutive ones in one COPY
+    (its rows and bytes recorded on its first partition, 0 on the others), their records, and the run check
+    (``check_run``, the row locked) before the commit."""
     done_q, record_q, _ = parts_sql("%s")
-    key = [plan.name, plan.run, plan.tbl, part]
-    fmt = "binary" if plan.binary else "text"
-    lo, hi = plan.source["ranges"][part]
+    out: dict[int, PartDone] = {}
     with dst.transaction():
-        if dst.execute(done_q, key).fetchone():
-            return PartDone(part, 0, 0, True)
-        # the name the driver follows the partition's progress by (pg_stat_progress_copy)
-        src.execute("SELECT set_config('application_name', %s, false)", [f"{plan.source['app']} p{part}"])
-        nbytes = 0
-        cur = src.cursor()
-        with cur.copy(f"COPY ({range_query(plan.source, lo, hi)}) TO STDOUT (FORMAT {fmt})") as cin, \
-                dst.cursor().copy(f"COPY {plan.table} ({', '.join(plan.columns)}) FROM STDIN (FORMAT {fmt})") as cout:
-            buf = bytearray()
-            for data in cin:  # one row each (libpq): handed on in chunks
-                buf += data
-                if len(buf) >= COPY_CHUNK:
-                    cout.write(buf)
-                    nbytes += len(buf)
-                    buf = bytearray()
-            if buf:
+        todo = [p for p in group if not dst.execute(done_q, [plan.name, plan.run, plan.tbl, p]).fetchone()]
+        for run in _consecutive(todo):
+            rows, nbytes = _stream_pg(plan, run, src, dst)
+            out.update({p: PartDone(p, rows, nbytes, False) if p == run[0] else PartDone(p, 0, 0, False) for p in run})
+        if todo:
+            check_run(plan, dst, "%s", lock=True)
+            dst.cursor().executemany(record_q, [[plan.name, plan.run, plan.tbl, p, out[p].rows, out[p].nbytes]
+                                                for p in todo])
+    return [out.get(p) or PartDone(p, 0, 0, True) for p in group]
+
+
+def _consecutive(parts: list[int]) -> list[list[int]]:
+    """``parts`` (ascending) in runs of consecutive partitions."""
+    runs: list[list[int]] = []
+    for p in parts:
+        if runs and runs[-1][-1] == p - 1:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
+def _stream_pg(plan: CopyPlan, run: list[int], src: psycopg.Connection[Any],
+               dst: psycopg.Connection[Any]) -> tuple[int, int]:
+    """Stream consecutive partitions ``run`` (their pages as one range) from the source's COPY into the target's;
+    (rows, bytes)."""
+    fmt = "binary" if plan.binary else "text"
+    lo, hi = plan.source["ranges"][run[0]][0], plan.source["ranges"][run[-1]][1]
+    # the name the driver follows the copy's progress by (pg_stat_progress_copy): the run's first partition
+    src.execute("SELECT set_config('application_name', %s, false)", [f"{plan.source['app']} p{run[0]}"])
+    nbytes = 0
+    cur = src.cursor()
+    with cur.copy(f"COPY ({range_query(plan.source, lo, hi)}) TO STDOUT (FORMAT {fmt})") as cin, \
+            dst.cursor().copy(f"COPY {plan.table} ({', '.join(plan.columns)}) FROM STDIN (FORMAT {fmt})") as cout:
+        buf = bytearray()
+        for data in cin:  # one row each (libpq): handed on in chunks
+            buf += data
+            if len(buf) >= COPY_CHUNK:
                 cout.write(buf)
                 nbytes += len(buf)
-        rows = cur.rowcount
-        dst.execute(record_q, [*key, rows, nbytes])
-    return PartDone(part, rows, nbytes, False)
+                buf = bytearray()
+        if buf:
+            cout.write(buf)
+            nbytes += len(buf)
+    return cur.rowcount, nbytes
+
+
+def check_run(plan: CopyPlan, conn: Any, ph: str, lock: bool) -> None:
+    """CopyError unless ``plan.run`` is still the copy under way (checked in the transaction that writes, before it
+    commits; ``lock``: the row locked ``FOR SHARE`` until then): the sync row of ``plan.name`` (a full sync) or the
+    ``applier_sync_tables`` row of ``plan.joining`` (``sync --table``) names this run and is 'copying'. A sync that
+    starts, or a table's copy that starts again, replaces that row (and so waits for a locked one): a partition of an
+    older run (a task of a killed run still running on a cluster, or a straggler of a failed attempt) either
+    commits before that, or rolls back here; never after the new run has emptied the table."""
+    if plan.joining is None:
+        sql, params = (f"SELECT 1 FROM applier_sync WHERE name = {ph} AND run = {ph} AND state = 'copying'",
+                       [plan.name, plan.run])
+    else:
+        sql, params = (f"SELECT 1 FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} "
+                       f"AND table_name = {ph} AND run = {ph} AND state = 'copying'", [plan.name, *plan.joining, plan.run])
+    if conn.execute(sql + (" FOR SHARE" if lock else ""), params).fetchone() is None:
+        raise CopyError(f"sync run {plan.run[:8]} of {plan.name!r} is no longer the copy of {plan.tbl} under way "
+                        f"(a newer run replaced it, or it ended): its partitions are not written")
 
 
 def _data_bytes(batch: pa.RecordBatch) -> int:
@@ -324,6 +384,7 @@ def copy_sqlite_partitions(plan: CopyPlan, parts: list[int]) -> list[PartDone]:
                         conn.executemany(insert, batch)
                         rows += len(batch)
                         nbytes += size
+                    check_run(plan, conn, "?", lock=False)  # the write lock serializes the writers already
                     conn.execute(record_q, [*key, rows, nbytes])
                     conn.execute("COMMIT")
                 except BaseException:
@@ -424,6 +485,22 @@ def running_copies(conn: psycopg.Connection[Any], app: str) -> dict[int, tuple[i
     return out
 
 
+def task_groups(plan: CopyPlan, parts: list[int], streams: int) -> list[list[list[int]]]:
+    """The Spark tasks of a PostgreSQL target's copy of ``parts`` (ascending): at most ``streams`` tasks of
+    consecutive partitions each (as many as can be), each task's partitions in groups of consecutive ones of at
+    most ``GROUP_PAGES`` heap pages together (at least one partition), a group copied in one source COPY and one
+    target transaction (``copy_pg_partitions``)."""
+    tasks = max(1, min(len(parts), streams))
+    ranges = plan.source["ranges"]
+    width = ranges[0][1] if len(ranges) > 1 else None  # pages of a partition (ctid_ranges: all about the same)
+    size = max(1, GROUP_PAGES // max(1, width)) if width else 1
+    out = []
+    for i in range(tasks):
+        mine = parts[i * len(parts) // tasks:(i + 1) * len(parts) // tasks]
+        out.append([g[k:k + size] for g in _consecutive(mine) for k in range(0, len(g), size)])
+    return out
+
+
 def copy_partitions(spark: Any, plan: CopyPlan, done: Collection[int], label: str) -> list[PartDone]:
     """Copy the table's partitions not in ``done`` (see the module header): a Spark job for a PostgreSQL target,
     the driver's readers and writer for a SQLite one. CopyError naming the table and the cause on failure."""
@@ -437,9 +514,9 @@ def copy_partitions(spark: Any, plan: CopyPlan, done: Collection[int], label: st
             raise CopyError(f"copying {label} failed: {type(exc).__name__}: {one_line(exc)}") from exc
     sc = spark.sparkContext
     sc.setJobDescription(f"applier sync: copy {label}")
-    tasks = min(len(parts), copy_streams(spark))
+    work = task_groups(plan, parts, copy_streams(spark))
     try:
-        out: list[PartDone] = sc.parallelize([parts[i::tasks] for i in range(tasks)], tasks).flatMap(
+        out: list[PartDone] = sc.parallelize(work, len(work)).flatMap(
             functools.partial(copy_pg_partitions, plan)).collect()
         return out
     except Exception as exc:  # noqa: BLE001 - Spark wraps everything; keep the cause's line
