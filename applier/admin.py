@@ -17,11 +17,11 @@ from typing import Any
 
 import psycopg
 
-from applier.config import Config, ConfigError, redact_dsn
+from applier.config import Config, ConfigError, parse_age, redact_dsn
 from applier.decoder.messages import Begin, StreamCommit, StreamStart, StreamStop, pg_timestamp
 from applier.decoder.pgoutput import decode_message
 from applier.lsn import LSN
-from applier.progress.store import HEAD_REVISION, PG_SQL, SQLITE_SQL, VERSION_TABLE, Progress
+from applier.progress.store import HEAD_REVISION, PG_SQL, SQLITE_SQL, VERSION_TABLE, Progress, prune_conflicts
 from applier.rows import one_row
 from applier.source.base import SourceError, StreamOptions
 from applier.source.walsender import WalSender
@@ -115,7 +115,25 @@ def check_target(cfg: Config, need_init: bool = True) -> str | None:
     if need_init and rev != HEAD_REVISION:
         raise ConfigError(f"{cfg.where('target', 'url')}: the target's control tables are "
                           f"{'missing' if rev is None else f'at revision {rev}'}; run `applier init`")
+    if need_init:
+        _check_conflicts_writable(cfg)
     return rev
+
+
+def _check_conflicts_writable(cfg: Config) -> None:
+    """The target role may add rows to applier_conflicts (a conflict is recorded in the transaction of its
+    change: without it the apply would stop at the first one); ConfigError naming the table if not."""
+    with target_db(cfg) as conn:
+        ok = conn.execute("SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'applier_conflicts'"
+                          if cfg.target_dialect == "sqlite" else
+                          "SELECT CASE WHEN to_regclass('applier_conflicts') IS NULL THEN false ELSE "
+                          "has_table_privilege('applier_conflicts', 'INSERT') AND "
+                          "coalesce(has_sequence_privilege(pg_get_serial_sequence('applier_conflicts', 'id'), 'USAGE'), "
+                          "true) END").fetchone()[0]
+    if not ok:
+        raise ConfigError(f"{cfg.where('target', 'url')}: the target role cannot write table applier_conflicts "
+                          f"(where conflicts are recorded); GRANT INSERT, SELECT, DELETE ON applier_conflicts (and "
+                          f"USAGE on its id sequence) to it, or run `applier init` if the table is gone")
 
 
 def init(cfg: Config) -> list[str]:
@@ -229,6 +247,25 @@ def status(cfg: Config) -> dict[str, Any]:
     out["last_error_at"] = progress.last_error_at
     out["skip_lsn"] = None if progress.skip_lsn is None else str(progress.skip_lsn)
     out["prepared_waiting"] = list_prepared(cfg)
+    with target_db(cfg) as conn:
+        out["conflicts"] = {str(k): int(n) for k, n in conn.execute(_progress_sql(cfg).count_conflicts,
+                                                                     [cfg.apply["name"]]).fetchall()}
+    return out
+
+
+def conflicts(cfg: Config, prune: str | None = None, limit: int = 20) -> dict[str, Any]:
+    """applier_conflicts of this apply.name (``applier conflicts``): counts by type, the ``limit`` newest rows,
+    and with ``prune`` (an age such as 7d) the rows recorded before it deleted first ("pruned": how many)."""
+    check_target(cfg)
+    sql = _progress_sql(cfg)
+    name = cfg.apply["name"]
+    out: dict[str, Any] = {"name": name}
+    with target_db(cfg) as conn:
+        if prune is not None:
+            out["pruned"] = prune_conflicts(conn, sql, name, parse_age(prune, "--prune"))
+        out["counts"] = {str(k): int(n) for k, n in conn.execute(sql.count_conflicts, [name]).fetchall()}
+        cols = ("recorded_at", "conflict_type", "table_name", "key", "resolution", "commit_lsn", "xid")
+        out["latest"] = [dict(zip(cols, r)) for r in conn.execute(sql.latest_conflicts, [name, limit]).fetchall()]
     return out
 
 

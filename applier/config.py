@@ -62,7 +62,23 @@ SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
     "log": {
         "format": (str, "text"),
     },
+    # what the apply does when the target does not look as a change expects (``applier.engine.conflicts``):
+    # a policy per conflict type (PostgreSQL 18's names), and how long applier_conflicts keeps its rows
+    "conflicts": {
+        "insert_exists": (str, "error"),
+        "update_exists": (str, "error"),
+        "multiple_unique_conflicts": (str, "error"),
+        "update_missing": (str, "skip"),
+        "delete_missing": (str, "skip"),
+        "update_origin_differs": (str, "apply_remote"),
+        "delete_origin_differs": (str, "apply_remote"),
+        "prune_after": (str, None),
+    },
 }
+
+CONFLICT_TYPES = ("insert_exists", "update_exists", "multiple_unique_conflicts", "update_missing", "delete_missing",
+                  "update_origin_differs", "delete_origin_differs")
+POLICIES = ("error", "skip", "apply_remote", "keep_local")
 
 _CHOICES = {
     ("apply", "on_error"): ("retry", "stop"),
@@ -71,6 +87,8 @@ _CHOICES = {
     ("target", "two_phase_mode"): ("prepare", "table"),
     ("target", "synchronous_commit"): ("on", "off", "local", "remote_write", "remote_apply"),
     ("log", "format"): ("text", "json"),
+    **{("conflicts", t): POLICIES + (("last_update_wins",) if t.endswith("origin_differs") else ())
+       for t in CONFLICT_TYPES},
 }
 
 # keys whose command-line option is not --<key>
@@ -103,6 +121,7 @@ class Config:
     origin_of: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=lambda: {"listen": None})
     log: dict[str, Any] = field(default_factory=lambda: {"format": "text"})
+    conflicts: dict[str, Any] = field(default_factory=lambda: {k: d for k, (_, d) in SCHEMA["conflicts"].items()})
 
     @property
     def target_dialect(self) -> str:
@@ -145,6 +164,8 @@ def _coerce(section: str, key: str, value: Any, where: str, from_text: bool = Tr
         raise ConfigError(f"{where}: {section}.{key} must be 0 or more, got {value!r}")
     if (section, key) == ("metrics", "listen") and isinstance(value, str):
         parse_listen(value, where)
+    if (section, key) == ("conflicts", "prune_after") and isinstance(value, str):
+        parse_age(value, f"{where}: conflicts.prune_after")
     if (section, key) == ("source", "streaming") and isinstance(value, str) and value not in ("on", "off", "parallel"):
         raise ConfigError(f"{where}: source.streaming must be true, false or 'parallel', got {value!r}")
     return value
@@ -224,7 +245,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     url = values["target"]["url"]
     if url is None:
         return Config(values["source"], values["target"], values["apply"], values["spark"],
-                      Path(path) if path is not None else None, origin, values["metrics"], values["log"])
+                      Path(path) if path is not None else None, origin, values["metrics"], values["log"],
+                      values["conflicts"])
     try:
         backend = parse_target_url(url).backend
     except ValueError:
@@ -235,7 +257,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if not values["source"]["publications"]:
         raise ConfigError(f"{fname}: source.publications must name at least one publication")
     return Config(values["source"], values["target"], values["apply"], values["spark"],
-                  Path(path) if path is not None else None, origin, values["metrics"], values["log"])
+                  Path(path) if path is not None else None, origin, values["metrics"], values["log"],
+                      values["conflicts"])
 
 
 def parse_listen(text: str, where: str) -> tuple[str, int]:
@@ -247,6 +270,17 @@ def parse_listen(text: str, where: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "[" in host or "]" in host:
         raise ConfigError(f"{where}: metrics.listen must be HOST:PORT (e.g. \"127.0.0.1:9187\"), got {text!r}")
     return host, int(port)
+
+
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_age(text: str, where: str) -> int:
+    """Seconds of an age such as ``90m`` or ``7d`` (s, m, h, d); a ConfigError naming ``where`` if it is not one."""
+    t = text.strip()
+    if len(t) < 2 or t[-1] not in _AGE_UNITS or not t[:-1].isdigit():
+        raise ConfigError(f"{where} must be an age such as 90m, 12h or 7d (units s, m, h, d), got {text!r}")
+    return int(t[:-1]) * _AGE_UNITS[t[-1]]
 
 
 def redact_dsn(dsn: str) -> str:

@@ -18,6 +18,13 @@ class FinalError(ApplyError):
     row, since that cannot change the verdict."""
 
 
+class Conflicted(ApplyError):
+    """The fast path met a conflict (rows an update or delete did not find, a unique violation, a row last changed
+    on the target by someone else): the session ends as on any apply error, and the runner applies the source
+    transaction again row by row, where ``applier.engine.conflicts`` classifies, resolves and records each one.
+    Not a failure: nothing is recorded as the last error."""
+
+
 class InUseError(RuntimeError):
     """Another process holds what this one needs (the target's progress row, the replication slot).
 

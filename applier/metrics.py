@@ -17,8 +17,8 @@ Where the numbers come from, none of it per row:
   restart and committed after it are not counted. Rows written are what the target was sent, after
   a batch folded the changes to one row (an insert then an update of it is one insert, an insert
   then a delete nothing), so they depend on batching (``group_commit_delay``, load); counting the
-  source's changes instead would take work per row. Rows an update or delete did not find count as
-  conflicts and are taken off;
+  source's changes instead would take work per row. A change a conflict's resolution dropped
+  (``applier.engine.conflicts``: skip, keep_local, a missing row) is counted as a conflict, not as a row;
 - the runner reports errors (by kind), retries and reconnects (sessions after the first).
 
 Lag: "received" is the furthest WAL position the source's walsender has sent (the WAL end of its
@@ -51,13 +51,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from applier import __version__
 from applier._cmodule import IMPLEMENTATION
 from applier.config import ConfigError
-from applier.targets.base import MISSING_CONFLICT
 
 if TYPE_CHECKING:
     from applier.engine.apply import ApplyEngine
     from applier.source.chunks import ChunkReader
 
-_OPERATION_OF = {kind: op for op, kind in MISSING_CONFLICT.items()}
 ERROR_KINDS = ("apply", "connection", "slot_in_use", "spool_full")
 GROUP_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 
@@ -148,21 +146,16 @@ class Metrics:
     def committed(self, transactions: int, changes: Mapping[tuple[str, str], int],
                   conflicts: Mapping[tuple[str, str], int]) -> None:
         """A target transaction committed with ``transactions`` source transactions (0: it recorded progress
-        only, no group), ``changes`` rows sent by (operation, table) and ``conflicts`` (rows not found, as
-        ``Target.missing``) by (type, table)."""
+        only, no group), ``changes`` rows applied by (operation, table) (a change a conflict's resolution dropped is not) and
+        ``conflicts`` recorded by (type, table)."""
         if transactions > 0:
             self.groups.inc()
             self.group_size.observe(transactions)
             self.transactions.inc(transactions)
-        applied = dict(changes)
         for (kind, table), n in conflicts.items():
             self.conflicts.labels(kind, table).inc(n)
-            op = _OPERATION_OF.get(kind)
-            if op is not None and (op, table) in applied:
-                applied[(op, table)] -= n  # not found: skipped, not applied
-        for (op, table), n in applied.items():
-            if n > 0:
-                self.changes.labels(op.lower(), table).inc(n)
+        for (op, table), n in changes.items():
+            self.changes.labels(op.lower(), table).inc(n)
 
     def failed(self, kind: str) -> None:
         """A session ended on an error of ``kind`` (one of ``ERROR_KINDS``)."""

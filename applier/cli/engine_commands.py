@@ -1,4 +1,4 @@
-"""Commands of the apply engine: init, catchup, run, status, skip, demo (registered on import)."""
+"""Commands of the apply engine: init, catchup, run, status, conflicts, skip, demo (registered on import)."""
 
 from __future__ import annotations
 
@@ -107,6 +107,39 @@ def status(config: ConfigOpt = None, as_json: Annotated[bool, typer.Option("--js
         if not info["slot_exists"]:
             fail(f"{cfg.where('source', 'slot')}: replication slot {info['slot']!r} does not exist on the source; "
                  f"nothing is replicated (run `applier init`, or `applier sync` to copy and follow)")
+
+    run_guarded(go)
+
+
+@app.command()
+def conflicts(config: ConfigOpt = None, target: TargetOpt = None,
+              prune: Annotated[str | None, typer.Option("--prune", help="Delete the conflicts recorded more than this "
+                                                        "long ago first (e.g. 7d, 12h, 90m).")] = None,
+              limit: Annotated[int, typer.Option("--limit", help="How many of the newest to list.")] = 20,
+              as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """The conflicts the apply met (applier_conflicts): counts by type and the newest ones; --prune trims by age.
+
+    Examples:
+
+      applier conflicts -c applier.toml
+
+      applier conflicts -c applier.toml --prune 7d
+    """
+    # here, not at the top: start-up time (`applier --help` and the other commands do not load the engine)
+    from applier.admin import conflicts as do_conflicts
+
+    def go() -> None:
+        info = do_conflicts(make_config(config, target=target), prune, limit)
+        if as_json:
+            typer.echo(json.dumps(info))
+            return
+        if "pruned" in info:
+            typer.echo(f"pruned: {info['pruned']} conflicts recorded more than {prune} ago")
+        counts = info["counts"]
+        typer.echo("conflicts: " + (", ".join(f"{k} {n}" for k, n in counts.items()) if counts else "none"))
+        for r in info["latest"]:
+            typer.echo(f"{r['recorded_at']}  {r['conflict_type']}  {r['table_name']} {r['key']}  "
+                       f"{r['resolution']}  (xid {r['xid']}, {r['commit_lsn']})")
 
     run_guarded(go)
 

@@ -65,18 +65,19 @@ from applier.decoder.messages import (
 )
 from applier.decoder.pgoutput import decode_message
 from applier.engine.batch import Batch
+from applier.engine.conflicts import DEFAULT_POLICIES, Change, Resolver
 from applier.engine.relation import RawMessage, RelationMap
 from applier.engine.spool import Spool, SpoolSet, records
-from applier.errors import ApplyError, FinalError, MissingTable, TableWait
+from applier.errors import ApplyError, Conflicted, FinalError, MissingTable, TableWait
 from applier.lsn import LSN
-from applier.targets.base import Binding, Join, Target, describe_values, log_missing, source_name
+from applier.targets.base import Binding, Join, Target, describe_values, not_found, source_name
 from applier.targets.claim import copy_claim_name
 from applier.text import one_line
 
 
 class CommitObserver(Protocol):
     """Told of each committed target transaction (``applier.metrics.Metrics`` is one): ``transactions`` source
-    transactions, ``changes`` rows sent by (operation, table), ``conflicts`` (rows not found) by (type, table),
+    transactions, ``changes`` rows applied by (operation, table), ``conflicts`` recorded by (type, table),
     (0 transactions: the commit recorded progress only). Never told of a rolled-back group."""
 
     def committed(self, transactions: int, changes: Mapping[tuple[str, str], int],
@@ -112,12 +113,13 @@ class Skip(enum.Enum):
 class SourceTxn:
     """The source transaction being applied."""
 
-    __slots__ = ("xid", "final_lsn", "skip", "origin", "spool", "prepared")
+    __slots__ = ("xid", "final_lsn", "skip", "origin", "spool", "prepared", "commit_time")
 
-    def __init__(self, xid: int, final_lsn: LSN, skip: Skip | None) -> None:
+    def __init__(self, xid: int, final_lsn: LSN, skip: Skip | None, commit_time: int | None = None) -> None:
         self.xid = xid
         self.final_lsn = final_lsn
         self.skip = skip
+        self.commit_time = commit_time  # µs since 2000 (its commit, or its prepare): conflict records name it
         self.origin: str | None = None
         self.spool: Spool | None = None  # a prepared transaction kept in the target's table: its changes
         self.prepared = False  # being prepared: ``final_lsn`` is its PREPARE's, its commit LSN is not known yet
@@ -129,15 +131,16 @@ class ApplyEngine:
     def __init__(self, target: Target, *, applied: LSN, skip_lsn: LSN | None = None, work_dir: Path,
                  skip_origins: Sequence[str] = (), group_delay: float = 0.2, group_rows: int = 20000,
                  careful: bool = False, binary: bool = False, wait_for_tables: bool = False,
-                 schema_changes: str = "error",
+                 schema_changes: str = "error", conflicts: Mapping[str, str] | None = None,
                  metrics: CommitObserver | None = None) -> None:
         self.target = target
         # metrics on (``applier.metrics``): what the open group applied, tallied per batch, reported at commit
         self.metrics = metrics
         self.group_changes: dict[tuple[str, str], int] = {}  # (operation, table) -> rows
-        self.group_conflicts: dict[tuple[str, str], int] = {}  # (conflict type, table) -> rows (``Target.missing``)
-        if metrics is not None:
-            target.missing = self.group_conflicts
+        self.group_conflicts: dict[tuple[str, str], int] = {}  # (conflict type, table) -> conflicts recorded
+        # careful mode applies each change through the resolver (``applier.engine.conflicts``); ``conflicts``: the
+        # policy of each conflict type (``Config.conflicts``; None: the defaults)
+        self.resolver = Resolver(target, target.name, conflicts or DEFAULT_POLICIES, self.group_conflicts)
         # ``stats.transactions`` when the last group committed or rolled back, plus the transactions prepared and
         # not committed yet (the metrics count a prepared transaction at COMMIT PREPARED, not at PREPARE)
         self.txns_reported = 0
@@ -249,7 +252,7 @@ class ApplyEngine:
 
     def handle_begin(self, m: Begin) -> None:
         """Start a source transaction; decide whether it is skipped."""
-        self.txn = SourceTxn(m.xid, m.final_lsn, self.should_skip(m.final_lsn))
+        self.txn = SourceTxn(m.xid, m.final_lsn, self.should_skip(m.final_lsn), m.commit_time)
         if self.pending_since is None:
             self.pending_since = PG_EPOCH_UNIX + m.commit_time / 1_000_000
 
@@ -471,6 +474,8 @@ class ApplyEngine:
         if b is None:  # not bound yet, or gated (a table joining the stream): decided here, off the per-row path
             try:
                 b = self.binding(oid)
+            except Conflicted:  # work in flight read on the way (a batch before this change): as it is
+                raise
             except ApplyError as exc:  # no target table or column: name the change as _error does
                 rel = self.relmap.relations.get(oid)
                 if rel is None:
@@ -543,19 +548,20 @@ class ApplyEngine:
         b, op, txn = bt.b, bt.op, bt.txn
         self.ensure_group()
         lsn = txn.final_lsn if txn is not None else self.txn_lsn()
-        missing = 0
+        applied = len(rows)
         with rolled_back_on_error(self, lambda exc: self._error(op, b, rows, txn, exc)):
-            if op == "INSERT":
+            if self.careful:  # one change (``batch_rows``), its conflicts resolved (``applier.engine.conflicts``)
+                assert txn is not None and len(rows) == 1
+                applied = int(self.resolver.apply(op, b, rows[0], Change(txn.xid, lsn, txn.commit_time)))
+            elif op == "INSERT":
                 self.target.insert(b, rows, lsn)
             elif op == "UPDATE":
-                missing = self.target.update_rows(b, rows, lsn)
+                not_found(op, b, self.target.update_rows(b, rows, lsn), lsn)
             else:
-                missing = self.target.delete_rows(b, rows, lsn)
-        if missing > 0:
-            log_missing(op, b, missing, lsn, rows[0] if len(rows) == 1 else None, self.target.missing)
-        if self.metrics is not None:  # rows not found are taken off when the group commits (Metrics.committed)
+                not_found(op, b, self.target.delete_rows(b, rows, lsn), lsn)
+        if self.metrics is not None and applied:
             key = (op, b.table)
-            self.group_changes[key] = self.group_changes.get(key, 0) + len(rows)
+            self.group_changes[key] = self.group_changes.get(key, 0) + applied
 
     def _error(self, op: str, b: Binding, rows: list[Any], txn: SourceTxn | None, exc: BaseException) -> ApplyError:
         where = f"in transaction {txn.xid} finished at {txn.final_lsn}" if txn else ""
@@ -570,7 +576,9 @@ class ApplyEngine:
             key = f"key {b.describe_key(t, idx)}"
         else:
             key = f"one of {len(rows)} rows"
-        return ApplyError(f"{op} on table {source_name(b.rel)} ({key}) {where}: {one_line(exc)}")
+        # a collision on the fast path: the transaction is applied again row by row, its conflicts resolved there
+        kind = Conflicted if not self.careful and self.target.unique_violation(exc) else ApplyError
+        return kind(f"{op} on table {source_name(b.rel)} ({key}) {where}: {one_line(exc)}")
 
     # -- streamed transactions (protocol 2+) ---------------------------------------
 
@@ -604,7 +612,7 @@ class ApplyEngine:
     def handle_stream_commit(self, m: StreamCommit) -> None:
         """Apply the spooled changes in order as one source transaction, then drop the spool."""
         sp = self.spools.pop(m.xid)
-        txn = SourceTxn(m.xid, m.commit_lsn, self.should_skip(m.commit_lsn))
+        txn = SourceTxn(m.xid, m.commit_lsn, self.should_skip(m.commit_lsn), m.commit_time)
         self.txn = txn
         if self.pending_since is None:
             self.pending_since = sp.opened if sp is not None else PG_EPOCH_UNIX + m.commit_time / 1_000_000
@@ -642,12 +650,12 @@ class ApplyEngine:
     # pg_prepared_xacts or the table) and neither prepares twice nor loses it. How each step is
     # done on the target is the target's (``Target``); when each is done is the engine's.
 
-    def _start_prepared(self, xid: int, prepare_lsn: LSN, gid: str) -> SourceTxn:
+    def _start_prepared(self, xid: int, prepare_lsn: LSN, gid: str, when: int) -> SourceTxn:
         self.flush_group()
         skip = self.should_skip(prepare_lsn)
         if skip is None and self.target.is_prepared(xid, gid):
             skip = Skip.PREPARED_BEFORE
-        txn = SourceTxn(xid, prepare_lsn, skip)
+        txn = SourceTxn(xid, prepare_lsn, skip, when)
         txn.prepared = True
         return txn
 
@@ -658,7 +666,7 @@ class ApplyEngine:
 
     def handle_begin_prepare(self, m: BeginPrepare) -> None:
         """Start a transaction that will be prepared."""
-        txn = self._start_prepared(m.xid, m.prepare_lsn, m.gid)
+        txn = self._start_prepared(m.xid, m.prepare_lsn, m.gid, m.prepare_time)
         if not txn.skip and not self.target.native_prepare:
             txn.spool = self.spools.open(m.xid, True)
         self.txn = txn
@@ -675,7 +683,7 @@ class ApplyEngine:
     def handle_stream_prepare(self, m: StreamPrepare) -> None:
         """Prepare a streamed transaction from its spool."""
         sp = self.spools.pop(m.xid)
-        txn = self._start_prepared(m.xid, m.prepare_lsn, m.gid)
+        txn = self._start_prepared(m.xid, m.prepare_lsn, m.gid, m.prepare_time)
         self.txn = txn
         if self.pending_since is None:
             self.pending_since = sp.opened if sp is not None else PG_EPOCH_UNIX + m.prepare_time / 1_000_000
@@ -767,7 +775,7 @@ class ApplyEngine:
             else:
                 self.ensure_group()
                 if commit:
-                    self.txn = SourceTxn(xid, lsn, None)
+                    self.txn = SourceTxn(xid, lsn, None, when)
                     try:
                         self.replay_isolated(blob)
                     finally:

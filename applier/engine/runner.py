@@ -11,6 +11,8 @@ retry can neither lose nor repeat a transaction.
   applied something: each outage is waited out on its own.
 - A full ``apply.work_dir`` (a streamed transaction's spool): ``run`` retries with
   backoff, since room may come back; ``catchup`` stops with the message.
+- A conflict (``Conflicted``, ``applier.engine.conflicts``) is no failure: the session ends and the next one
+  applies the transaction again in careful mode at once, where it is resolved (no backoff, no error recorded).
 - An apply error is first retried at once in *careful* mode (one row per
   statement, one source transaction per target transaction), which pinpoints
   the failing row and lets the transactions before it land; if it fails again,
@@ -46,14 +48,14 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from applier.config import Config, ConfigError
+from applier.config import Config, ConfigError, parse_age
 from applier.engine.apply import ApplyEngine
 from applier.engine.heartbeat import CATCHUP_EVERY, Heartbeat
 from applier.engine.spool import SpoolFull
-from applier.errors import ApplyError, FinalError, TableWait
+from applier.errors import ApplyError, Conflicted, FinalError, TableWait
 from applier.inspect import current_wal_insert_lsn, stream_options
 from applier.lsn import LSN
-from applier.progress.store import Progress
+from applier.progress.store import Progress, prune_conflicts
 from applier.rows import one_row
 from applier.source.base import SlotInUseError, Source, SourceError
 from applier.source.chunks import ChunkReader
@@ -76,6 +78,7 @@ CONFIRM_EVERY = 1.0
 DRAINED_GROUP_AGE = 0.002
 # Message kinds that end a transaction (or a stream block, or stand alone): the loop's checkpoints.
 _ENDS = frozenset(b"CKrcPpAEM")
+PRUNE_EVERY = 3600.0  # seconds between trims of applier_conflicts (``conflicts.prune_after``) in a long session
 TABLE_POLL = 1.0  # seconds between looks at applier_sync_tables while a change waits for a table's copy
 
 
@@ -234,6 +237,7 @@ class Runner:
         self.fail_lsn = LSN(0)  # where the last session stopped; careful mode lasts until past it
         self.ended_careful = False  # whether the last session was still in careful mode when it ended
         self.waiting = ""  # why the last session waited for a table (logged once per reason)
+        self.pruned_at = 0.0  # when applier_conflicts was last trimmed (``_prune``)
 
     def run(self) -> Summary:
         """Apply until stopped (daemon) or caught up (catchup); returns the summary."""
@@ -257,6 +261,11 @@ class Runner:
             except (ApplyError, SourceError, psycopg.Error, sqlite3.Error) as exc:
                 msg = one_line(exc)
                 where = {"lsn": self.fail_lsn} if self.fail_lsn else {}  # log fields (applier.logs)
+                # no failure: resolved row by row (conflicts.py), unless the session was still careful when it met it
+                if isinstance(exc, Conflicted) and not self.ended_careful:
+                    log.info("%s: applying the transaction again row by row to resolve it", msg, extra=where)
+                    careful = True
+                    continue
                 if self.metrics is not None:
                     self.metrics.failed(error_kind(exc))
                 if applied_before is not None and self.summary.applied is not None \
@@ -309,12 +318,13 @@ class Runner:
         wait: TableWait | None = None
         try:
             target.claim(self.command)  # before anything is read or applied: one applier per progress row
+            self._prune(target)
             progress = target.read_progress()
             engine = ApplyEngine(
                 target, applied=progress.lsn, skip_lsn=progress.skip_lsn, work_dir=cfg.spool_dir,
                 skip_origins=cfg.apply["skip_origins"], group_delay=cfg.apply["group_commit_delay"],
                 careful=careful, binary=cfg.source["binary"], wait_for_tables=not self.catchup,
-                schema_changes=cfg.apply["schema_changes"],
+                schema_changes=cfg.apply["schema_changes"], conflicts=cfg.conflicts,
                 metrics=self.metrics)
             source = open_source(cfg, progress, self.wrap_source)  # first: is this the source of the progress?
             if self.metrics is not None:
@@ -340,6 +350,17 @@ class Runner:
                     self._wait_for_table(wait)
                 finally:
                     target.close()
+
+    def _prune(self, target: Any) -> None:
+        """Trim applier_conflicts to ``conflicts.prune_after`` (at each session's start, then hourly between
+        transactions); nothing without it."""
+        keep = self.cfg.conflicts["prune_after"]
+        if keep is None:
+            return
+        self.pruned_at = time.monotonic()
+        n = prune_conflicts(target.conn, target.sql, target.name, parse_age(keep, "conflicts.prune_after"))
+        if n:
+            log.info("pruned %d rows recorded before %s ago from applier_conflicts", n, keep)
 
     def _wait_for_table(self, wait: TableWait) -> None:
         """Poll until ``wait`` is over or the run is stopped (the target open, nothing open on it)."""
@@ -368,7 +389,8 @@ class Runner:
                 engine.close()
         finally:
             try:
-                if failure is not None:  # for `applier status`; the target may be the thing that failed
+                if failure is not None and not isinstance(failure, Conflicted):  # for `applier status`; the target
+                    # may be the thing that failed
                     try:
                         target.record_error(one_line(failure))
                     except Exception as exc:  # noqa: BLE001 - best effort: the error is raised and logged anyway
@@ -435,6 +457,8 @@ class Runner:
                 now = time.monotonic()
                 if now >= heartbeat.due:
                     heartbeat.beat(now, engine.applied, reached, goal, self.summary.rows + engine.stats.rows)
+                if now - self.pruned_at >= PRUNE_EVERY and engine.quiet:
+                    self._prune(target)
                 if now - last_confirm >= CONFIRM_EVERY:
                     source.confirm(target.durable_lsn())
                     last_confirm = time.monotonic()

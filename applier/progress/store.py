@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any, NamedTuple
 
 from applier.lsn import LSN
 
 # The newest alembic revision of the control tables (tests check it against migrations/).
-HEAD_REVISION = "0003"
+HEAD_REVISION = "0004"
 VERSION_TABLE = "applier_alembic_version"
 
 
@@ -46,6 +47,12 @@ class ProgressSQL(NamedTuple):
     list_prepared: str
     has_sync_tables: str  # one row: whether applier_sync_tables exists (None: a target older than 0003)
     table_join: str  # (name, source schema, source table) -> (state, snapshot_lsn) of applier_sync_tables
+    # applier_conflicts (``applier.engine.conflicts``): (name, recorded_at, type, table, key, local, remote, xid,
+    # commit_lsn, commit_time, policy, resolution); (name, before) -> rows deleted; (name) -> (type, count) rows
+    record_conflict: str
+    prune_conflicts: str
+    count_conflicts: str
+    latest_conflicts: str  # (name, limit) -> the newest rows, newest first
 
 
 def _sql(ph: str, has_sync_tables: str) -> ProgressSQL:
@@ -76,8 +83,24 @@ def _sql(ph: str, has_sync_tables: str) -> ProgressSQL:
         has_sync_tables=has_sync_tables,
         table_join=(f"SELECT state, snapshot_lsn FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} "
                     f"AND table_name = {ph}"),
+        record_conflict=(f"INSERT INTO applier_conflicts (name, recorded_at, conflict_type, table_name, key, local_row, "
+                         f"remote_row, xid, commit_lsn, commit_time, policy, resolution) VALUES "
+                         f"({', '.join([ph] * 12)})"),
+        prune_conflicts=f"DELETE FROM applier_conflicts WHERE name = {ph} AND recorded_at < {ph}",
+        count_conflicts=(f"SELECT conflict_type, count(*) FROM applier_conflicts WHERE name = {ph} "
+                         f"GROUP BY conflict_type ORDER BY conflict_type"),
+        latest_conflicts=(f"SELECT recorded_at, conflict_type, table_name, key, resolution, commit_lsn, xid "
+                          f"FROM applier_conflicts WHERE name = {ph} ORDER BY id DESC LIMIT {ph}"),
     )
 
 
 PG_SQL = _sql("%s", "SELECT to_regclass('applier_sync_tables') IS NOT NULL")
 SQLITE_SQL = _sql("?", "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'applier_sync_tables'")
+
+
+def prune_conflicts(conn: Any, sql: ProgressSQL, name: str, age: int) -> int:
+    """Delete ``name``'s applier_conflicts rows recorded more than ``age`` seconds ago, on the DB-API connection
+    ``conn`` (in its transaction: the caller commits); how many."""
+    before = (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=age)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    cur = conn.execute(sql.prune_conflicts, [name, before])
+    return int(cur.rowcount)

@@ -10,8 +10,9 @@ Row location, as PostgreSQL's own subscriber does it:
 - K tuple (the replica identity index's columns changed or a delete): key columns from K;
 - O tuple (REPLICA IDENTITY FULL): every column, NULL-safe, exactly one row;
 - neither: the key columns of the new tuple.
-An update or delete that finds no row is logged and skipped (the subscriber's
-``update_missing`` / ``delete_missing``).
+An update or delete that finds no row is a conflict (the subscriber's ``update_missing`` /
+``delete_missing``): a batch reports it (``not_found``: Conflicted) and the transaction is applied again row by
+row, where ``applier.engine.conflicts`` resolves each one through the primitives at the end of ``TargetBase``.
 
 Identity columns ``GENERATED ALWAYS`` on a PostgreSQL target (``always``): the
 subscriber writes the source's values into them, and so does the binding. An
@@ -34,13 +35,14 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from operator import itemgetter
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from applier._cmodule import rowpath
 from applier.decoder.messages import NULL, UNCHANGED_TOAST, Relation, TupleData, Type
-from applier.errors import ApplyError, FinalError
+from applier.errors import ApplyError, Conflicted, FinalError
 from applier.lsn import LSN
 from applier.progress.store import Progress, ProgressSQL
 from applier.text import one_line, quote_ident
@@ -78,7 +80,8 @@ class Binding:
 
     __slots__ = ("rel", "table", "qtable", "names", "qnames", "convert", "key_idx", "dialect", "_sql",
                  "text_compare", "keyed", "foldable", "set_based", "pg_types", "pg_arrays", "plain_convert", "always",
-                 "fast_set", "carry", "show", "key_values", "copy_binary", "join")
+                 "fast_set", "carry", "show", "key_values", "copy_binary", "join", "uniques", "guard", "since", "row_id",
+                 "row_match")
 
     def __init__(self, rel: Relation, table: str, qtable: str, convert: Sequence[Converter | None],
                  dialect: Dialect, text_compare: Sequence[bool] = ()) -> None:
@@ -121,6 +124,28 @@ class Binding:
         # the table joins the stream at a snapshot (``applier sync --table``): its applier_sync_tables row, read
         # when bound; None: an ordinary table (see ``applier.engine.relation``: such bindings are gated)
         self.join: Join | None = None
+        # the target table's unique indexes (column names; None: an expression index), for ``find_rows``
+        self.uniques: list[frozenset[str] | None] = []
+        # PostgreSQL target detecting *_origin_differs (``applier.engine.conflicts``): SQL added to every WHERE that
+        # finds a row, so that a row last changed on the target by someone else counts as not found ("{t}": the
+        # table's name or alias), and when the table was copied (unix seconds; its copy's rows are not "local")
+        self.guard = ""
+        self.since = float("-inf")
+        # what tells one row of the table from every other (REPLICA IDENTITY FULL's one row, conflict handling's
+        # ``LocalRow.rowid``): the dialect's (ctid, rowid) unless the target says otherwise (a partitioned table's
+        # ctids repeat in each partition; a SQLite table WITHOUT ROWID has its primary key), and a WHERE clause
+        # matching a row by those values, one parameter each
+        self.row_id: tuple[str, ...] = (dialect.row_id,)
+        self.row_match = dialect.row_match
+
+    @contextmanager
+    def unguarded(self) -> Iterator[None]:
+        """Statements built inside find rows whoever changed them last (conflict resolution)."""
+        guard, self.guard = self.guard, ""
+        try:
+            yield
+        finally:
+            self.guard = guard
 
     def set_always(self, always: frozenset[int]) -> None:
         """Tell the columns that are identity GENERATED ALWAYS on the target."""
@@ -129,8 +154,10 @@ class Binding:
         self.fast_set = (every if not always else tuple([i for i in every if i not in always])
                          if always.issubset(self.key_idx) else None)
 
-    def set_unique_indexes(self, indexes: Sequence[frozenset[str] | None]) -> None:
-        """Tell the target table's unique indexes (column names; None: an expression index)."""
+    def set_unique_indexes(self, indexes: Sequence[frozenset[str] | None], partial: Sequence[bool] = ()) -> None:
+        """Tell the target table's unique indexes (column names; None: an expression index) and which are partial
+        (unique among the rows of their predicate only: never searched for a collision, ``colliding_rows``)."""
+        self.uniques = [None if p else ix for ix, p in zip(indexes, list(partial) or [False] * len(indexes))]
         key = frozenset(self.names[i] for i in self.key_idx)
         self.foldable = self.keyed and all(ix == key for ix in indexes)
 
@@ -202,10 +229,11 @@ class Binding:
             else:
                 parts.append(f"{self.qnames[i]} = {ph}")
         cond = " AND ".join(parts) if parts else "true"
+        guard = self.guard.replace("{t}", self.qtable)
         if full:
-            rid = self.dialect.row_id
-            return f"{rid} = (SELECT {rid} FROM {self.qtable} WHERE {cond} LIMIT 1)"
-        return cond
+            rid = self.row_id[0] if len(self.row_id) == 1 else f"({', '.join(self.row_id)})"
+            return f"{rid} = (SELECT {', '.join(self.row_id)} FROM {self.qtable} WHERE {cond} LIMIT 1){guard}"
+        return cond + guard
 
     def update_sql(self, setcols: tuple[int, ...], locate: tuple[int, ...], nulls: tuple[bool, ...], full: bool) -> str:
         """UPDATE setting ``setcols`` of the row found by ``locate``.
@@ -213,7 +241,7 @@ class Binding:
         No ``setcols`` (every column sent is an ALWAYS one the row is found by): a SELECT of the
         row, whose row count tells whether it exists, as an UPDATE's would.
         """
-        key = ("U", setcols, locate, nulls, full)
+        key = ("U", setcols, locate, nulls, full, self.guard)
         sql = self._sql.get(key)
         if sql is None:
             ph = self.dialect.placeholder
@@ -233,7 +261,7 @@ class Binding:
 
         Parameters as ``update_sql``'s: the values of ``setcols``, then those locating the row.
         """
-        key = ("R", setcols, locate, nulls, full)
+        key = ("R", setcols, locate, nulls, full, self.guard)
         sql = self._sql.get(key)
         if sql is None:
             ph = self.dialect.placeholder
@@ -249,7 +277,7 @@ class Binding:
 
     def delete_sql(self, locate: tuple[int, ...], nulls: tuple[bool, ...], full: bool) -> str:
         """DELETE of the row found by ``locate``."""
-        key = ("D", locate, nulls, full)
+        key = ("D", locate, nulls, full, self.guard)
         sql = self._sql.get(key)
         if sql is None:
             sql = f"DELETE FROM {self.qtable} WHERE {self.where(locate, nulls, full)}"
@@ -310,42 +338,39 @@ def describe_values(names: Sequence[str], show: Sequence[Callable[[bytes], str]]
     return f"({', '.join(names[i] for i in idx)})=({', '.join(shown)})"
 
 
-MISSING_CONFLICT = {"UPDATE": "update_missing", "DELETE": "delete_missing"}  # PostgreSQL 18's conflict types
+def not_found(op: str, b: Binding, missing: int, lsn: LSN) -> None:
+    """Conflicted when ``missing`` rows an UPDATE/DELETE batch looked for were not there (or, detecting
+    *_origin_differs, were last changed by someone else): the transaction is applied again row by row, where each
+    is classified, resolved and recorded (``applier.engine.conflicts``)."""
+    if missing > 0:
+        what = "updated" if op == "UPDATE" else "deleted"
+        raise Conflicted(f"{missing} row{'s' if missing > 1 else ''} to be {what} not found in table {b.table} "
+                         f"(transactions from the one finished at {lsn})")
 
 
-def log_missing(op: str, b: Binding, missing: int, lsn: LSN, row: Any = None,
-                tally: dict[tuple[str, str], int] | None = None) -> None:
-    """Warn that ``missing`` rows an UPDATE/DELETE batch (or its one ``row``) looked for were not there; add them
-    to ``tally`` (a target's ``missing``) by (conflict type, table)."""
-    if missing <= 0:
-        return
-    what = "updated" if op == "UPDATE" else "deleted"
-    conflict = MISSING_CONFLICT.get(op, f"{op.lower()}_missing")
-    if tally is not None:
-        tally[(conflict, b.table)] = tally.get((conflict, b.table), 0) + missing
-    fields = {"operation": op, "table": b.table, "lsn": lsn, "conflict": conflict}  # applier.logs
-    if row is not None:
-        t, idx, _ = b.locator(op, row.old_kind, row.old, getattr(row, "new", None), lsn)
-        log.warning("row to be %s not found in table %s, key %s (transaction finished at %s): skipped",
-                    what, b.table, b.describe_key(t, idx), lsn, extra=fields)
-    else:
-        log.warning("%d rows to be %s not found in table %s (transactions from the one finished at %s): "
-                    "skipped", missing, what, b.table, lsn, extra=fields)
+class LocalRow(NamedTuple):
+    """A target row as conflict handling sees it (``TargetBase.find_rows``)."""
+
+    rowid: tuple[Any, ...]  # the values of ``Binding.row_id`` (ctid as text; rowid): ``Binding.row_match``'s parameters
+    json: str | None  # the whole row, column name -> value, as JSON text
+    committed: float | None  # when its last change committed on the target (unix seconds; None: not known)
+    foreign: bool  # last changed on the target by a session without applier's replication origin, after the copy
 
 
 class Dialect:
     """The few places where PostgreSQL and SQLite SQL differ."""
 
-    __slots__ = ("name", "placeholder", "row_id")
+    __slots__ = ("name", "placeholder", "row_id", "row_match")
 
-    def __init__(self, name: str, placeholder: str, row_id: str) -> None:
+    def __init__(self, name: str, placeholder: str, row_id: str, row_match: str) -> None:
         self.name = name
         self.placeholder = placeholder
         self.row_id = row_id
+        self.row_match = row_match  # WHERE clause finding one row by its ``row_id`` value
 
 
-POSTGRES = Dialect("postgresql", "%s", "ctid")
-SQLITE = Dialect("sqlite", "?", "rowid")
+POSTGRES = Dialect("postgresql", "%s", "ctid", "ctid = %s::tid")
+SQLITE = Dialect("sqlite", "?", "rowid", "rowid = ?")
 
 
 def overlay(new: TupleData, base: TupleData) -> TupleData:
@@ -397,8 +422,16 @@ class Target(Protocol):
     may be sent without waiting for its result. Both are settled before the connection is next used
     (any call that touches it: the next change, ``write_progress``, ``commit``, ``truncate``,
     ``bind``…), so a row the server rejects fails that next call, inside the same transaction;
-    ``rollback`` abandons them. Rows an update or delete did not find are logged and skipped, when
-    their result is read.
+    ``rollback`` abandons them. ``update_rows``/``delete_rows`` return how many rows they did not find, or,
+    for work in flight, raise Conflicted when its result is read and some were not found.
+
+    Conflicts (``applier.engine.conflicts``, the careful path, one change at a time): ``savepoint`` /
+    ``release`` / ``rollback_to`` bracket a change; ``unique_violation(exc)`` tells a collision;
+    ``find_rows`` / ``colliding_rows`` read the local rows (locked on PostgreSQL) with, where
+    ``detects_origin``, whether someone other than applier changed them last; ``delete_rowids`` and
+    ``overwrite`` change them; ``record_conflict`` writes applier_conflicts in the open transaction. With
+    ``detects_origin`` the fast path's statements skip such "foreign" rows (``Binding.guard``): they count as
+    not found, so the batch is applied again row by row, where they are told apart.
 
     The claim: ``claim(command)`` holds the target's progress row for this session (InUseError naming
     the holder if another has it) until ``close``; ``holder()`` says who holds it.
@@ -423,9 +456,7 @@ class Target(Protocol):
 
     name: str
     native_prepare: bool
-    # rows not found by updates and deletes, by (conflict type, table), added as they are known (for the
-    # metrics: the engine hands a dict over and empties it at each commit and rollback; None: not tallied)
-    missing: dict[tuple[str, str], int] | None
+    detects_origin: bool
     # changes to different tables may be applied out of source order (neither triggers nor foreign
     # key checks run on the target session, so no table can observe another mid-transaction)
     reorder_tables: bool
@@ -451,6 +482,16 @@ class Target(Protocol):
     def store_prepared(self, gid: str, xid: int, prepare_lsn: LSN, end_lsn: LSN, when: int, changes: bytes) -> None: ...
     def kept_prepared(self, gid: str) -> bytes | None: ...
     def delete_prepared(self, gid: str) -> None: ...
+    def savepoint(self) -> None: ...
+    def release(self) -> None: ...
+    def rollback_to(self) -> None: ...
+    def unique_violation(self, exc: BaseException) -> bool: ...
+    def find_rows(self, b: Binding, t: TupleData, idx: tuple[int, ...], full: bool,
+                  limit: int = 2) -> list[LocalRow]: ...
+    def colliding_rows(self, b: Binding, t: TupleData) -> list[LocalRow]: ...
+    def delete_rowids(self, b: Binding, rowids: Sequence[tuple[Any, ...]]) -> None: ...
+    def overwrite(self, b: Binding, rowid: tuple[Any, ...], new: TupleData) -> None: ...
+    def record_conflict(self, row: Sequence[Any]) -> None: ...
     def claim(self, command: str) -> None: ...
     def holder(self, name: str | None = None) -> str | None: ...
     def close(self) -> None: ...
@@ -463,6 +504,7 @@ class TargetBase:
     """
 
     sql: ProgressSQL
+    dialect: Dialect
     name: str
     cur: Any
     conn: Any
@@ -473,7 +515,6 @@ class TargetBase:
     # binary mode: money as the source session prints it (``applier.targets.binary.money_text``), if known
     money_text: Converter | None = None
     _has_sync_tables: bool | None = None  # whether applier_sync_tables exists (asked once)
-    missing: dict[tuple[str, str], int] | None = None  # see ``Target``
 
     def begin(self) -> None:
         """Open a transaction (each target's own)."""
@@ -599,6 +640,84 @@ class TargetBase:
             f"ALWAYS AS IDENTITY; such a row can only be replaced with session_replication_role = replica, which the "
             f"target role may not set; connect to the target as a role that may (a superuser on PostgreSQL 15) or "
             f"make the target column GENERATED BY DEFAULT")
+
+    # -- conflicts: what ``applier.engine.conflicts`` does row by row, through these ------------------------------
+
+    detects_origin = False  # *_origin_differs can be told here (PostgreSQL: track_commit_timestamp, origin set up)
+
+    def savepoint(self) -> None:
+        """Mark where the change in hand starts, inside the open transaction."""
+        self.cur.execute("SAVEPOINT applier_change")
+
+    def release(self) -> None:
+        """The change in hand went through: forget its savepoint."""
+        self.cur.execute("RELEASE SAVEPOINT applier_change")
+
+    def rollback_to(self) -> None:
+        """Undo the change in hand (the transaction goes on, as before it)."""
+        self.cur.execute("ROLLBACK TO SAVEPOINT applier_change")
+        self.cur.execute("RELEASE SAVEPOINT applier_change")
+
+    def unique_violation(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (or what caused it) is the target refusing a row that collides on a unique index."""
+        seen: BaseException | None = exc
+        while seen is not None:
+            if self.is_unique_error(seen):
+                return True
+            seen = seen.__cause__
+        return False
+
+    def is_unique_error(self, exc: BaseException) -> bool:
+        """Whether the driver's error ``exc`` is a unique violation (each target's own)."""
+        raise NotImplementedError
+
+    def find_sql(self, b: Binding, where: str, limit: int) -> str:
+        """SELECT of (row id, the row as JSON text[, last commit's time, origin]) of at most ``limit`` rows of
+        ``b``'s table that match ``where`` (each target's own; PostgreSQL locks them)."""
+        raise NotImplementedError
+
+    def local_row(self, b: Binding, row: Sequence[Any]) -> LocalRow:
+        """A ``find_sql`` result row as a LocalRow (each target's own)."""
+        raise NotImplementedError
+
+    def find_rows(self, b: Binding, t: TupleData, idx: tuple[int, ...], full: bool, limit: int = 2) -> list[LocalRow]:
+        """The target rows whose columns ``idx`` hold ``t``'s values (``full``: REPLICA IDENTITY FULL's one row),
+        whoever changed them last."""
+        nulls, args = b.row_args(t, idx)
+        with b.unguarded():
+            where = b.where(idx, nulls, full)
+        self.cur.execute(self.find_sql(b, where, limit), args)
+        return [self.local_row(b, r) for r in self.cur.fetchall()]
+
+    def colliding_rows(self, b: Binding, t: TupleData) -> list[LocalRow]:
+        """The target rows that hold ``t``'s values on one of the table's unique indexes (expression indexes, and
+        indexes on columns ``t`` does not send or sends as NULL, cannot be searched: left out), each once."""
+        found: dict[Any, LocalRow] = {}
+        position = {n: i for i, n in enumerate(b.names)}
+        for ix in b.uniques:
+            if ix is None or not ix.issubset(position):
+                continue
+            idx = tuple(sorted(position[n] for n in ix))
+            if any(t.kinds[i] in (NULL, UNCHANGED_TOAST) for i in idx):
+                continue
+            for r in self.find_rows(b, t, idx, False):
+                found.setdefault(r.rowid, r)
+        return list(found.values())
+
+    def delete_rowids(self, b: Binding, rowids: Sequence[Any]) -> None:
+        """Delete rows of ``b``'s table by row id (``LocalRow.rowid``)."""
+        self.cur.executemany(f"DELETE FROM {b.qtable} WHERE {b.row_match}", [list(r) for r in rowids])
+
+    def overwrite(self, b: Binding, rowid: Any, new: TupleData) -> None:
+        """Set the row ``rowid`` to ``new``'s sent values (not on a table with ALWAYS identity columns)."""
+        cols = present_columns(new)
+        ph = self.dialect.placeholder
+        sets = ", ".join(f"{b.qnames[i]} = {ph}" for i in cols)
+        self.cur.execute(f"UPDATE {b.qtable} SET {sets} WHERE {b.row_match}", b.values(new, cols) + list(rowid))
+
+    def record_conflict(self, row: Sequence[Any]) -> None:
+        """Add a row to applier_conflicts, in the open transaction (``ProgressSQL.record_conflict``'s columns)."""
+        self.cur.execute(self.sql.record_conflict, list(row))
 
     def run_schema_changes(self, rel: Relation, table: str, changes: Sequence[tuple[str, str, str | None]],
                            stuck: Sequence[str], lsn: LSN, no_ddl: str | None) -> None:

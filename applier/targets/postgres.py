@@ -37,21 +37,22 @@ from typing import Any
 import psycopg
 from psycopg import pq
 from psycopg import sql as psql
-from psycopg.errors import error_from_result
+from psycopg.errors import UniqueViolation, error_from_result
 from psycopg.generators import fetch_many
 from psycopg.generators import send as psycopg_send
 
 from applier._cmodule import rowpath
 from applier.decoder.messages import BINARY, NULL, Relation, TupleData, Type, pg_timestamp
-from applier.errors import ApplyError, MissingTable
+from applier.errors import ApplyError, Conflicted, MissingTable
 from applier.lsn import LSN
 from applier.progress.store import PG_SQL
 from applier.rows import one_row
 from applier.targets.base import (
     POSTGRES,
     Binding,
+    LocalRow,
     TargetBase,
-    log_missing,
+    not_found,
     prepared_gid,
     present_columns,
     source_name,
@@ -175,14 +176,30 @@ def _key_join(b: Binding) -> str:
     return " AND ".join(f"t.{b.qnames[k]} = {_element(b, k)}" for k in b.key_idx)
 
 
+def _numbered(sql: str) -> bytes:
+    """``sql`` with its %s placeholders numbered ($1, $2, …) for the protocol."""
+    parts = sql.split("%s")
+    return ("".join(f"{p}${i}" for i, p in enumerate(parts[:-1], 1)) + parts[-1]).encode()
+
+
+# what a commit sends besides COMMIT (``PostgresTarget.commit``). Not prepared statements: psycopg deallocates
+# every statement of the session after a ROLLBACK, ALTER or DROP it runs.
+_UPSERT = _numbered(PG_SQL.upsert)
+_CLEAR_SKIP = _numbered(PG_SQL.clear_skip)
+_ORIGIN_SETUP = b"SELECT pg_replication_origin_xact_setup($1, $2)"
+_WAL_INSERT_LSN = b"SELECT pg_current_wal_insert_lsn()::text"
+
+
 @contextlib.contextmanager
 def _naming(op: str, b: Binding, lsn: LSN) -> Iterator[None]:
     """A server error about work sent earlier, as an ApplyError naming that work (table, first transaction)."""
     try:
         yield
     except psycopg.Error as exc:
-        raise ApplyError(f"{op} on table {source_name(b.rel)} (one of the rows sent for transactions from the one "
-                         f"finished at {lsn}): {one_line(exc)}") from exc
+        # a collision: the transactions are applied again row by row, where it is resolved (applier.engine.conflicts)
+        kind = Conflicted if isinstance(exc, UniqueViolation) else ApplyError
+        raise kind(f"{op} on table {source_name(b.rel)} (one of the rows sent for transactions from the one "
+                   f"finished at {lsn}): {one_line(exc)}") from exc
 
 
 class PostgresTarget(TargetBase):
@@ -224,6 +241,8 @@ class PostgresTarget(TargetBase):
         self.origin = f"applier_{name}"
         self.use_origin = use_origin
         self.has_origin = use_origin and self._setup_origin()
+        self.origin_id = 0  # the replication origin's roident, when ``detects_origin``
+        self._detect_origin()
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -260,12 +279,18 @@ class PostgresTarget(TargetBase):
         """Wait for the statement in flight; rows it did not find are logged (``report``) and skipped, errors raised."""
         op, b, rows, lsn = self._inflight  # type: ignore[misc]
         self._inflight = None
-        results = self._conn.wait(fetch_many(self._conn.pgconn))
+        results = self._results()
+        if report:
+            not_found(op, b, rows - int(results[-1].command_tuples or 0), lsn)
+
+    def _results(self, results: list[pq.abc.PGresult] | None = None) -> list[pq.abc.PGresult]:
+        """The results of the query sent (all of its statements'; waited for unless given); the first error raises."""
+        if results is None:
+            results = self._conn.wait(fetch_many(self._conn.pgconn))
         for res in results:
             if res.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
                 raise error_from_result(res, encoding=self._conn.info.encoding)
-        if report:
-            log_missing(op, b, rows - int(results[-1].command_tuples or 0), lsn, tally=self.missing)
+        return results
 
     def _end_copy(self, failed: BaseException | None = None) -> None:
         """Finish the open COPY (or abandon it after ``failed``); a row the server rejected raises here."""
@@ -289,6 +314,24 @@ class PostgresTarget(TargetBase):
         except psycopg.Error as exc:
             log.info("target: not using a replication origin (%s)", one_line(exc)[:200])
             return False
+
+    def _detect_origin(self) -> None:
+        """*_origin_differs can be told when the target records commit timestamps and this session carries the
+        replication origin: each row's last commit's origin is then known (``pg_xact_commit_timestamp_origin``)."""
+        self.detects_origin = False
+        if self.has_origin and one_row(self.conn.execute("SHOW track_commit_timestamp"))[0] == "on":
+            self.origin_id = int(one_row(self.conn.execute("SELECT pg_replication_origin_oid(%s)", [self.origin]))[0])
+            self.detects_origin = True
+
+    def _copied_at(self, rel: Relation) -> float:
+        """When ``applier sync`` finished copying ``rel``'s table (unix seconds, a second late: the times are kept
+        to the second), or -inf: never copied by applier."""
+        row = one_row(self.conn.execute(
+            "SELECT extract(epoch FROM max(f::timestamptz))::float8 FROM ("
+            "SELECT finished_at AS f FROM applier_sync WHERE name = %s UNION ALL SELECT finished_at FROM "
+            "applier_sync_tables WHERE name = %s AND schema_name = %s AND table_name = %s) AS x",
+            [self.name, self.name, rel.namespace or "pg_catalog", rel.name]))
+        return float("-inf") if row[0] is None else float(row[0]) + 1.0
 
     # -- relations ------------------------------------------------------------
 
@@ -393,8 +436,9 @@ class PostgresTarget(TargetBase):
         text_compare = [tcols[c.name][1] in _NO_EQUALITY for c in rel.columns]
         uniques = self.conn.execute(
             "SELECT (SELECT array_agg(a.attname) FROM pg_attribute a WHERE a.attrelid = i.indrelid "
-            "AND a.attnum = ANY(i.indkey)), 0 = ANY(i.indkey::int2[]) OR i.indexprs IS NOT NULL "
-            "FROM pg_index i WHERE i.indrelid = %s::regclass AND i.indisunique", [qtable]).fetchall()
+            "AND a.attnum = ANY(i.indkey)), 0 = ANY(i.indkey::int2[]) OR i.indexprs IS NOT NULL, "
+            "i.indpred IS NOT NULL FROM pg_index i WHERE i.indrelid = %s::regclass AND i.indisunique",
+            [qtable]).fetchall()
         if binary:
             # here, not at the top: start-up time (text mode never loads the binary converters)
             from applier.targets.binary import (
@@ -425,29 +469,104 @@ class PostgresTarget(TargetBase):
         b.carry = [quote_ident(n) for n, col in tcols.items() if n not in sent and not col[3]]
         # one statement may apply a batch (rows found by key, no other unique index whose checks a
         # statement-at-once update could trip over, values as text)
-        b.set_unique_indexes([None if expr else frozenset(cols) for cols, expr in uniques])
+        b.set_unique_indexes([None if expr else frozenset(cols) for cols, expr, _ in uniques],
+                             [partial for _, _, partial in uniques])
+        if one_row(self.conn.execute("SELECT relkind = 'p' OR relhassubclass FROM pg_class WHERE oid = %s::regclass",
+                                     [qtable]))[0]:  # partitions (or children): a ctid is one per partition
+            b.row_id, b.row_match = ("tableoid", "ctid"), "tableoid = %s::oid AND ctid = %s::tid"
         # (an ALWAYS identity column may only be left out of the SET list: the key's)
         b.set_based = (b.foldable and not binary and not any(text_compare[i] for i in b.key_idx)
                        and b.always.issubset(b.key_idx))
+        if self.detects_origin:  # rows someone else changed last (after the copy) count as not found: see ``Target``
+            b.since = self._copied_at(rel)
+            since = "'-infinity'" if b.since == float("-inf") else f"to_timestamp({b.since!r})"
+            b.guard = (f" AND NOT EXISTS (SELECT 1 FROM pg_xact_commit_timestamp_origin({{t}}.xmin) AS o "
+                       f"WHERE o.roident <> {self.origin_id} AND o.\"timestamp\" > {since})")
         return b
 
+    # -- conflicts (see ``Target``) ----------------------------------------------
+
+    def is_unique_error(self, exc: BaseException) -> bool:
+        """SQLSTATE 23505."""
+        return isinstance(exc, UniqueViolation)
+
+    def find_sql(self, b: Binding, where: str, limit: int) -> str:
+        """The rows, locked (FOR UPDATE), with their last commit's time and origin when ``detects_origin`` (in the
+        select list: another FROM item would make ``where``'s bare ctid ambiguous)."""
+        row = "applier_row"  # an alias no column is likely to have: row_to_json(<alias>.*) is the whole row
+        ids = ", ".join(f"{row}.{c}::text" for c in b.row_id)
+        origin = (f"(SELECT extract(epoch FROM o.timestamp)::float8 FROM pg_xact_commit_timestamp_origin({row}.xmin) "
+                  f"AS o), (SELECT o.roident FROM pg_xact_commit_timestamp_origin({row}.xmin) AS o)"
+                  if self.detects_origin else "NULL::float8, NULL::oid")
+        return (f"SELECT {ids}, row_to_json({row}.*)::text, {origin} FROM {b.qtable} AS {row} WHERE {where} "
+                f"LIMIT {limit} FOR UPDATE OF {row}")
+
+    def local_row(self, b: Binding, row: Sequence[Any]) -> LocalRow:
+        """Foreign: committed with another origin (none: a plain session) after the table's copy."""
+        n = len(b.row_id)
+        js, committed, origin = row[n:]
+        foreign = origin is not None and int(origin) != self.origin_id and committed is not None and committed > b.since
+        return LocalRow(tuple(row[:n]), js, committed, foreign)
+
     # -- transactions ---------------------------------------------------------
+
+    # A group commit is one round trip (``commit``): the progress upsert ``write_progress`` kept, the origin's
+    # position, COMMIT and the WAL insert position after it go in one libpq pipeline.
+    _progress: tuple[list[bytes | None], bool] | None = None  # the upsert's parameters, whether to clear skip_lsn
 
     def begin(self) -> None:
         """Open a transaction."""
         self.cur.execute("BEGIN")
         self.in_txn = True
+        self._progress = None
+
+    def write_progress(self, lsn: LSN, commit_time: int | None, clear_skip: bool = False) -> None:
+        """Record ``lsn`` as applied in the open transaction: the work in flight is settled now (its errors
+        raise here, named, as before); the statements are kept and sent by ``commit``, ahead of COMMIT in the
+        same transaction, so progress and rows still commit together or not at all."""
+        self._settle()
+        enc = self._conn.info.encoding
+        self._progress = ([None if v is None else str(v).encode(enc)
+                           for v in (self.name, lsn, commit_time, self.source_system, self.slot)], clear_skip)
 
     def commit(self, source_lsn: LSN, commit_time: int | None = None) -> None:
-        """Commit; remember where the commit sits in the target's WAL for ``durable_lsn``."""
-        if self.has_origin and commit_time is not None:
-            self.cur.execute("SELECT pg_replication_origin_xact_setup(%s, %s)",
-                             [str(source_lsn), pg_timestamp(commit_time)])
-        self.cur.execute("COMMIT")
+        """Commit; remember where the commit sits in the target's WAL for ``durable_lsn``.
+
+        One round trip: the kept progress statements, ``pg_replication_origin_xact_setup``, COMMIT and
+        (synchronous_commit = off) ``pg_current_wal_insert_lsn()`` on this session right after it, in this
+        order, in one pipeline. The server skips what follows a failing statement (a deferred constraint fails
+        the COMMIT itself): that error raises here once the pipeline is read to its end, ``in_txn`` stays set
+        and ``rollback`` ends whatever is left of the transaction, so nothing of it lands."""
+        self._settle()
+        pgconn = self._conn.pgconn
+        progress, self._progress = self._progress, None
+        pgconn.enter_pipeline_mode()
+        try:
+            if progress is not None:
+                pgconn.send_query_params(_UPSERT, progress[0])
+                if progress[1]:
+                    pgconn.send_query_params(_CLEAR_SKIP, progress[0][:1])
+            if self.has_origin and commit_time is not None:
+                pgconn.send_query_params(_ORIGIN_SETUP, [str(source_lsn).encode(),
+                                                         str(pg_timestamp(commit_time)).encode()])
+            pgconn.send_query_params(b"COMMIT", None)
+            if self.sync == "off":
+                pgconn.send_query_params(_WAL_INSERT_LSN, None)
+            pgconn.pipeline_sync()
+            self._conn.wait(psycopg_send(pgconn))
+            results: list[pq.abc.PGresult] = []
+            while True:  # each statement's results, then the sync's
+                got = self._conn.wait(fetch_many(pgconn))
+                if got and got[-1].status == pq.ExecStatus.PIPELINE_SYNC:
+                    break
+                results += got
+        finally:
+            with contextlib.suppress(psycopg.Error):  # fails only if the reading failed (the connection is lost)
+                pgconn.exit_pipeline_mode()
+        self._results(results)
         self.in_txn = False
         if self.sync == "off":
-            row = one_row(self.cur.execute("SELECT pg_current_wal_insert_lsn()::text"))
-            self._pending.append((LSN.parse(row[0]), source_lsn))
+            self._pending.append((LSN.parse((results[-1].get_value(0, 0) or b"").decode()), source_lsn))
         else:
             self._durable = LSN(max(self._durable, source_lsn))
 
@@ -527,17 +646,18 @@ class PostgresTarget(TargetBase):
                 columns = [[m.new.values[i] for m in ms] for i in cols]
             if any(k not in cols or None in columns[cols.index(k)] for k in key):
                 # a key not sent or NULL (found by IS NULL): row by row, its missing rows logged there
-                log_missing("UPDATE", b, super().update_rows(b, ms, lsn), lsn, tally=self.missing)
+                not_found("UPDATE", b, super().update_rows(b, ms, lsn), lsn)
                 continue
             sql = b._sql.get(("UPDATE-UNNEST", cols))
             if sql is None:
                 sets = ", ".join(f"{b.qnames[i]} = {_element(b, i)}" for i in cols if i not in key)
+                guard = b.guard.replace("{t}", "t")
                 sql = b._sql[("UPDATE-UNNEST", cols)] = (
-                    f"UPDATE {b.qtable} AS t SET {sets} FROM {_unnest(b, cols)} WHERE {_key_join(b)}" if sets
+                    f"UPDATE {b.qtable} AS t SET {sets} FROM {_unnest(b, cols)} WHERE {_key_join(b)}{guard}" if sets
                     # nothing but the key sent: the rows only need to exist
-                    else f"SELECT 1 FROM {b.qtable} AS t, {_unnest(b, cols)} WHERE {_key_join(b)}")
+                    else f"SELECT 1 FROM {b.qtable} AS t, {_unnest(b, cols)} WHERE {_key_join(b)}{guard}")
             self._send(sql, [array_text(c) for c in columns], "UPDATE", b, len(ms), lsn)
-        return 0  # rows not found are logged when the result is read
+        return 0  # rows not found raise Conflicted when the result is read (``_collect``)
 
     def delete_rows(self, b: Binding, rows: Sequence[Any], lsn: LSN) -> int:
         """Apply deletes; a batch of keyed ones goes as one DELETE of the keys given as arrays."""
@@ -552,10 +672,12 @@ class PostgresTarget(TargetBase):
             k = key[0]
             sql = b._sql["DELETE-UNNEST"] = (
                 f"DELETE FROM {b.qtable} WHERE {b.qnames[k]} = ANY($1::{b.pg_arrays[k][0]})"
+                f"{b.guard.replace('{t}', b.qtable)}"
                 if len(key) == 1 and not b.pg_arrays[k][1]
-                else f"DELETE FROM {b.qtable} AS t USING {_unnest(b, tuple(key))} WHERE {_key_join(b)}")
+                else f"DELETE FROM {b.qtable} AS t USING {_unnest(b, tuple(key))} WHERE {_key_join(b)}"
+                     f"{b.guard.replace('{t}', 't')}")
         self._send(sql, [array_text(c) for c in columns], "DELETE", b, len(rows), lsn)
-        return 0  # rows not found are logged when the result is read
+        return 0  # rows not found raise Conflicted when the result is read (``_collect``)
 
     def truncate(self, bindings: Sequence[Binding], cascade: bool, restart_identity: bool) -> None:
         """TRUNCATE the tables, honouring CASCADE and RESTART IDENTITY."""
@@ -607,6 +729,7 @@ class PostgresTarget(TargetBase):
         claim_target("postgresql", self.conn, "", self.name, command)
         if self.use_origin and not self.has_origin:
             self.has_origin = self._setup_origin()
+            self._detect_origin()
 
     def holder(self, name: str | None = None) -> str | None:
         """Who applies to this progress row now (None: nobody); ``name``: who holds that claim key instead

@@ -9,6 +9,7 @@ position may be confirmed to the source at once.
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +18,7 @@ from applier.decoder.messages import Relation, TupleData, Type
 from applier.errors import ApplyError, MissingTable
 from applier.lsn import LSN
 from applier.progress.store import SQLITE_SQL
-from applier.targets.base import SQLITE, Binding, TargetBase, present_columns, source_name
+from applier.targets.base import SQLITE, Binding, LocalRow, TargetBase, present_columns, source_name
 from applier.targets.claim import FileClaim, claim_target, target_holder
 from applier.targets.follow import ADD_COLUMNS_HINT
 from applier.targets.naming import target_table
@@ -103,13 +104,39 @@ class SqliteTarget(TargetBase):
         b = Binding(rel, table, quote_ident(table), convert, SQLITE)
         if binary:
             b.show = value_texts(rel, types)
-        uniques = []
+        pk = [r for r in rows if r[5]]
+        # an INTEGER PRIMARY KEY is the rowid itself: unique, though PRAGMA index_list shows no index for it
+        uniques: list[frozenset[str] | None] = (
+            [frozenset([pk[0][1]])] if len(pk) == 1 and pk[0][2].upper() == "INTEGER" else [])
+        partial = [False] * len(uniques)
         for ix in self.conn.execute(f"PRAGMA index_list({quote_ident(table)})").fetchall():
             if ix[2]:  # unique
                 cols = [r[2] for r in self.conn.execute(f"PRAGMA index_info({quote_ident(ix[1])})").fetchall()]
                 uniques.append(None if None in cols else frozenset(cols))
-        b.set_unique_indexes(uniques)
+                partial.append(bool(ix[4]))
+        b.set_unique_indexes(uniques, partial)
+        sql = self.conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", [table]).fetchone()
+        if sql and re.search(r"\)\s*WITHOUT\s+ROWID\s*;?\s*$", sql[0] or "", re.IGNORECASE):  # rows are found by key
+            keyed = [quote_ident(r[1]) for r in sorted(pk, key=lambda r: r[5])]
+            b.row_id, b.row_match = tuple(keyed), " AND ".join(f"{q} = ?" for q in keyed)
         return b
+
+    # -- conflicts (see ``Target``): no commit timestamps, so no *_origin_differs -------------
+
+    def is_unique_error(self, exc: BaseException) -> bool:
+        """An IntegrityError of a UNIQUE (or PRIMARY KEY) constraint."""
+        return isinstance(exc, sqlite3.IntegrityError) and "UNIQUE constraint failed" in str(exc)
+
+    def find_sql(self, b: Binding, where: str, limit: int) -> str:
+        """rowid and the sent columns as a JSON object (a BLOB as hex: JSON holds none)."""
+        pairs = ", ".join(f"'{n.replace(chr(39), chr(39) * 2)}', CASE WHEN typeof({q}) = 'blob' THEN hex({q}) "
+                          f"ELSE {q} END" for n, q in zip(b.names, b.qnames))
+        return f"SELECT {', '.join(b.row_id)}, json_object({pairs}) FROM {b.qtable} WHERE {where} LIMIT {limit}"
+
+    def local_row(self, b: Binding, row: Sequence[Any]) -> LocalRow:
+        """Never foreign: SQLite keeps no commit origins."""
+        n = len(b.row_id)
+        return LocalRow(tuple(row[:n]), row[n], None, False)
 
     def begin(self) -> None:
         """Open a write transaction."""

@@ -43,12 +43,13 @@ class ClusterPool:
     def __init__(self) -> None:
         self._clusters: dict[tuple[int, str], Cluster] = {}
 
-    def get(self, install: PgInstall, role: str) -> Cluster:
-        """The running cluster for ``install`` in ``role``, started if needed."""
+    def get(self, install: PgInstall, role: str, settings: dict[str, str] | None = None) -> Cluster:
+        """The running cluster for ``install`` in ``role``, started if needed; ``settings`` (postgresql.conf
+        values) are given when the role's cluster is made, so one role always means the same settings."""
         key = (install.version, role)
         cluster = self._clusters.get(key)
         if cluster is None:
-            cluster = self._clusters[key] = Cluster(install, name=f"pg{install.version}-{role}")
+            cluster = self._clusters[key] = Cluster(install, name=f"pg{install.version}-{role}", settings=settings)
         return cluster.start()
 
     def close(self) -> None:

@@ -143,7 +143,8 @@ def test_large_transactions_locate_rows_the_same_way(rig: Rig) -> None:
 
 
 def test_rows_missing_on_the_target_are_logged_and_skipped(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
-    """As the native subscriber's update_missing/delete_missing: the other rows apply, the missing ones are named."""
+    """As the native subscriber's update_missing/delete_missing: the other rows apply, each missing one is named
+    and recorded in applier_conflicts (the batch that missed them is applied again row by row)."""
     rig.both("CREATE TABLE t (id int PRIMARY KEY, n int)")
     rig.publish("t")
     rig.init()
@@ -156,11 +157,14 @@ def test_rows_missing_on_the_target_are_logged_and_skipped(rig: Rig, caplog: pyt
     rig.src("INSERT INTO t VALUES (1000, 3)")
     with caplog.at_level(logging.WARNING, logger="applier"):
         rig.catchup()
-    logged = [r.getMessage() for r in caplog.records if "not found" in r.getMessage()]
-    assert any(m.startswith("11 rows to be updated not found in table") for m in logged), logged
-    assert any(m.startswith("10 rows to be deleted not found in table") for m in logged), logged
-    assert any("row to be updated not found" in m and "(id)=(5)" in m for m in logged), logged
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("conflict ")]
+    assert sum(m.startswith("conflict update_missing: row to be updated") for m in logged) == 12, logged
+    assert sum(m.startswith("conflict delete_missing: row to be deleted") for m in logged) == 10, logged
+    assert any("(id)=(5) " in m and m.startswith("conflict update_missing") for m in logged), logged
     assert rig.tgt("SELECT count(*), sum(n) FROM t") == [(80, 79 + 3)]
+    assert rig.tgt("SELECT conflict_type, key, resolution FROM applier_conflicts WHERE key IN ('(id)=(5)', '(id)=(95)') "
+                   "ORDER BY 1, 2") == [("delete_missing", "(id)=(95)", "skip"), ("update_missing", "(id)=(5)", "skip"),
+                                        ("update_missing", "(id)=(5)", "skip"), ("update_missing", "(id)=(95)", "skip")]
 
 
 # text key values holding what an array literal or COPY treats specially
@@ -187,11 +191,11 @@ def test_keyed_batches_with_composite_and_array_keys_odd_values_and_missing_rows
     rig.src("DELETE FROM arr WHERE k[1] <= 10")  # 10 rows, 1 missing
     with caplog.at_level(logging.WARNING, logger="applier"):
         rig.catchup()
-    logged = [r.getMessage() for r in caplog.records if "not found" in r.getMessage()]
-    for expected in ("4 rows to be updated not found in table (public.)?t ", "3 rows to be deleted not found in table (public.)?t ",
-                     "2 rows to be updated not found in table (public.)?arr ",
-                     "1 rows to be deleted not found in table (public.)?arr "):
-        assert any(re.match(expected, m) for m in logged), (expected, logged)
+    counted = rig.tgt("SELECT conflict_type, table_name, count(*) FROM applier_conflicts GROUP BY 1, 2 ORDER BY 1, 2")
+    assert [(k, re.sub("^public[.]", "", t), n) for k, t, n in counted] == [
+        ("delete_missing", "arr", 1), ("delete_missing", "t", 3), ("update_missing", "arr", 2),
+        ("update_missing", "t", 4)], counted
+    assert sum(r.getMessage().startswith("conflict ") for r in caplog.records) == 10
     src = rig.src("SELECT a, b, n, note FROM t WHERE NOT (a = 3 AND b = 'com,ma')")
     assert len(src) == 9 and rows_sorted(rig.tgt("SELECT a, b, n, note FROM t")) == rows_sorted(src)
     assert rig.tgt("SELECT CAST(k AS text), v FROM arr ORDER BY v, 1") == [("{11,12}", "w2")]

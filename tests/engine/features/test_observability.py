@@ -305,3 +305,37 @@ def test_the_dashboard_shows_every_metric_and_only_those() -> None:
     served = {name + suffix for name, kind in families.items() for suffix in suffixes[kind]}
     assert used <= served, used - served
     assert {name for name in families if not any(name + x in used for x in suffixes[families[name]])} == set()
+
+
+def test_spool_bytes_and_prepared_transactions_waiting(cli_rig: Rig) -> None:
+    """A streamed transaction still open at the source shows its spooled bytes, gone once it commits; a prepared
+    transaction applied up to PREPARE counts as waiting until COMMIT PREPARED (target PREPARE TRANSACTION on
+    PostgreSQL, applier_prepared on SQLite)."""
+    rig = cli_rig
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    rig.publish("t")
+    extra = {"source_streaming": True, "source_two_phase": True}
+    rig.init(**extra)
+    port = free_port()
+    config = rig.config_file(metrics_listen=f"127.0.0.1:{port}", source_status_interval=0.5, **extra)
+    with daemon(rig, config) as (proc, err):
+        first = wait_for("the metrics endpoint", lambda: scrape(port), proc=proc, log=err)
+        assert value(first, "applier_spool_bytes") == 0
+        assert value(first, "applier_prepared_transactions_waiting") == 0
+        with psycopg.connect(rig.source.dsn) as conn:  # past logical_decoding_work_mem (64kB): streamed while open
+            conn.execute("INSERT INTO t SELECT g, repeat('x', 200) FROM generate_series(1, 2000) g")
+            scrape_until(port, "the open transaction's spool", lambda m: value(m, "applier_spool_bytes") > 200_000,
+                         proc, err)  # type: ignore[operator]
+            assert rig.tgt("SELECT count(*) FROM t") == [(0,)]
+        scrape_until(port, "the spool emptied", lambda m: value(m, "applier_spool_bytes") == 0, proc, err)
+        wait_for("the streamed rows", lambda: rig.tgt("SELECT count(*) FROM t") == [(2000,)], proc=proc, log=err)
+        with psycopg.connect(rig.source.dsn, autocommit=True) as conn:
+            conn.execute("BEGIN")
+            conn.execute("INSERT INTO t VALUES (5000, 'prepared')")
+            conn.execute("PREPARE TRANSACTION 'applier_metrics_gx'")
+            scrape_until(port, "one prepared transaction waiting",
+                         lambda m: value(m, "applier_prepared_transactions_waiting") == 1, proc, err)
+            conn.execute("COMMIT PREPARED 'applier_metrics_gx'")
+        scrape_until(port, "none waiting", lambda m: value(m, "applier_prepared_transactions_waiting") == 0, proc, err)
+        wait_for("the prepared row", lambda: rig.tgt("SELECT v FROM t WHERE id = 5000") == [("prepared",)],
+                 proc=proc, log=err)

@@ -155,6 +155,45 @@ def test_a_row_refused_inside_a_batch_is_named_and_nothing_is_half_applied(rig: 
     assert rig.tgt("SELECT count(*) FROM t WHERE id > 200") == [(0,)]
 
 
+@pytest.mark.parametrize("target_kind", ["postgresql"], indirect=True)
+def test_a_transaction_refused_at_commit_is_named_and_nothing_of_it_lands(rig: Rig) -> None:
+    """A deferred constraint fails the COMMIT itself, which travels in one round trip with the progress upsert
+    and the origin's position: the error names the transaction, neither its rows nor its progress land, and
+    the next catch-up applies it once the target accepts it."""
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    rig.tgt_script("""
+        CREATE FUNCTION no_bad() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.v = 'bad' THEN RAISE EXCEPTION 'v may not be bad (id %)', NEW.id; END IF;
+            RETURN NULL;
+        END $$;
+        CREATE CONSTRAINT TRIGGER no_bad AFTER INSERT OR UPDATE ON t DEFERRABLE INITIALLY DEFERRED
+            FOR EACH ROW EXECUTE FUNCTION no_bad();
+        ALTER TABLE t ENABLE ALWAYS TRIGGER no_bad;  -- it fires for replicated rows too
+    """)
+    rig.publish("t")
+    rig.init()
+    rig.src("INSERT INTO t VALUES (1, 'ok')")
+    rig.catchup()
+    applied = rig.progress_lsn()
+    before = rig.wal_lsn()
+    rig.src("INSERT INTO t SELECT g, CASE WHEN g = 7 THEN 'bad' ELSE 'fine' END FROM generate_series(2, 20) g")
+    after = rig.wal_lsn()
+    with pytest.raises(ApplyError) as err:
+        rig.catchup()
+    msg = str(err.value)
+    assert "\n" not in msg
+    m = re.match(r"commit of the transaction ending at (\S+) failed on the target: .*v may not be bad \(id 7\)", msg)
+    assert m, msg
+    assert before < LSN.parse(m.group(1)) <= after
+    assert rig.tgt("SELECT id, v FROM t ORDER BY id") == [(1, "ok")]
+    assert rig.progress_lsn() == applied
+    rig.tgt_script("ALTER TABLE t DISABLE TRIGGER no_bad")
+    rig.catchup()
+    assert rig.tgt("SELECT count(*), max(id) FROM t") == [(20, 20)]
+    assert rig.progress_lsn() >= LSN.parse(m.group(1))
+
+
 def engine_for(rig: Rig, **kw) -> ApplyEngine:
     target = opener.open(rig.cfg())
     return ApplyEngine(target, applied=target.read_progress().lsn, work_dir=rig.tmp / "spool", careful=True, **kw)

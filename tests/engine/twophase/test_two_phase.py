@@ -89,7 +89,7 @@ def test_prepare_then_commit_prepared(tp: TpRig) -> None:
 def test_prepared_transaction_with_batches_of_updates_and_deletes(tp: TpRig, caplog: pytest.LogCaptureFixture) -> None:
     """Batches of keyed updates and deletes (on PostgreSQL one statement each, sent ahead) inside a prepared
     transaction: prepared with them, not prepared again by a second run, committed; a row already gone from
-    the target is logged and skipped, the others apply once."""
+    the target is logged, recorded and skipped (update_missing), the others apply once."""
     rig = tp
     rig.setup()
     rig.tx("INSERT INTO t SELECT g, 'r' || g, 0 FROM generate_series(1, 40) g")
@@ -106,7 +106,7 @@ def test_prepared_transaction_with_batches_of_updates_and_deletes(tp: TpRig, cap
         rig.catchup()
     assert_waiting(rig, {})
     logged = [r.getMessage() for r in caplog.records]
-    assert any(m.startswith("row to be updated not found") or m.startswith("1 rows to be updated not found")
+    assert any(m.startswith("conflict update_missing: row to be updated in table") and "(id)=(5) " in m
                for m in logged), logged
     assert not any("retrying" in m for m in logged), logged
     rig.tgt_script("INSERT INTO t VALUES (5, 'r5', 50)")  # put back the row the target lacked, then compare
