@@ -109,31 +109,30 @@ def check_target(cfg: Config, need_init: bool = True) -> str | None:
     with target_db(cfg) as conn:
         try:
             rev = _revision(cfg, conn)
+            writable = rev == HEAD_REVISION and _conflicts_writable(cfg, conn)
         except (psycopg.Error, sqlite3.Error) as exc:
             raise ConfigError(f"{cfg.where('target', 'url')}: cannot read the target's control tables "
                               f"({redact_dsn(cfg.target['url'])}): {one_line(exc)[:300]}") from None
     if need_init and rev != HEAD_REVISION:
         raise ConfigError(f"{cfg.where('target', 'url')}: the target's control tables are "
                           f"{'missing' if rev is None else f'at revision {rev}'}; run `applier init`")
-    if need_init:
-        _check_conflicts_writable(cfg)
-    return rev
-
-
-def _check_conflicts_writable(cfg: Config) -> None:
-    """The target role may add rows to applier_conflicts (a conflict is recorded in the transaction of its
-    change: without it the apply would stop at the first one); ConfigError naming the table if not."""
-    with target_db(cfg) as conn:
-        ok = conn.execute("SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'applier_conflicts'"
-                          if cfg.target_dialect == "sqlite" else
-                          "SELECT CASE WHEN to_regclass('applier_conflicts') IS NULL THEN false ELSE "
-                          "has_table_privilege('applier_conflicts', 'INSERT') AND "
-                          "coalesce(has_sequence_privilege(pg_get_serial_sequence('applier_conflicts', 'id'), 'USAGE'), "
-                          "true) END").fetchone()[0]
-    if not ok:
+    if need_init and not writable:
         raise ConfigError(f"{cfg.where('target', 'url')}: the target role cannot write table applier_conflicts "
                           f"(where conflicts are recorded); GRANT INSERT, SELECT, DELETE ON applier_conflicts (and "
                           f"USAGE on its id sequence) to it, or run `applier init` if the table is gone")
+    return rev
+
+
+def _conflicts_writable(cfg: Config, conn: Any) -> bool:
+    """Whether the target role may add rows to applier_conflicts (a conflict is recorded in the transaction of its
+    change: without it the apply would stop at the first one, after applying what came before)."""
+    return bool(conn.execute(
+        "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'applier_conflicts'"
+        if cfg.target_dialect == "sqlite" else
+        "SELECT CASE WHEN to_regclass('applier_conflicts') IS NULL THEN false ELSE "
+        "has_table_privilege('applier_conflicts', 'INSERT') AND "
+        "coalesce(has_sequence_privilege(pg_get_serial_sequence('applier_conflicts', 'id'), 'USAGE'), true) END"
+    ).fetchone()[0])
 
 
 def init(cfg: Config) -> list[str]:

@@ -109,6 +109,9 @@ class SourceTable:
     estimated_rows: int | None = None
     unpublished: list[str] = field(default_factory=list)  # columns the column lists leave out
     generated: list[SourceColumn] = field(default_factory=list)  # generated columns not published: created, not copied
+    # the whole table's size in pages: every leaf of a partitioned table, TOAST included (what a copy of all its
+    # ctid ranges reads: ``applier.migrate.spark.copy.task_groups`` bounds a group's work by it)
+    size_pages: int = 0
 
     @property
     def only(self) -> bool:
@@ -267,15 +270,18 @@ def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
             ident = (idxname, list(colnames))
     if relkind == "p":
         pages_sql = ("SELECT coalesce(max(pg_relation_size(relid)), 0) / current_setting('block_size')::int, "
-                     "sum(greatest(c.reltuples, 0))::bigint, bool_or(c.reltuples < 0) "
+                     "sum(greatest(c.reltuples, 0))::bigint, bool_or(c.reltuples < 0), "
+                     "coalesce(sum(pg_table_size(relid)), 0) / current_setting('block_size')::int "
                      "FROM pg_partition_tree(%s) t JOIN pg_class c ON c.oid = t.relid WHERE t.isleaf")
-        pages, leaf_rows, unknown = _one(conn, pages_sql, [oid])
+        pages, leaf_rows, unknown, size = _one(conn, pages_sql, [oid])
         estimated = None if unknown else leaf_rows
     else:
-        pages = _one(conn, "SELECT pg_relation_size(%s) / current_setting('block_size')::int", [oid])[0]
+        pages, size = _one(conn, "SELECT pg_relation_size(%s) / current_setting('block_size')::int, "
+                                 "pg_table_size(%s) / current_setting('block_size')::int", [oid, oid])
         estimated = reltuples if reltuples is not None and reltuples >= 0 else None
     return SourceTable(schema, name, oid, relkind, replident, cols, pk, ident, rowfilter, int(pages or 0),
-                       None if estimated is None else int(estimated), unpublished, gen_cols)
+                       None if estimated is None else int(estimated), unpublished, gen_cols,
+                       int(size or 0))
 
 
 # -- target names ------------------------------------------------------------------

@@ -565,7 +565,8 @@ def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, r
                   partitions=partitions_for(target.dialect, table.pages, nparts), snapshot=snapshot,
                   where=table.rowfilter, app=app, only=table.only)
     plan = CopyPlan(json.loads(src), target.dialect, target.where, qtarget, cols, [c.type_oid for c in table.columns],
-                    name, run, table.qualified, joining=(table.schema, table.name) if joining else None)
+                    name, run, table.qualified, joining=(table.schema, table.name) if joining else None,
+                    weight=max(1.0, table.size_pages / max(1, table.pages)))
     if target.dialect != "sqlite" and table.columns:
         plan.binary = binary_safe(poll, target.conn, qtarget, [(c.name, c.type_oid) for c in table.columns])
     nranges = plan.partitions

@@ -209,19 +209,25 @@ def test_task_slots_of_the_session_are_its_local_threads(spark) -> None:
     assert copy_streams(spark) == 1
 
 
-def _copy_plan(pages: int, partitions: int) -> CopyPlan:
-    return CopyPlan({"ranges": ctid_ranges(pages, partitions)}, "postgresql", "", "t", [], [], "n", "r", "public.t")
+def _copy_plan(pages: int, partitions: int, weight: float = 1.0) -> CopyPlan:
+    return CopyPlan({"ranges": ctid_ranges(pages, partitions)}, "postgresql", "", "t", [], [], "n", "r", "public.t",
+                    weight=weight)
 
 
-@pytest.mark.parametrize("pages,partitions,parts,streams,want", [
-    (1000, 8, range(8), 1, [[[0, 1, 2, 3, 4, 5, 6, 7]]]),  # a local[2] master: one task, one group
-    (1000, 8, range(8), 16, [[[p]] for p in range(8)]),  # a cluster with more slots: a partition each
-    (1000, 8, range(8), 3, [[[0, 1]], [[2, 3, 4]], [[5, 6, 7]]]),  # slices of consecutive partitions
-    (1000, 8, [0, 1, 3, 4, 7], 1, [[[0, 1], [3, 4], [7]]]),  # a resumed copy: the missing runs, a group each
-    (8 * GROUP_PAGES, 8, range(8), 2, [[[0], [1], [2], [3]], [[4], [5], [6], [7]]]),  # at most GROUP_PAGES
-    (8 * GROUP_PAGES, 16, range(16), 1, [[[p, p + 1] for p in range(0, 16, 2)]]),
-    (10 ** 9, 1, range(1), 1, [[[0]]]),  # one partition: one group, however large
+@pytest.mark.parametrize("pages,partitions,parts,streams,want,weight", [
+    (1000, 8, range(8), 1, [[[0, 1, 2, 3, 4, 5, 6, 7]]], 1.0),  # a local[2] master: one task, one group
+    (1000, 8, range(8), 16, [[[p]] for p in range(8)], 1.0),  # a cluster with more slots: a partition each
+    (1000, 8, range(8), 3, [[[0, 1]], [[2, 3, 4]], [[5, 6, 7]]], 1.0),  # slices of consecutive partitions
+    (1000, 8, [0, 1, 3, 4, 7], 1, [[[0, 1], [3, 4], [7]]], 1.0),  # a resumed copy: the missing runs, a group each
+    (8 * GROUP_PAGES, 8, range(8), 2, [[[0], [1], [2], [3]], [[4], [5], [6], [7]]], 1.0),  # at most GROUP_PAGES
+    (8 * GROUP_PAGES, 16, range(16), 1, [[[p, p + 1] for p in range(0, 16, 2)]], 1.0),
+    (10 ** 9, 1, range(1), 1, [[[0]]], 1.0),  # one partition: one group, however large
+    # a partitioned table of 365 leaves (its ranges cover each leaf), or one whose TOAST is 300 times its heap:
+    # weighed by the whole table, each partition is a group of its own
+    (131072, 8, range(8), 1, [[[p] for p in range(8)]], 365.0),
+    (20000, 8, range(8), 1, [[[p] for p in range(8)]], 300.0),
 ])
 def test_task_groups_are_consecutive_partitions_of_bounded_size(pages: int, partitions: int, parts: range | list[int],
-                                                                 streams: int, want: list[list[list[int]]]) -> None:
-    assert task_groups(_copy_plan(pages, partitions), list(parts), streams) == want
+                                                                 streams: int, want: list[list[list[int]]],
+                                                                 weight: float) -> None:
+    assert task_groups(_copy_plan(pages, partitions, weight), list(parts), streams) == want

@@ -18,7 +18,8 @@ back instead of writing into a table that a newer run has emptied.
   Spark task costs tens of milliseconds), each with a slice of consecutive partitions (``task_groups``):
   Spark spreads the tasks over the executors (local or a cluster), retries them (a retried task skips its
   partitions already written), and reports failures. A task opens both ends itself and copies its partitions
-  in **groups** of consecutive ones of at most ``GROUP_PAGES`` heap pages together: a group is one source
+  in **groups** of consecutive ones of at most ``GROUP_PAGES`` pages together (every leaf of a partitioned
+  table and TOAST weighed in: ``CopyPlan.weight``): a group is one source
   COPY of its pages, streamed in chunks of whole rows into ``COPY t (cols) FROM STDIN`` on the target, in
   one target transaction with every one of its partitions' ``applier_sync_parts`` rows (its rows and bytes
   on the first; a partition's rows and its record still commit together, and a rerun skips exactly the
@@ -81,8 +82,9 @@ SQLITE_READERS = 2  # partitions read (and held) at once for a SQLite target: th
 # heap pages (8 kB) of a SQLite target's partition at most: ~8 MB of rows, written in about a second
 SQLITE_PART_PAGES = 1024
 COPY_CHUNK = 1 << 20  # bytes of COPY data handed to the PostgreSQL target at a time
-# heap pages (8 kB) of a PostgreSQL target's group of partitions at most (one source COPY, one target transaction):
-# 1 GiB, about 10 s of copying on the development machine; a failed group is copied again whole
+# pages (8 kB, weighed by ``CopyPlan.weight``) of a PostgreSQL target's group of partitions at most (one source
+# COPY, one target transaction): 1 GiB, about 10 s of copying on the development machine; a failed group is copied
+# again whole
 GROUP_PAGES = 1 << 17
 # Built-in types have OIDs below 10000 (FirstGenbkiObjectId), the same on every server; information_schema's
 # domains (10000-16383) are made by initdb and may differ. These built-in types' binary form is an OID of a
@@ -120,6 +122,9 @@ class CopyPlan:
     # sync --table: the source table's (schema, name), whose applier_sync_tables row names the run; None: a full
     # sync, whose applier_sync row does (check_run)
     joining: tuple[str, str] | None = None
+    # what a ctid range's pages weigh: the whole table's pages (every leaf, TOAST included) per heap page the
+    # ranges are cut from (``SourceTable.size_pages / pages``, at least 1), for ``task_groups``
+    weight: float = 1.0
 
     @property
     def partitions(self) -> int:
@@ -187,7 +192,7 @@ def copy_pg_partitions(plan: CopyPlan, groups: list[list[int]]) -> list[PartDone
 def _copy_pg_group(plan: CopyPlan, group: list[int], src: psycopg.Connection[Any],
                    dst: psycopg.Connection[Any]) -> list[PartDone]:
     """One target transaction: the group's partitions not yet recorded, each run of consecutive ones in one COPY
-    (its rows and bytes recorded on its first partition, 0 on the others), their records, and the run check
+    (its rows and bytes recorded on its first partition, 0 on the others), their records, then the run check
     (``check_run``, the row locked) before the commit."""
     done_q, record_q, _ = parts_sql("%s")
     out: dict[int, PartDone] = {}
@@ -196,10 +201,10 @@ def _copy_pg_group(plan: CopyPlan, group: list[int], src: psycopg.Connection[Any
         for run in _consecutive(todo):
             rows, nbytes = _stream_pg(plan, run, src, dst)
             out.update({p: PartDone(p, rows, nbytes, False) if p == run[0] else PartDone(p, 0, 0, False) for p in run})
-        if todo:
-            check_run(plan, dst, "%s", lock=True)
+        if todo:  # the records first: a run starting anew deletes them before it waits for the run row's lock
             dst.cursor().executemany(record_q, [[plan.name, plan.run, plan.tbl, p, out[p].rows, out[p].nbytes]
                                                 for p in todo])
+            check_run(plan, dst, "%s", lock=True)
     return [out.get(p) or PartDone(p, 0, 0, True) for p in group]
 
 
@@ -488,12 +493,13 @@ def running_copies(conn: psycopg.Connection[Any], app: str) -> dict[int, tuple[i
 def task_groups(plan: CopyPlan, parts: list[int], streams: int) -> list[list[list[int]]]:
     """The Spark tasks of a PostgreSQL target's copy of ``parts`` (ascending): at most ``streams`` tasks of
     consecutive partitions each (as many as can be), each task's partitions in groups of consecutive ones of at
-    most ``GROUP_PAGES`` heap pages together (at least one partition), a group copied in one source COPY and one
-    target transaction (``copy_pg_partitions``)."""
+    most ``GROUP_PAGES`` pages together (weighed by ``CopyPlan.weight``: every leaf of a partitioned table, TOAST;
+    at least one partition), a group copied in one source COPY and one target transaction (``copy_pg_partitions``)."""
     tasks = max(1, min(len(parts), streams))
     ranges = plan.source["ranges"]
     width = ranges[0][1] if len(ranges) > 1 else None  # pages of a partition (ctid_ranges: all about the same)
-    size = max(1, GROUP_PAGES // max(1, width)) if width else 1
+    # a partitioned table's range covers every leaf, and TOAST comes with the rows: weighed by the whole table
+    size = max(1, int(GROUP_PAGES // max(1.0, width * plan.weight))) if width else 1
     out = []
     for i in range(tasks):
         mine = parts[i * len(parts) // tasks:(i + 1) * len(parts) // tasks]
