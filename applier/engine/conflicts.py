@@ -109,9 +109,7 @@ class Resolver:
                 self._record(kind, "INSERT", b, new, self._key_idx(b, new), locals_, new, change, policy, policy)
                 return False
             if not locals_:
-                raise FinalError(self._line(kind, "INSERT", b, new, self._key_idx(b, new), change,
-                                            f"{one_line(exc)}; the colliding local row cannot be found (an "
-                                            f"expression index?), so it cannot be replaced")) from exc
+                raise self._unreplaceable(kind, "INSERT", b, new, self._key_idx(b, new), change, exc) from exc
             if len(locals_) == 1 and not b.always:
                 target.overwrite(b, locals_[0].rowid, new)
             else:
@@ -140,10 +138,7 @@ class Resolver:
                 self._record(kind, "UPDATE", b, t, idx, locals_, m.new, change, policy, policy)
                 return False
             if not locals_:
-                raise FinalError(self._line(kind, "UPDATE", b, t, idx, change,
-                                            f"{one_line(exc)}; the colliding local row cannot be found (an "
-                                            f"expression index, or columns the source did not send?), so it "
-                                            f"cannot be replaced")) from exc
+                raise self._unreplaceable(kind, "UPDATE", b, t, idx, change, exc) from exc
             target.delete_rowids(b, [r.rowid for r in locals_])
             with b.unguarded():
                 missing = target.update_rows(b, [m], change.lsn)
@@ -192,6 +187,13 @@ class Resolver:
                                         f"here: change the target row, or set conflicts.{kind} to skip, keep_local "
                                         f"or apply_remote"))
         return policy
+
+    def _unreplaceable(self, kind: str, op: str, b: Binding, t: TupleData, idx: tuple[int, ...], change: Change,
+                       exc: BaseException) -> FinalError:
+        """apply_remote met a collision whose local row ``colliding_rows`` cannot search for."""
+        return FinalError(self._line(kind, op, b, t, idx, change, f"{one_line(exc)}; the colliding local row cannot "
+                                     f"be found (an expression or partial index, or columns the source did not "
+                                     f"send?), so it cannot be replaced"))
 
     @staticmethod
     def _key_idx(b: Binding, t: TupleData) -> tuple[int, ...]:

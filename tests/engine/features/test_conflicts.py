@@ -380,6 +380,28 @@ def test_sigkill_while_resolving_conflicts_resolves_each_once(source_db: Scratch
     assert {(r[0], r[1], r[3]) for r in rows} == {("insert_exists", table, "apply_remote")}, where
 
 
+def test_rows_a_copy_wrote_are_not_local_changes(ts_rig: Rig) -> None:
+    """Rows written on the target before the table's copy finished (``applier_sync_tables.finished_at``: what
+    `applier sync --table` records) are applier's, not someone else's: updating them is no *_origin_differs; a row
+    changed on the target after the copy is."""
+    rig = ts_rig
+    rig.both("CREATE TABLE c (id int PRIMARY KEY, v text)")
+    rig.publish("c")
+    rig.src("INSERT INTO c VALUES (1, 'a'), (2, 'b')")
+    rig.tgt("INSERT INTO c VALUES (1, 'a'), (2, 'b')")  # as the copy wrote them, without applier's origin
+    time.sleep(1.1)
+    rig.init()
+    rig.tgt("INSERT INTO applier_sync_tables (name, schema_name, table_name, state, snapshot_lsn, run, started_at, "
+            "finished_at) VALUES ('applier', 'public', 'c', 'ready', %s, 'r', %s, %s)",
+            [str(rig.wal_lsn()), *[time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())] * 2])
+    time.sleep(2.1)  # past the copy's finish (kept to the second, so a second is added)
+    rig.tgt("UPDATE c SET v = 'local' WHERE id = 2")
+    rig.src("UPDATE c SET v = 'remote'")
+    rig.catchup(conflicts_update_origin_differs="keep_local")
+    assert rig.tgt("SELECT id, v FROM c ORDER BY id") == [(1, "remote"), (2, "local")]
+    assert [(r.type, r.key) for r in recorded(rig)] == [("update_origin_differs", "(id)=(2)")]
+
+
 # -- bad input and faults -------------------------------------------------------------------------------
 
 
