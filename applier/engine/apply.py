@@ -89,9 +89,9 @@ BATCH_ROWS = 2000
 
 
 class Stats:
-    """Counters for the summary line."""
+    """Counters: of everything applied, and (``kept``) of what the target committed, for the summary line."""
 
-    __slots__ = ("transactions", "rows", "skipped", "started", "groups")
+    __slots__ = ("transactions", "rows", "skipped", "started", "groups", "kept")
 
     def __init__(self) -> None:
         self.transactions = 0
@@ -99,6 +99,11 @@ class Stats:
         self.skipped = 0
         self.groups = 0
         self.started = time.monotonic()
+        self.kept = (0, 0, 0)
+
+    def keep(self) -> None:
+        """Everything counted so far is committed on the target."""
+        self.kept = (self.transactions, self.rows, self.skipped)
 
 
 class Skip(enum.Enum):
@@ -163,6 +168,7 @@ class ApplyEngine:
         self.careful = careful
         self.binary = binary
         self.batch_rows = 1 if careful else BATCH_ROWS
+        target.pipelined = not careful  # the resolver (careful mode) needs each statement's answer at once
         # schema_changes "add_columns": the target table is made to fit each Relation message when bound
         self.relmap = RelationMap(target, binary, follow=schema_changes == "add_columns")
         self.bindings = self.relmap.bindings  # the map's own dict (never replaced), for the per-row lookup
@@ -224,6 +230,7 @@ class ApplyEngine:
         self.careful = careful
         self.group_delay = 0.0 if careful else group_delay
         self.batch_rows = 1 if careful else BATCH_ROWS
+        self.target.pipelined = not careful
 
     @property
     def quiet(self) -> bool:
@@ -289,6 +296,7 @@ class ApplyEngine:
             self.stats.skipped += 1
             if not self.group_open:
                 self.pending_since = None
+                self.stats.keep()  # nothing is uncommitted: the skip counts now
             return
         if self.careful:
             self.flush_batch()
@@ -328,6 +336,7 @@ class ApplyEngine:
         self.applied = self.group_end
         self.last_flush = time.monotonic()
         self.stats.groups += 1
+        self.stats.keep()
         self.pending_since = None  # a group commits between source transactions
         if self.metrics is not None:
             self.metrics.committed(self.stats.transactions - self.txns_reported, self.group_changes,
@@ -712,6 +721,7 @@ class ApplyEngine:
             self.stats.skipped += 1
             if not self.group_open:
                 self.pending_since = None
+                self.stats.keep()
             return
         if txn.skip:
             self.stats.skipped += 1
@@ -738,6 +748,8 @@ class ApplyEngine:
                 self.target.prepare(txn.xid)
             self.group_open = False
         self.stats.transactions += 1
+        if not self.group_open:  # PREPARE TRANSACTION committed it (kept in applier_prepared: with its group)
+            self.stats.keep()
         if self.metrics is not None:  # counted when committed (COMMIT PREPARED), not now: see ``txns_reported``
             self.txns_reported += 1
             if self.group_changes or self.group_conflicts:
@@ -762,6 +774,7 @@ class ApplyEngine:
             self.last_commit_end = end_lsn
         if end_lsn <= self.applied:
             self.stats.skipped += 1
+            self.stats.keep()  # the group was just committed: nothing is uncommitted
             return
         if self.pending_since is None:
             self.pending_since = PG_EPOCH_UNIX + when / 1_000_000

@@ -78,6 +78,7 @@ CONFIRM_EVERY = 1.0
 DRAINED_GROUP_AGE = 0.002
 # Message kinds that end a transaction (or a stream block, or stand alone): the loop's checkpoints.
 _ENDS = frozenset(b"CKrcPpAEM")
+STOP_GRACE = 5.0  # seconds a stop waits for the source transaction in hand to end before rolling it back
 PRUNE_EVERY = 3600.0  # seconds between trims of applier_conflicts (``conflicts.prune_after``) in a long session
 TABLE_POLL = 1.0  # seconds between looks at applier_sync_tables while a change waits for a table's copy
 
@@ -229,6 +230,7 @@ class Runner:
         self.wrap_source = wrap_source  # Source -> Source, applied to each session's source (applier verify)
         self.catchup = catchup
         self.stop = stop or threading.Event()
+        self.stop_grace = STOP_GRACE
         self.max_connect_retries = max_connect_retries if max_connect_retries is not None else (5 if catchup else None)
         self.goal: LSN | None = None
         self.summary = Summary()
@@ -411,11 +413,11 @@ class Runner:
 
     def _account(self, engine: ApplyEngine) -> None:
         """Add a session's counts to the summary; the target's recorded position is the engine's."""
-        stats = engine.stats
+        transactions, rows, skipped = engine.stats.kept  # what the target committed
         self.summary.applied = engine.applied
-        self.summary.transactions += stats.transactions
-        self.summary.rows += stats.rows
-        self.summary.skipped += stats.skipped
+        self.summary.transactions += transactions
+        self.summary.rows += rows
+        self.summary.skipped += skipped
 
     def _loop(self, engine: ApplyEngine, source: ChunkReader, target: Any, careful: bool, fail_point: LSN) -> None:
         handle = engine.handle
@@ -435,7 +437,7 @@ class Runner:
                     engine.flush_group()
                     break
                 stopping_since = stopping_since or time.monotonic()
-                if time.monotonic() - stopping_since > 5.0:
+                if time.monotonic() - stopping_since > self.stop_grace:
                     log.warning("stopping in the middle of a transaction: rolled back, it will be applied next time")
                     break
             chunk = source.read_chunk(0.0 if engine.group_open and not engine.in_transaction else idle_wait)
@@ -495,4 +497,7 @@ class Runner:
             if not engine.group_open and now - last_confirm >= CONFIRM_EVERY:
                 source.confirm(target.durable_lsn())
                 last_confirm = time.monotonic()
-        engine.flush_group()
+        if engine.in_transaction:  # stopped mid-transaction: none of the group commits (it all comes again)
+            engine.abort_group()
+        else:
+            engine.flush_group()

@@ -419,11 +419,14 @@ class Target(Protocol):
     run inside an open transaction).
 
     Work in flight (PostgreSQL): an insert may leave a COPY open and a batch's set-based UPDATE/DELETE
-    may be sent without waiting for its result. Both are settled before the connection is next used
-    (any call that touches it: the next change, ``write_progress``, ``commit``, ``truncate``,
-    ``bind``…), so a row the server rejects fails that next call, inside the same transaction;
-    ``rollback`` abandons them. ``update_rows``/``delete_rows`` return how many rows they did not find, or,
-    for work in flight, raise Conflicted when its result is read and some were not found.
+    may be sent without waiting for its result; with ``pipelined`` (set by the engine outside careful mode),
+    so may BEGIN and any change's statements. They are settled before the connection is next used for
+    anything else (``truncate``, ``bind``, a COPY into another table…) and at the latest by ``commit``,
+    which commits only if none failed, so a row the server rejects fails a later call of the same
+    transaction; ``rollback`` abandons them. ``update_rows``/``delete_rows`` return how many rows they did
+    not find, or, for work in flight, raise Conflicted when its result is read and some were not found.
+    Without ``pipelined`` (careful mode: the resolver needs each answer at once), every change's failure
+    and count come back from its own call.
 
     Conflicts (``applier.engine.conflicts``, the careful path, one change at a time): ``savepoint`` /
     ``release`` / ``rollback_to`` bracket a change; ``unique_violation(exc)`` tells a collision;
@@ -460,6 +463,7 @@ class Target(Protocol):
     # changes to different tables may be applied out of source order (neither triggers nor foreign
     # key checks run on the target session, so no table can observe another mid-transaction)
     reorder_tables: bool
+    pipelined: bool  # statements may be sent without waiting for their results (see above)
 
     def bind(self, rel: Relation, types: dict[int, Type], lsn: LSN, binary: bool = False) -> Binding: ...
     def follow(self, rel: Relation, types: dict[int, Type], lsn: LSN, no_ddl: str | None = None) -> None: ...
@@ -510,6 +514,7 @@ class TargetBase:
     conn: Any
     native_prepare = False
     reorder_tables = False  # see ``Target``
+    pipelined = False  # see ``Target``: set by the engine, honoured where a target can
     source_system: str | None = None  # the source's system identifier, recorded with each progress write
     slot: str | None = None  # the replication slot the applied LSNs come from, recorded likewise
     # binary mode: money as the source session prints it (``applier.targets.binary.money_text``), if known
@@ -528,8 +533,9 @@ class TargetBase:
         """Roll back the open transaction, if any (each target's own)."""
         raise NotImplementedError
 
-    def run_many(self, sql: str, params: list[list[Any]]) -> int:
-        """Execute one statement for many parameter rows; total rows affected."""
+    def run_many(self, sql: str, params: list[list[Any]], op: str, b: Binding, lsn: LSN) -> int:
+        """Execute one statement for many parameter rows (``op`` of rows of ``b``, of transactions from the one
+        finished at ``lsn``); total rows affected (a target may count them later: ``Target.pipelined``)."""
         if len(params) == 1:
             self.cur.execute(sql, params[0])
         else:
@@ -594,7 +600,7 @@ class TargetBase:
                         sql = b.replace_sql(setcols, idx, nulls, full)
                     else:  # replacing the row would fire triggers and FK actions: run it on its own
                         if params:
-                            missing += len(params) - self.run_many(run_sql, params)
+                            missing += len(params) - self.run_many(run_sql, params, op, b, lsn)
                             params, run_sql = [], ""
                         missing += self._update_keeping_always(b, m.new, t, idx, nulls, full, where_args, lsn)
                         continue
@@ -603,12 +609,12 @@ class TargetBase:
                     sql = b.delete_sql(idx, nulls, full)
                     args = where_args
             if sql is not run_sql and params:
-                missing += len(params) - self.run_many(run_sql, params)
+                missing += len(params) - self.run_many(run_sql, params, op, b, lsn)
                 params = []
             run_sql = sql
             params.append(args)
         if params:
-            missing += len(params) - self.run_many(run_sql, params)
+            missing += len(params) - self.run_many(run_sql, params, op, b, lsn)
         return missing
 
     def _update_keeping_always(self, b: Binding, new: TupleData, t: TupleData, idx: tuple[int, ...],

@@ -11,11 +11,20 @@ the same table, so the server stores rows while the next ones are decoded.
 A batch of keyed updates or deletes is one statement: each column's values
 travel as one array parameter (a text array literal, ``array_text``, of the
 column's type without its modifier) and ``unnest``/``= ANY`` turn them back into
-rows; the row count says how many were not found. It is sent without waiting
-(``_send``), and its result is read just before the connection is next used.
-Anything done on the connection (``conn``/``cur``) first ends the open COPY or
-reads the statement in flight, so a row the server rejects fails that next
-step, inside the same transaction. The applied position is written by the engine
+rows; the row count says how many were not found.
+
+The fast path waits for no statement (``pipelined``, set by the engine outside
+careful mode): BEGIN, those batches, keyed updates and deletes of a row or a
+few (one statement each) and inserts of a row or two go out in one libpq
+pipeline (``_send``) while the engine decodes on, and their results are read
+in one round trip (``_sync``) just before the connection is next used, in
+order: the first failure, or the first update/delete that found fewer rows
+than it was sent (``Conflicted``), raises there, named. Anything done on the
+connection (``conn``/``cur``) first ends the open COPY or reads the pipeline,
+so a row the server rejects fails that next step, inside the same
+transaction. A commit reads the pipeline first when a row count in it is still
+to be checked (COMMIT must not follow an update that found nothing); else
+COMMIT joins it, and a group of inserts commits in one round trip. The applied position is written by the engine
 inside the same transaction (``write_progress``) and, when the role may, the
 session carries a replication origin so the target's own changes can be told
 apart from replicated ones (``origin = none`` publications downstream).
@@ -182,6 +191,10 @@ def _numbered(sql: str) -> bytes:
     return ("".join(f"{p}${i}" for i, p in enumerate(parts[:-1], 1)) + parts[-1]).encode()
 
 
+# statements in the pipeline before it is read even though nothing needs it yet (bounds what the client and the
+# server hold for each other)
+PIPELINE_DEPTH = 512
+
 # what a commit sends besides COMMIT (``PostgresTarget.commit``). Not prepared statements: psycopg deallocates
 # every statement of the session after a ROLLBACK, ALTER or DROP it runs.
 _UPSERT = _numbered(PG_SQL.upsert)
@@ -216,7 +229,11 @@ class PostgresTarget(TargetBase):
         # work the server is doing while the engine goes on; settled (``_settle``) before the connection is next used
         # open COPY: (context manager, Copy, binding, LSN, what ends its data: COPY_BINARY_TRAILER or b"")
         self._copy: tuple[Any, Any, Binding, LSN, bytes] | None = None
-        self._inflight: tuple[str, Binding, int, LSN] | None = None  # a statement sent, its result not read yet
+        # statements sent in pipeline mode, results not read yet: (operation, binding (None: BEGIN, the commit's
+        # statements), rows it must find (-1: not counted), LSN); the connection is in pipeline mode while any are
+        self._inflight: list[tuple[str, Binding | None, int, LSN]] = []
+        self.pipelined = False  # see ``Target.pipelined``
+        self._numbered_sql: dict[str, bytes] = {}  # ``_dollars``
         try:
             self._conn = psycopg.connect(libpq_dsn(url), autocommit=True)
         except psycopg.Error as exc:
@@ -233,6 +250,7 @@ class PostgresTarget(TargetBase):
         self.conn.execute("SET enable_hashjoin = off")
         self.sync = synchronous_commit
         self._cur = self.conn.cursor()
+        self._utf8 = self._conn.info.encoding == "utf-8"  # wire text values go to the server as they are
         self.in_txn = False
         self._pending: deque[tuple[LSN, LSN]] = deque()  # (target WAL end of commit, source LSN)
         self._durable = LSN(0)
@@ -257,39 +275,70 @@ class PostgresTarget(TargetBase):
         return self._cur
 
     def _settle(self) -> None:
-        """End the open COPY and read the result of the statement in flight; a failure names what it was doing."""
+        """End the open COPY and read the pipeline; a failure names what it was doing."""
         if self._copy is not None:
             with _naming("INSERT", self._copy[2], self._copy[3]):
                 self._end_copy()
-        if self._inflight is not None:
-            op, b, _, lsn = self._inflight
-            with _naming(op, b, lsn):
-                self._collect()
+        if self._inflight:
+            self._sync()
 
-    def _send(self, sql: str, params: Sequence[bytes], op: str, b: Binding, rows: int, lsn: LSN) -> None:
-        """Send ``sql`` with text ``params`` ($1…: ``op`` of ``rows`` rows of ``b``) and return at once;
-        ``_collect`` reads its result."""
-        self._settle()
+    def _send(self, sql: bytes, params: Sequence[bytes | None], op: str, b: Binding | None, rows: int, lsn: LSN,
+              flush: bool = True) -> None:
+        """Add ``sql`` with text ``params`` ($1…: ``op`` of ``rows`` rows of ``b``, -1: not counted) to the
+        pipeline and return at once (``flush``: after sending it); ``_sync`` reads its result."""
+        if self._copy is not None:
+            with _naming("INSERT", self._copy[2], self._copy[3]):
+                self._end_copy()
+        if len(self._inflight) >= PIPELINE_DEPTH:  # before, not after: what is sent stays in the pipeline (commit)
+            self._sync()
         pgconn = self._conn.pgconn
-        pgconn.send_query_params(sql.encode(), params)
-        self._inflight = (op, b, rows, lsn)
-        self._conn.wait(psycopg_send(pgconn))  # the whole statement goes out now, its result comes later
+        if not self._inflight:
+            pgconn.enter_pipeline_mode()
+        pgconn.send_query_params(sql, params)
+        self._inflight.append((op, b, rows, lsn))
+        if flush:
+            self._conn.wait(psycopg_send(pgconn))  # out now: the server works while the engine goes on
 
-    def _collect(self, report: bool = True) -> None:
-        """Wait for the statement in flight; rows it did not find are logged (``report``) and skipped, errors raised."""
-        op, b, rows, lsn = self._inflight  # type: ignore[misc]
-        self._inflight = None
-        results = self._results()
-        if report:
-            not_found(op, b, rows - int(results[-1].command_tuples or 0), lsn)
-
-    def _results(self, results: list[pq.abc.PGresult] | None = None) -> list[pq.abc.PGresult]:
-        """The results of the query sent (all of its statements'; waited for unless given); the first error raises."""
-        if results is None:
-            results = self._conn.wait(fetch_many(self._conn.pgconn))
-        for res in results:
-            if res.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
-                raise error_from_result(res, encoding=self._conn.info.encoding)
+    def _sync(self, check: bool = True) -> list[pq.abc.PGresult]:
+        """Read the results of everything in the pipeline (one round trip) and leave pipeline mode; the last
+        statement's results. ``check``: the first failing statement raises once everything is read (BEGIN's and
+        the commit's as they are, the others named), or the first update/delete that found fewer rows than it
+        was sent raises ``Conflicted`` (``not_found``), whichever came first."""
+        pgconn = self._conn.pgconn
+        sent, self._inflight = self._inflight, []
+        failed: tuple[int, pq.abc.PGresult | int] | None = None  # (statement, its error or the rows it missed)
+        results: list[pq.abc.PGresult] = []
+        try:
+            pgconn.pipeline_sync()
+            self._conn.wait(psycopg_send(pgconn))
+            for n, (_, _, rows, _) in enumerate(sent):
+                results = self._conn.wait(fetch_many(pgconn))
+                if failed is not None or not results:
+                    continue  # after a failure the server skipped the rest (PIPELINE_ABORTED)
+                res = results[-1]
+                if res.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
+                    failed = (n, res)
+                elif rows > int(res.command_tuples or 0):
+                    failed = (n, rows - int(res.command_tuples or 0))
+            while (got := self._conn.wait(fetch_many(pgconn))) and got[-1].status != pq.ExecStatus.PIPELINE_SYNC:
+                pass  # nothing else was sent: only the sync's result is left
+        finally:
+            try:
+                pgconn.exit_pipeline_mode()
+            except psycopg.Error:  # the reading was cut short: results are left unread, the connection is unusable
+                self._conn.close()
+        if check and failed is not None:
+            op, b, _, lsn = sent[failed[0]]
+            what = failed[1]
+            if isinstance(what, int):
+                assert b is not None
+                not_found(op, b, what, lsn)
+            else:
+                exc = error_from_result(what, encoding=self._conn.info.encoding)
+                if b is None:
+                    raise exc
+                with _naming(op, b, lsn):
+                    raise exc
         return results
 
     def _end_copy(self, failed: BaseException | None = None) -> None:
@@ -511,20 +560,22 @@ class PostgresTarget(TargetBase):
     # -- transactions ---------------------------------------------------------
 
     # A group commit is one round trip (``commit``): the progress upsert ``write_progress`` kept, the origin's
-    # position, COMMIT and the WAL insert position after it go in one libpq pipeline.
+    # position, COMMIT and the WAL insert position after it go in one libpq pipeline (the one the group's
+    # statements are in, when no row count of them is still to be checked).
     _progress: tuple[list[bytes | None], bool] | None = None  # the upsert's parameters, whether to clear skip_lsn
 
     def begin(self) -> None:
-        """Open a transaction."""
-        self.cur.execute("BEGIN")
+        """Open a transaction (BEGIN goes out with the group's first statement when ``pipelined``)."""
+        if self.pipelined:
+            self._send(b"BEGIN", (), "BEGIN", None, -1, LSN(0), flush=False)
+        else:
+            self.cur.execute("BEGIN")
         self.in_txn = True
         self._progress = None
 
     def write_progress(self, lsn: LSN, commit_time: int | None, clear_skip: bool = False) -> None:
-        """Record ``lsn`` as applied in the open transaction: the work in flight is settled now (its errors
-        raise here, named, as before); the statements are kept and sent by ``commit``, ahead of COMMIT in the
-        same transaction, so progress and rows still commit together or not at all."""
-        self._settle()
+        """Record ``lsn`` as applied in the open transaction. The statements are kept and sent by ``commit``,
+        ahead of COMMIT in the same transaction, so progress and rows still commit together or not at all."""
         enc = self._conn.info.encoding
         self._progress = ([None if v is None else str(v).encode(enc)
                            for v in (self.name, lsn, commit_time, self.source_system, self.slot)], clear_skip)
@@ -534,36 +585,25 @@ class PostgresTarget(TargetBase):
 
         One round trip: the kept progress statements, ``pg_replication_origin_xact_setup``, COMMIT and
         (synchronous_commit = off) ``pg_current_wal_insert_lsn()`` on this session right after it, in this
-        order, in one pipeline. The server skips what follows a failing statement (a deferred constraint fails
-        the COMMIT itself): that error raises here once the pipeline is read to its end, ``in_txn`` stays set
-        and ``rollback`` ends whatever is left of the transaction, so nothing of it lands."""
-        self._settle()
-        pgconn = self._conn.pgconn
+        order, in one pipeline, after the group's statements still in it unless one of them has a row count to
+        check (then those are read first: a row not found must stop the COMMIT). The server skips what follows a
+        failing statement (a deferred constraint fails the COMMIT itself): that error raises here once the
+        pipeline is read to its end, ``in_txn`` stays set and ``rollback`` ends whatever is left of the
+        transaction, so nothing of it lands."""
+        if self._copy is not None or any(rows >= 0 for _, _, rows, _ in self._inflight):
+            self._settle()
         progress, self._progress = self._progress, None
-        pgconn.enter_pipeline_mode()
-        try:
-            if progress is not None:
-                pgconn.send_query_params(_UPSERT, progress[0])
-                if progress[1]:
-                    pgconn.send_query_params(_CLEAR_SKIP, progress[0][:1])
-            if self.has_origin and commit_time is not None:
-                pgconn.send_query_params(_ORIGIN_SETUP, [str(source_lsn).encode(),
-                                                         str(pg_timestamp(commit_time)).encode()])
-            pgconn.send_query_params(b"COMMIT", None)
-            if self.sync == "off":
-                pgconn.send_query_params(_WAL_INSERT_LSN, None)
-            pgconn.pipeline_sync()
-            self._conn.wait(psycopg_send(pgconn))
-            results: list[pq.abc.PGresult] = []
-            while True:  # each statement's results, then the sync's
-                got = self._conn.wait(fetch_many(pgconn))
-                if got and got[-1].status == pq.ExecStatus.PIPELINE_SYNC:
-                    break
-                results += got
-        finally:
-            with contextlib.suppress(psycopg.Error):  # fails only if the reading failed (the connection is lost)
-                pgconn.exit_pipeline_mode()
-        self._results(results)
+        if progress is not None:
+            self._send(_UPSERT, progress[0], "COMMIT", None, -1, source_lsn, flush=False)
+            if progress[1]:
+                self._send(_CLEAR_SKIP, progress[0][:1], "COMMIT", None, -1, source_lsn, flush=False)
+        if self.has_origin and commit_time is not None:
+            self._send(_ORIGIN_SETUP, [str(source_lsn).encode(), str(pg_timestamp(commit_time)).encode()],
+                       "COMMIT", None, -1, source_lsn, flush=False)
+        self._send(b"COMMIT", (), "COMMIT", None, -1, source_lsn, flush=False)
+        if self.sync == "off":
+            self._send(_WAL_INSERT_LSN, (), "COMMIT", None, -1, source_lsn, flush=False)
+        results = self._sync()
         self.in_txn = False
         if self.sync == "off":
             self._pending.append((LSN.parse((results[-1].get_value(0, 0) or b"").decode()), source_lsn))
@@ -576,9 +616,9 @@ class PostgresTarget(TargetBase):
         if self._copy is not None:
             with contextlib.suppress(psycopg.Error):
                 self._end_copy(ApplyError("rolled back"))
-        if self._inflight is not None:
+        if self._inflight:
             with contextlib.suppress(psycopg.Error):
-                self._collect(report=False)
+                self._sync(check=False)
         if self._conn.closed:
             return
         self.cur.execute("ROLLBACK")
@@ -609,6 +649,12 @@ class PostgresTarget(TargetBase):
         if len(rows) <= 2 or not b.names or not (text or b.copy_binary):
             # a couple of rows: INSERTs cost fewer round trips than a COPY (which needs columns, too)
             present = tuple(range(len(b.names)))
+            if self.pipelined and text and self._utf8:
+                sql = self._dollars(b.insert_sql(present))
+                for t in rows:  # the values as sent, as COPY takes them
+                    self._send(sql, t.values, "INSERT", b, -1, lsn, flush=False)
+                self._conn.wait(psycopg_send(self._conn.pgconn))
+                return
             self.cur.executemany(b.insert_sql(present), b.value_rows(rows, present))
             return
         data = copy_data(t.values for t in rows) if text else copy_binary(rows)
@@ -618,6 +664,26 @@ class PostgresTarget(TargetBase):
             if not text:
                 self._copy[1].write(COPY_BINARY_HEADER)
         self._copy[1].write(data)
+
+    def run_many(self, sql: str, params: list[list[Any]], op: str, b: Binding, lsn: LSN) -> int:
+        """Each parameter row's statement into the pipeline when ``pipelined`` (text mode): the rows it does not
+        find raise Conflicted when the pipeline is read (``_sync``); else run now (``TargetBase.run_many``)."""
+        if not self.pipelined or (b.convert and b.convert[0] is not bytes.decode):
+            return super().run_many(sql, params, op, b, lsn)
+        q = self._dollars(sql)
+        enc = self._conn.info.encoding
+        for args in params:
+            self._send(q, [None if v is None else v.encode(enc) for v in args], op, b, 1, lsn, flush=False)
+        if self._inflight:
+            self._conn.wait(psycopg_send(self._conn.pgconn))
+        return len(params)
+
+    def _dollars(self, sql: str) -> bytes:
+        """``sql`` as the protocol takes it ($1…), made once per statement text."""
+        q = self._numbered_sql.get(sql)
+        if q is None:
+            q = self._numbered_sql[sql] = _numbered(sql)
+        return q
 
     def _copy_sql(self, b: Binding, text: bool) -> str:
         sql = b._sql.get(("COPY", text))
@@ -656,8 +722,8 @@ class PostgresTarget(TargetBase):
                     f"UPDATE {b.qtable} AS t SET {sets} FROM {_unnest(b, cols)} WHERE {_key_join(b)}{guard}" if sets
                     # nothing but the key sent: the rows only need to exist
                     else f"SELECT 1 FROM {b.qtable} AS t, {_unnest(b, cols)} WHERE {_key_join(b)}{guard}")
-            self._send(sql, [array_text(c) for c in columns], "UPDATE", b, len(ms), lsn)
-        return 0  # rows not found raise Conflicted when the result is read (``_collect``)
+            self._send(sql.encode(), [array_text(c) for c in columns], "UPDATE", b, len(ms), lsn)
+        return 0  # rows not found raise Conflicted when the result is read (``_sync``)
 
     def delete_rows(self, b: Binding, rows: Sequence[Any], lsn: LSN) -> int:
         """Apply deletes; a batch of keyed ones goes as one DELETE of the keys given as arrays."""
@@ -676,8 +742,8 @@ class PostgresTarget(TargetBase):
                 if len(key) == 1 and not b.pg_arrays[k][1]
                 else f"DELETE FROM {b.qtable} AS t USING {_unnest(b, tuple(key))} WHERE {_key_join(b)}"
                      f"{b.guard.replace('{t}', 't')}")
-        self._send(sql, [array_text(c) for c in columns], "DELETE", b, len(rows), lsn)
-        return 0  # rows not found raise Conflicted when the result is read (``_collect``)
+        self._send(sql.encode(), [array_text(c) for c in columns], "DELETE", b, len(rows), lsn)
+        return 0  # rows not found raise Conflicted when the result is read (``_sync``)
 
     def truncate(self, bindings: Sequence[Binding], cascade: bool, restart_identity: bool) -> None:
         """TRUNCATE the tables, honouring CASCADE and RESTART IDENTITY."""

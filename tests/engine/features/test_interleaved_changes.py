@@ -1,0 +1,59 @@
+"""One source transaction of many small changes that alternate (an update, an insert, an update…): each is a
+batch of one row, so on a PostgreSQL target every change is a statement of its own, sent in one libpq pipeline
+without waiting (``PostgresTarget._send``) and read in one round trip, and the pipeline is read mid-transaction
+each ``PIPELINE_DEPTH`` statements. What a user checks: a row missing deep inside such a transaction is found,
+resolved by its policy and recorded once, and the rest applied; a row the target refuses deep inside fails the
+transaction whole, named by its key, with nothing of it applied and the position not advanced.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from applier.errors import ApplyError
+from applier.targets.postgres import PIPELINE_DEPTH
+
+from .conftest import Rig
+from .test_conflicts import recorded, tname
+
+PAIRS = 700  # update + insert pairs: twice PIPELINE_DEPTH and more, so the pipeline is read mid-transaction
+ALTERNATING = (f"DO $$ BEGIN FOR k IN 1..{PAIRS} LOOP UPDATE t SET v = 'u' || k WHERE id = k; "
+               "INSERT INTO t VALUES (1000 + k, 'n' || k); END LOOP; END $$")
+
+
+def setup(rig: Rig, target_ddl: str) -> None:
+    rig.src("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    rig.tgt_script(target_ddl)
+    rig.publish("t")
+    rig.init()
+    rig.src(f"INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, {PAIRS}) g")
+    rig.catchup()
+
+
+def test_a_row_missing_deep_in_a_pipelined_transaction_is_resolved_once(rig: Rig) -> None:
+    assert 2 * PAIRS > 2 * PIPELINE_DEPTH
+    setup(rig, "CREATE TABLE t (id int PRIMARY KEY, v text)")
+    rig.tgt("DELETE FROM t WHERE id = 650")  # the 1,299th statement of the transaction will not find it
+    rig.src(ALTERNATING)
+    summary = rig.catchup()
+    assert summary.transactions == 1
+    expected = ([(k, f"u{k}") for k in range(1, PAIRS + 1) if k != 650]
+                + [(1000 + k, f"n{k}") for k in range(1, PAIRS + 1)])
+    assert rig.tgt("SELECT id, v FROM t ORDER BY id") == expected
+    rows = recorded(rig)
+    assert [(r.type, r.table, r.key, r.resolution) for r in rows] == [
+        ("update_missing", tname(rig, "t"), "(id)=(650)", "skip")]
+    assert rig.catchup().transactions == 0 and len(recorded(rig)) == 1
+
+
+@pytest.mark.parametrize("bad", [3, 600])  # in the first pipeline read, and after it was read mid-transaction
+def test_a_row_refused_deep_in_a_pipelined_transaction_fails_it_whole(rig: Rig, bad: int) -> None:
+    setup(rig, "CREATE TABLE t (id int PRIMARY KEY, v text CHECK (v <> 'bad'))")
+    before = rig.progress_lsn()
+    rig.src(ALTERNATING.replace("'n' || k", f"CASE WHEN k = {bad} THEN 'bad' ELSE 'n' || k END"))
+    with pytest.raises(ApplyError) as err:
+        rig.catchup()
+    msg = str(err.value)
+    assert f"(id)=({1000 + bad})" in msg and "INSERT" in msg and "\n" not in msg, msg
+    assert rig.tgt("SELECT id, v FROM t ORDER BY id") == [(k, f"v{k}") for k in range(1, PAIRS + 1)]
+    assert rig.progress_lsn() == before
