@@ -7,6 +7,7 @@ reference and the tests run both (tests/decoder/test_twins.py and the end-to-end
 differential test):
 
 - ``read_frame(data)``: ``applier.decoder.framing.read_frame_pure``;
+- ``read_decoded(…)``: ``applier.source.walsender.read_decoded_pure`` (a chunk of frames in one call);
 - ``fast_decode(data)``: ``applier.decoder.pgoutput.fast_decode_pure``;
 - ``copy_data(rows)``: ``applier.targets.postgres.copy_data_pure``;
 - ``copy_binary(rows)``: ``applier.targets.postgres.copy_binary_pure``;
@@ -149,6 +150,40 @@ def read_frame(data):
         return None
     finally:
         PyBuffer_Release(&view)
+
+
+def read_decoded(get_copy_data, fast, bint in_stream, list buf, Py_ssize_t most, Py_ssize_t limit,
+                 Py_ssize_t size):
+    """Take what libpq already holds while it is XLogData whose message ``fast`` decodes, appending
+    (frame, message) to ``buf`` until it holds ``most`` frames or ``size`` (its payload bytes) reaches ``limit``;
+    (size, frames taken, highest WAL end taken (0: none), ``get_copy_data(1)``'s (nbytes, data) of the frame not
+    taken (None: the chunk is full)). Twin: ``applier.source.walsender.read_decoded_pure``."""
+    cdef Py_ssize_t taken = 0
+    cdef uint64_t top = 0
+    cdef uint64_t end
+    cdef object got, frame, msg, payload
+    if _XLogData is None:
+        _bind()
+    while len(buf) < most and size < limit:
+        got = get_copy_data(1)
+        if type(got) is not tuple or len(<tuple>got) != 2:
+            raise TypeError(f"get_copy_data returned {type(got).__name__}, not (nbytes, data)")
+        if (<tuple>got)[0] <= 0:
+            return size, taken, top, got
+        frame = read_frame((<tuple>got)[1])
+        if frame is None or type(frame) is not _XLogData:
+            return size, taken, top, got
+        payload = (<tuple>frame)[3]
+        msg = fast(payload, in_stream)
+        if msg is None:
+            return size, taken, top, got
+        end = (<tuple>frame)[1]
+        if end > top:
+            top = end
+        buf.append((frame, msg))
+        size += PyBytes_GET_SIZE(payload)
+        taken += 1
+    return size, taken, top, None
 
 
 # -- pgoutput changes ------------------------------------------------------------------------------

@@ -501,17 +501,19 @@ def _read_message(data: bytes, in_stream: bool) -> PgOutputMessage:
 class Decoder:
     """Decodes a sequence of messages, tracking Stream Start … Stream Stop for the extra xid."""
 
-    __slots__ = ("in_stream", "_fast")
+    __slots__ = ("in_stream", "fast")
 
     def __init__(self, fast: FastDecode | None = None) -> None:
-        """``fast``: the common-path reader (``fast_decode_pure`` or the compiled twin; default: ``fast_decode``)."""
+        """``fast``: the common-path reader (``fast_decode_pure`` or the compiled twin; default: ``fast_decode``),
+        which a caller may run itself on a message while ``in_stream`` stays as it is (it decodes no message that
+        changes it)."""
         self.in_stream = False
-        self._fast = fast or fast_decode
+        self.fast = fast or fast_decode
 
     def decode(self, data: bytes) -> PgOutputMessage:
         """Decode one message of the sequence; Stream Start/Stop switch the streamed-xid mode."""
         if data:  # the hot path: a change, Begin or Commit
-            msg = self._fast(data if type(data) is bytes else bytes(data), self.in_stream)
+            msg = self.fast(data if type(data) is bytes else bytes(data), self.in_stream)
             if msg is not None:
                 return msg
         msg = _read_message(data, self.in_stream)

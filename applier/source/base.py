@@ -10,10 +10,15 @@ Contract every source keeps:
   moves it backwards.
 - ``close()`` releases the source; it sends a last confirmation first where the
   source has a server to tell.
+- Optionally, ``read_decoded(buf, most, limit, size, decoder)`` (the walsender's): the frames that follow,
+  decoded, appended to ``buf`` in one call while they are changes ``decoder.fast`` takes; returns the
+  payload bytes then in ``buf`` and ``FULL`` (``buf`` holds ``most`` frames or ``limit`` bytes) or the next
+  frame as ``read(0.0)`` would give it, not in ``buf``. ``applier.source.chunks`` uses it when present.
 """
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -21,6 +26,15 @@ from typing import Protocol
 from applier.decoder.framing import Frame
 from applier.errors import InUseError
 from applier.lsn import LSN
+
+
+class Full(enum.Enum):
+    """``read_decoded``'s answer when the chunk is full (see the module header)."""
+
+    FULL = "full"
+
+
+FULL = Full.FULL
 
 
 class SourceError(RuntimeError):

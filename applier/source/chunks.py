@@ -4,7 +4,10 @@ Receiving, decoding and applying run on one thread, in turn. Writes to the
 target do not wait for the server (an open COPY, set-based statements sent
 ahead: ``applier.targets.postgres``), so the target's work already overlaps with
 decoding; a receiver thread would only add GIL hand-offs (measured slower on
-every bench/apply.py workload, see bench/README.md).
+every bench/apply.py workload, see bench/README.md). A source that offers
+``read_decoded`` (the walsender) reads the changes that follow a frame and decodes
+them in one call, compiled where the row path is (``applier._rowpath``); the rest
+(keepalives, every other message) comes one ``read`` at a time.
 
 Invariants:
 - frames come out in source order, each frame with its decoded message (None
@@ -23,7 +26,7 @@ from typing import Any
 from applier.decoder import Decoder, XLogData
 from applier.decoder.framing import Frame
 from applier.lsn import LSN
-from applier.source.base import Source
+from applier.source.base import FULL, Source
 
 Item = tuple[Frame, Any]
 
@@ -38,7 +41,11 @@ class ChunkReader:
         self.money_text: Any = None  # binary mode: how the source session prints money (target.binary.money_text)
         self.chunk = chunk
         self.chunk_bytes = chunk_bytes
-        self._decode = Decoder().decode
+        self._decoder = Decoder()
+        # a source that reads changes straight into the chunk, decoded, in one call (``WalSender.read_decoded``);
+        # looked up on its class: a wrapper that filters ``read`` and forwards other attributes must not lend it
+        many = getattr(type(source), "read_decoded", None)
+        self._many = many.__get__(source) if many is not None else None
         self.drained = False  # the last chunk took everything that had arrived
 
     @property
@@ -48,7 +55,8 @@ class ChunkReader:
 
     def read_chunk(self, timeout: float) -> list[Item] | None:
         """The next chunk of (frame, message) pairs, or None if no frame came within ``timeout`` seconds."""
-        read, decode = self.source.read, self._decode
+        read, decoder, many = self.source.read, self._decoder, self._many
+        decode = decoder.decode
         frame = read(timeout)
         if frame is None:
             return None
@@ -67,7 +75,13 @@ class ChunkReader:
                 buf.append((frame, None))
             if len(buf) >= most:
                 break
-            frame = read(0.0)
+            if many is None:
+                frame = read(0.0)
+                continue
+            size, after = many(buf, most, limit, size, decoder)  # the changes that follow, in one call
+            if after is FULL:
+                break
+            frame = after
         else:
             self.drained = True
         return buf

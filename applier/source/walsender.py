@@ -21,17 +21,52 @@ from __future__ import annotations
 
 import select
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import psycopg
 from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from applier._cmodule import rowpath
 from applier.decoder.framing import Frame, encode_standby_status, read_frame
-from applier.decoder.messages import Keepalive, XLogData
+from applier.decoder.messages import Keepalive, PgOutputMessage, XLogData
+from applier.decoder.pgoutput import DecodeError, Decoder
 from applier.lsn import LSN
-from applier.source.base import SlotInfo, SourceError, StreamOptions, slot_in_use
+from applier.source.base import FULL, Full, SlotInfo, SourceError, StreamOptions, slot_in_use
 from applier.text import one_line, quote_ident, quote_literal
+
+
+def read_decoded_pure(get_copy_data: Callable[[int], tuple[int, Any]],
+                      fast: Callable[[bytes, bool], PgOutputMessage | None], in_stream: bool, buf: list[Any],
+                      most: int, limit: int, size: int) -> tuple[int, int, int, tuple[int, Any] | None]:
+    """Take what libpq already holds while it is XLogData whose message ``fast`` decodes, appending
+    (frame, message) to ``buf`` until it holds ``most`` frames or ``size`` (its payload bytes) reaches ``limit``;
+    (size, frames taken, highest WAL end taken (0: none), ``get_copy_data(1)``'s (nbytes, data) of the frame not
+    taken (None: the chunk is full)). Twin of ``applier._rowpath.read_decoded``."""
+    taken = top = 0
+    while len(buf) < most and size < limit:
+        got = get_copy_data(1)
+        if got[0] <= 0:
+            return size, taken, top, got
+        try:
+            frame = read_frame(got[1])
+        except DecodeError:  # the caller's ``read`` reads it again and raises
+            return size, taken, top, got
+        if type(frame) is not XLogData:  # a keepalive: the caller's ``read`` takes it
+            return size, taken, top, got
+        msg = fast(frame.payload, in_stream)
+        if msg is None:
+            return size, taken, top, got
+        top = max(top, frame.wal_end)
+        buf.append((frame, msg))
+        size += len(frame.payload)
+        taken += 1
+    return size, taken, top, None
+
+
+# the compiled twin when it is built and not turned off (applier._cmodule)
+read_decoded_c = rowpath.read_decoded if rowpath is not None else read_decoded_pure
 
 
 def session_dsn(dsn: str) -> str:
@@ -129,13 +164,15 @@ class WalSender:
 
     # -- streaming ------------------------------------------------------------
 
-    def read(self, timeout: float) -> Frame | None:
-        """Next frame, or None after ``timeout`` seconds; answers keepalives that ask for a reply."""
+    def read(self, timeout: float, got: tuple[int, Any] | None = None) -> Frame | None:
+        """Next frame, or None after ``timeout`` seconds; answers keepalives that ask for a reply. ``got``: what
+        ``get_copy_data`` returned last and nobody took (``read_decoded``), taken first."""
         deadline = -1.0  # set when first needed: a frame that is already here costs no clock read
         pgconn = self.pgconn
         try:  # one frame: no call between here and the frame but get_copy_data and read_frame (once per change)
             while True:
-                nbytes, data = pgconn.get_copy_data(1)
+                nbytes, data = got if got is not None else pgconn.get_copy_data(1)
+                got = None
                 if nbytes > 0:
                     frame = read_frame(data)
                     if type(frame) is XLogData:
@@ -171,6 +208,27 @@ class WalSender:
         except psycopg.Error as exc:
             self.streaming = False
             raise SourceError(f"replication connection lost: {one_line(exc)}") from None
+
+    def read_decoded(self, buf: list[Any], most: int, limit: int, size: int,
+                     decoder: Decoder) -> tuple[int, Frame | None | Full]:
+        """Frames straight into ``buf``, decoded, while they are changes ``decoder``'s fast path takes, in one call
+        (``read_decoded_c``: compiled, or its twin); (payload bytes in ``buf``, what comes next): ``FULL`` when
+        ``buf`` holds ``most`` frames or ``limit`` bytes, else the next frame as ``read(0.0)`` gives it (None:
+        nothing more has arrived), which ``buf`` does not have yet."""
+        try:
+            size, taken, top, got = read_decoded_c(self.pgconn.get_copy_data, decoder.fast, decoder.in_stream, buf,
+                                                   most, limit, size)
+        except psycopg.Error as exc:
+            self.streaming = False
+            raise SourceError(f"replication connection lost: {one_line(exc)}") from None
+        if top > self._received:
+            self._received = top
+        if taken:
+            before = self._frames
+            self._frames += taken
+            if before >> 10 != self._frames >> 10:  # the clock, for status updates, every 1024 changes (as ``read``)
+                self._maybe_send_status()
+        return (size, FULL) if got is None else (size, self.read(0.0, got))
 
     def confirm(self, lsn: LSN) -> None:
         """Set the flush position (only ever forwards); sent on the next status update."""

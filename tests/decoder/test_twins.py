@@ -19,6 +19,7 @@ from applier.decoder import DecodeError, Decoder
 from applier.decoder import messages as m
 from applier.decoder.framing import read_frame_pure
 from applier.decoder.pgoutput import fast_decode_pure
+from applier.source.walsender import read_decoded_pure
 from applier.targets.base import SQLITE, Binding
 from applier.targets.postgres import copy_binary_pure, copy_data_pure
 from tests.decoder.test_fuzz import SETTINGS, encode, i64, lsns, times, u64, valid_messages
@@ -118,6 +119,42 @@ def test_frames_are_the_same_on_both_paths(start: int, end: int, ts: int, payloa
             else:
                 assert got == want and type(got) is type(want)
                 assert [type(x) for x in got] == [type(x) for x in want]
+
+
+def chunk_outcome(read_decoded: Any, frames: list[tuple[int, bytes]], in_stream: bool, most: int, limit: int,
+                  fast: Any) -> Any:
+    """What ``read_decoded`` takes of what libpq holds (``frames``, each as ``get_copy_data(1)`` returns it, then
+    (0, b"") for ever: nothing more at hand): its result, the chunk it filled, what is left."""
+    held = list(frames)
+    buf: list[Any] = [("earlier", None)]
+
+    def get_copy_data(_: int) -> tuple[int, Any]:
+        return held.pop(0) if held else (0, b"")
+
+    return read_decoded(get_copy_data, fast, in_stream, buf, most, limit, 7), buf, held
+
+
+@SETTINGS
+@given(st.lists(st.one_of(valid_messages.map(lambda c: (encode(c[0]), c[1])),
+                          st.tuples(st.binary(max_size=30), st.booleans())), max_size=12),
+       st.integers(0, 3), st.booleans(), st.integers(1, 14), st.integers(1, 400), st.data())
+def test_a_chunk_of_frames_is_read_the_same_on_both_paths(payloads: list[tuple[bytes, bool]], odd: int,
+                                                          in_stream: bool, most: int, limit: int,
+                                                          data: st.DataObject) -> None:
+    frames: list[tuple[int, Any]] = []
+    for n, (payload, _) in enumerate(payloads):
+        w = b"w" + u64(n) + u64(1000 + n) + i64(n) + payload
+        frames.append((len(w), memoryview(w) if n % 2 else w))
+    at = data.draw(st.integers(0, len(frames)))  # something else among the frames
+    other = [None, (-1, b""), (18, b"k" + u64(5) + i64(6) + b"\x01"), (5, b"wxyz!")][odd]
+    if other is not None:
+        frames.insert(at, other)
+    for fast in (fast_decode_pure, compiled.fast_decode):
+        want = chunk_outcome(read_decoded_pure, frames, in_stream, most, limit, fast)
+        got = chunk_outcome(compiled.read_decoded, frames, in_stream, most, limit, fast)
+        assert got == want  # a frame neither can read (b"wxyz!") is left to ``read``, which raises
+        res, buf, _ = got
+        assert len(buf) <= max(most, 1) and (res[3] is None) == (len(buf) >= most or res[0] >= limit)
 
 
 _value = st.one_of(st.none(), st.binary(max_size=12), st.sampled_from([b"\\", b"\t", b"\n", b"\r", b"\\N", b""]))

@@ -22,6 +22,7 @@ from applier.decoder import Decoder, Keepalive, XLogData
 from applier.decoder.messages import Begin, Commit, Insert, PgOutputMessage, Relation
 from applier.lsn import LSN
 from applier.source.base import SourceError, StreamOptions
+from applier.source.chunks import ChunkReader
 from applier.source.walsender import WalSender
 
 PUB = "pub"
@@ -355,3 +356,50 @@ def test_proto_4_is_refused_by_pg15_only(db, ws, pg_install):
         assert inserted_ids(read_transactions(ws, 1)) == [1]
     with pytest.raises(SourceError, match="proto_version 5"):
         StreamOptions(publications=(PUB,), proto_version=5).resolved_proto(ws.server_version)
+
+
+def chunked(db, slot: str, end: LSN, hide_batch: bool) -> tuple[list[tuple[int, object]], LSN, bool]:
+    """A new connection's stream of ``slot`` read through ``ChunkReader`` until a Commit ends at ``end``:
+    (WAL end, message) of every XLogData, the write position reported, whether the last chunk was drained.
+    ``hide_batch``: as a source without ``read_decoded`` (one ``read`` per frame)."""
+    sender = WalSender(db.dsn)
+    try:
+        sender.start(slot, LSN(0), OPTS)
+        reader = ChunkReader(sender, chunk=64)
+        if hide_batch:
+            reader._many = None
+        out: list[tuple[int, object]] = []
+        deadline = time.monotonic() + 30
+        drained = False
+        while not any(isinstance(m, Commit) and m.end_lsn == end for _, m in out):
+            assert time.monotonic() < deadline, out[-5:]
+            for frame, msg in reader.read_chunk(1.0) or []:
+                if msg is not None:
+                    out.append((frame.wal_end, msg))
+            drained = reader.drained
+        return out, sender.received, drained
+    finally:
+        sender.close()
+
+
+def test_a_chunk_read_in_one_call_carries_what_frame_by_frame_reading_does(db, ws):
+    """The walsender's ``read_decoded`` (compiled, or its twin on the pure path) against one ``read`` per frame,
+    on the same real stream: changes, Begin/Commit, a Relation, a Truncate and logical messages among them."""
+    ws.create_slot("s_chunks")
+    sql(db, "INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 300) g")
+    sql(db, "UPDATE t SET v = 'u' WHERE id % 7 = 0")
+    sql(db, "SELECT pg_logical_emit_message(true, 'p', 'in a transaction')")
+    sql(db, "ALTER TABLE t ADD COLUMN w int")  # a new Relation message mid-stream (the DDL itself sends nothing)
+    sql(db, "INSERT INTO t SELECT g, 'x', g FROM generate_series(301, 400) g")
+    sql(db, "DELETE FROM t WHERE id > 350")
+    sql(db, "TRUNCATE t")
+    sql(db, "INSERT INTO t VALUES (1, 'last', 1)")
+    ws.start("s_chunks", LSN(0), OPTS)
+    end = [m for _, m in read_transactions(ws, 7) if isinstance(m, Commit)][-1].end_lsn
+    ws.close()  # nothing confirmed: each new connection streams the same from the slot's start
+    batched, batched_received, _ = chunked(db, "s_chunks", end, hide_batch=False)
+    one_by_one, one_by_one_received, _ = chunked(db, "s_chunks", end, hide_batch=True)
+    assert batched == one_by_one
+    kinds = {type(m).__name__ for _, m in batched}
+    assert {"Begin", "Commit", "Insert", "Update", "Delete", "Relation", "Truncate", "Message"} <= kinds
+    assert batched_received >= end and one_by_one_received >= end
