@@ -109,14 +109,14 @@ def check_target(cfg: Config, need_init: bool = True) -> str | None:
     with target_db(cfg) as conn:
         try:
             rev = _revision(cfg, conn)
-            writable = rev == HEAD_REVISION and _conflicts_writable(cfg, conn)
+            writable = not need_init or rev == HEAD_REVISION and _conflicts_writable(cfg, conn)
         except (psycopg.Error, sqlite3.Error) as exc:
             raise ConfigError(f"{cfg.where('target', 'url')}: cannot read the target's control tables "
                               f"({redact_dsn(cfg.target['url'])}): {one_line(exc)[:300]}") from None
     if need_init and rev != HEAD_REVISION:
         raise ConfigError(f"{cfg.where('target', 'url')}: the target's control tables are "
                           f"{'missing' if rev is None else f'at revision {rev}'}; run `applier init`")
-    if need_init and not writable:
+    if not writable:
         raise ConfigError(f"{cfg.where('target', 'url')}: the target role cannot write table applier_conflicts "
                           f"(where conflicts are recorded); GRANT INSERT, SELECT, DELETE ON applier_conflicts (and "
                           f"USAGE on its id sequence) to it, or run `applier init` if the table is gone")

@@ -163,12 +163,9 @@ class ApplyEngine:
         self.applied = applied
         self.skip_lsn = skip_lsn
         self.skip_origins = frozenset(skip_origins)
-        self.group_delay = 0.0 if careful else group_delay
         self.group_rows = group_rows
-        self.careful = careful
+        self.set_careful(careful, group_delay)  # careful, group_delay, batch_rows, the target's pipelining
         self.binary = binary
-        self.batch_rows = 1 if careful else BATCH_ROWS
-        target.pipelined = not careful  # the resolver (careful mode) needs each statement's answer at once
         # schema_changes "add_columns": the target table is made to fit each Relation message when bound
         self.relmap = RelationMap(target, binary, follow=schema_changes == "add_columns")
         self.bindings = self.relmap.bindings  # the map's own dict (never replaced), for the per-row lookup
@@ -230,7 +227,7 @@ class ApplyEngine:
         self.careful = careful
         self.group_delay = 0.0 if careful else group_delay
         self.batch_rows = 1 if careful else BATCH_ROWS
-        self.target.pipelined = not careful
+        self.target.pipelined = not careful  # the resolver needs each statement's answer at once
 
     @property
     def quiet(self) -> bool:

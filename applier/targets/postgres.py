@@ -24,10 +24,12 @@ connection (``conn``/``cur``) first ends the open COPY or reads the pipeline,
 so a row the server rejects fails that next step, inside the same
 transaction. A commit reads the pipeline first when a row count in it is still
 to be checked (COMMIT must not follow an update that found nothing); else
-COMMIT joins it, and a group of inserts commits in one round trip. The applied position is written by the engine
-inside the same transaction (``write_progress``) and, when the role may, the
-session carries a replication origin so the target's own changes can be told
-apart from replicated ones (``origin = none`` publications downstream).
+COMMIT joins it, and a group of inserts commits in one round trip.
+
+The applied position is written by the engine inside the same transaction
+(``write_progress``) and, when the role may, the session carries a replication
+origin so the target's own changes can be told apart from replicated ones
+(``origin = none`` publications downstream).
 
 Durability: with ``synchronous_commit = off`` a commit is not yet on disk when
 it returns. Each commit's target WAL position is remembered with the source
@@ -276,19 +278,21 @@ class PostgresTarget(TargetBase):
 
     def _settle(self) -> None:
         """End the open COPY and read the pipeline; a failure names what it was doing."""
+        self._end_open_copy()
+        if self._inflight:
+            self._sync()
+
+    def _end_open_copy(self) -> None:
+        """End the COPY left open, if any; a row the server rejected raises, named."""
         if self._copy is not None:
             with _naming("INSERT", self._copy[2], self._copy[3]):
                 self._end_copy()
-        if self._inflight:
-            self._sync()
 
     def _send(self, sql: bytes, params: Sequence[bytes | None], op: str, b: Binding | None, rows: int, lsn: LSN,
               flush: bool = True) -> None:
         """Add ``sql`` with text ``params`` ($1…: ``op`` of ``rows`` rows of ``b``, -1: not counted) to the
         pipeline and return at once (``flush``: after sending it); ``_sync`` reads its result."""
-        if self._copy is not None:
-            with _naming("INSERT", self._copy[2], self._copy[3]):
-                self._end_copy()
+        self._end_open_copy()
         if len(self._inflight) >= PIPELINE_DEPTH:  # before, not after: what is sent stays in the pipeline (commit)
             self._sync()
         pgconn = self._conn.pgconn

@@ -3,7 +3,8 @@ batch of one row, so on a PostgreSQL target every change is a statement of its o
 without waiting (``PostgresTarget._send``) and read in one round trip, and the pipeline is read mid-transaction
 each ``PIPELINE_DEPTH`` statements. What a user checks: a row missing deep inside such a transaction is found,
 resolved by its policy and recorded once, and the rest applied; a row the target refuses deep inside fails the
-transaction whole, named by its key, with nothing of it applied and the position not advanced.
+transaction whole, named by its key, with nothing of it applied and the position not advanced; so does one
+refused in a transaction of a few inserts only, whose COMMIT goes in the same round trip as the inserts.
 """
 
 from __future__ import annotations
@@ -56,4 +57,15 @@ def test_a_row_refused_deep_in_a_pipelined_transaction_fails_it_whole(rig: Rig, 
     msg = str(err.value)
     assert f"(id)=({1000 + bad})" in msg and "INSERT" in msg and "\n" not in msg, msg
     assert rig.tgt("SELECT id, v FROM t ORDER BY id") == [(k, f"v{k}") for k in range(1, PAIRS + 1)]
+    assert rig.progress_lsn() == before
+
+
+def test_a_row_refused_where_commit_shares_the_pipeline_commits_nothing(rig: Rig) -> None:
+    setup(rig, "CREATE TABLE t (id int PRIMARY KEY, v text CHECK (v <> 'bad'))")
+    before = rig.progress_lsn()
+    rig.src("INSERT INTO t VALUES (2001, 'fine'); INSERT INTO t VALUES (2002, 'bad')")  # one batch of two rows
+    with pytest.raises(ApplyError) as err:
+        rig.catchup()
+    assert "(id)=(2002)" in str(err.value), err.value
+    assert rig.tgt("SELECT count(*), max(id) FROM t") == [(PAIRS, PAIRS)]
     assert rig.progress_lsn() == before
