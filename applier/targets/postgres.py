@@ -22,9 +22,15 @@ order: the first failure, or the first update/delete that found fewer rows
 than it was sent (``Conflicted``), raises there, named. Anything done on the
 connection (``conn``/``cur``) first ends the open COPY or reads the pipeline,
 so a row the server rejects fails that next step, inside the same
-transaction. A commit reads the pipeline first when a row count in it is still
-to be checked (COMMIT must not follow an update that found nothing); else
-COMMIT joins it, and a group of inserts commits in one round trip.
+transaction. The server checks those row counts itself (``_counted``: the
+statement fails when rows are missing, and the server runs nothing after it
+until the pipeline is read), so COMMIT joins the pipeline and a group commits
+in one round trip; only a count the client reads (a batch of more than
+``SERVER_COUNTED`` rows, an update that replaces its row: ``replace_sql``)
+makes the commit read the pipeline first. The fast path's statements (but
+the batches over column arrays, whose best plan depends on their size) are
+prepared on the session when first sent (``_send``): the server parses and
+plans each once, not at every row (the native subscriber does neither).
 
 The applied position is written by the engine inside the same transaction
 (``write_progress``) and, when the role may, the session carries a replication
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -193,12 +200,35 @@ def _numbered(sql: str) -> bytes:
     return ("".join(f"{p}${i}" for i, p in enumerate(parts[:-1], 1)) + parts[-1]).encode()
 
 
+# A row count checked by the server (``_counted``): a statement that finds fewer rows than it was sent fails with
+# this text and the number missing (a cast to integer that cannot succeed), so nothing after it in the pipeline,
+# COMMIT included, runs.
+_MISSING_MARK = "applier-rows-not-found:"
+_MISSING = re.compile(re.escape(_MISSING_MARK) + r"(\d+)")
+
+
+def _counted(sql: str, rows: int) -> str:
+    """``sql``, an UPDATE or DELETE (or a SELECT standing for one: ``Binding.update_sql``), as a statement that
+    fails, naming how many are missing (``_MISSING``), unless it touches at least ``rows`` rows."""
+    body = sql if sql.startswith("SELECT ") else f"{sql} RETURNING 1"
+    return (f"WITH c AS ({body}) SELECT CASE WHEN count(*) >= {rows} THEN 0 "
+            f"ELSE ('{_MISSING_MARK}' || ({rows} - count(*)))::int END FROM c")
+
+
+# A batch of up to this many rows has its row count checked by the server, so the commit can follow it in the same
+# round trip; a larger one by the client (the check costs the server ~0.4 µs a row, more than a round trip shared by
+# that many rows)
+SERVER_COUNTED = 64
+
 # statements in the pipeline before it is read even though nothing needs it yet (bounds what the client and the
 # server hold for each other)
 PIPELINE_DEPTH = 512
 
-# what a commit sends besides COMMIT (``PostgresTarget.commit``). Not prepared statements: psycopg deallocates
-# every statement of the session after a ROLLBACK, ALTER or DROP it runs.
+# statements a session prepares (``PostgresTarget._send``: parsed and planned once, not at every execution); past
+# this many, they go unnamed (bounds what the server keeps for the session)
+PREPARED_MAX = 1000
+
+# what a commit sends besides COMMIT (``PostgresTarget.commit``), prepared as the changes are
 _UPSERT = _numbered(PG_SQL.upsert)
 _CLEAR_SKIP = _numbered(PG_SQL.clear_skip)
 _ORIGIN_SETUP = b"SELECT pg_replication_origin_xact_setup($1, $2)"
@@ -236,10 +266,18 @@ class PostgresTarget(TargetBase):
         self._inflight: list[tuple[str, Binding | None, int, LSN]] = []
         self.pipelined = False  # see ``Target.pipelined``
         self._numbered_sql: dict[str, bytes] = {}  # ``_dollars``
+        self._counted_sql: dict[str, bytes] = {}  # ``run_many``: its statements checked by the server (``_counted``)
+        # statements prepared on this session, by (binding, text): a binding made anew (a table re-read after a
+        # Relation message, a column widened) prepares its own, with the parameter types its table has now
+        self._prepared: dict[tuple[Binding | None, bytes], bytes] = {}
+        self._preparing: list[tuple[int, tuple[Binding | None, bytes]]] = []  # in the pipeline: (place, key)
+        self._named = 0  # statement names used (``applier_<n>``; a failed PREPARE's name is not used again)
         try:
             self._conn = psycopg.connect(libpq_dsn(url), autocommit=True)
         except psycopg.Error as exc:
             raise ApplyError(f"cannot connect to the target: {one_line(exc)}") from None
+        # psycopg's own prepared statements off: it would DEALLOCATE ALL (applier's too) after a ROLLBACK
+        self._conn.prepare_threshold = None
         self.conn.execute(psql.SQL("SET synchronous_commit = {}").format(psql.Literal(synchronous_commit)))
         try:  # as the native subscriber: user triggers and FK checks do not fire for replicated rows
             self.conn.execute("SET session_replication_role = replica")
@@ -289,16 +327,28 @@ class PostgresTarget(TargetBase):
                 self._end_copy()
 
     def _send(self, sql: bytes, params: Sequence[bytes | None], op: str, b: Binding | None, rows: int, lsn: LSN,
-              flush: bool = True) -> None:
-        """Add ``sql`` with text ``params`` ($1…: ``op`` of ``rows`` rows of ``b``, -1: not counted) to the
-        pipeline and return at once (``flush``: after sending it); ``_sync`` reads its result."""
+              flush: bool = True, prepare: bool = True) -> None:
+        """Add ``sql`` with text ``params`` ($1…: ``op`` of ``rows`` rows of ``b``, -1: not counted here) to the
+        pipeline and return at once (``flush``: after sending it); ``_sync`` reads its result. ``prepare``: run
+        it as a statement of the session prepared on first use (up to ``PREPARED_MAX``), which the server parses
+        and plans once (not statements without a plan, nor ones whose best plan depends on array sizes)."""
         self._end_open_copy()
-        if len(self._inflight) >= PIPELINE_DEPTH:  # before, not after: what is sent stays in the pipeline (commit)
+        if len(self._inflight) >= PIPELINE_DEPTH - 1:  # before, not after: what is sent stays in the pipeline
             self._sync()
         pgconn = self._conn.pgconn
         if not self._inflight:
             pgconn.enter_pipeline_mode()
-        pgconn.send_query_params(sql, params)
+        name = self._prepared.get((b, sql)) if prepare else None
+        if name is None and prepare and self._named < PREPARED_MAX:
+            self._named += 1
+            name = self._prepared[(b, sql)] = b"applier_%d" % self._named
+            self._preparing.append((len(self._inflight), (b, sql)))
+            pgconn.send_prepare(name, sql)
+            self._inflight.append((op, b, -1, lsn))
+        if name is None:
+            pgconn.send_query_params(sql, params)
+        else:
+            pgconn.send_query_prepared(name, params)
         self._inflight.append((op, b, rows, lsn))
         if flush:
             self._conn.wait(psycopg_send(pgconn))  # out now: the server works while the engine goes on
@@ -312,21 +362,32 @@ class PostgresTarget(TargetBase):
         sent, self._inflight = self._inflight, []
         failed: tuple[int, pq.abc.PGresult | int] | None = None  # (statement, its error or the rows it missed)
         results: list[pq.abc.PGresult] = []
+        n = aborted = 0  # statements read; the first that failed (from there on the server ran nothing)
         try:
             pgconn.pipeline_sync()
             self._conn.wait(psycopg_send(pgconn))
+            aborted = len(sent)
             for n, (_, _, rows, _) in enumerate(sent):
                 results = self._conn.wait(fetch_many(pgconn))
-                if failed is not None or not results:
+                if aborted < n or not results:
                     continue  # after a failure the server skipped the rest (PIPELINE_ABORTED)
                 res = results[-1]
                 if res.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
-                    failed = (n, res)
-                elif rows > int(res.command_tuples or 0):
+                    aborted = n
+                    if failed is None:
+                        failed = (n, res)
+                elif failed is None and rows > int(res.command_tuples or 0):
                     failed = (n, rows - int(res.command_tuples or 0))
             while (got := self._conn.wait(fetch_many(pgconn))) and got[-1].status != pq.ExecStatus.PIPELINE_SYNC:
                 pass  # nothing else was sent: only the sync's result is left
+        except BaseException:
+            aborted = min(aborted, n)
+            raise
         finally:
+            preparing, self._preparing = self._preparing, []
+            for at, key in preparing:  # a PREPARE that failed or was skipped: its name was not made
+                if at >= aborted:
+                    del self._prepared[key]
             try:
                 pgconn.exit_pipeline_mode()
             except psycopg.Error:  # the reading was cut short: results are left unread, the connection is unusable
@@ -341,6 +402,9 @@ class PostgresTarget(TargetBase):
                 exc = error_from_result(what, encoding=self._conn.info.encoding)
                 if b is None:
                     raise exc
+                missing = _MISSING.search(str(exc)) if exc.sqlstate == "22P02" else None
+                if missing is not None:  # a row count checked by the server (``_counted``)
+                    not_found(op, b, int(missing.group(1)), lsn)
                 with _naming(op, b, lsn):
                     raise exc
         return results
@@ -571,7 +635,7 @@ class PostgresTarget(TargetBase):
     def begin(self) -> None:
         """Open a transaction (BEGIN goes out with the group's first statement when ``pipelined``)."""
         if self.pipelined:
-            self._send(b"BEGIN", (), "BEGIN", None, -1, LSN(0), flush=False)
+            self._send(b"BEGIN", (), "BEGIN", None, -1, LSN(0), flush=False, prepare=False)
         else:
             self.cur.execute("BEGIN")
         self.in_txn = True
@@ -589,8 +653,9 @@ class PostgresTarget(TargetBase):
 
         One round trip: the kept progress statements, ``pg_replication_origin_xact_setup``, COMMIT and
         (synchronous_commit = off) ``pg_current_wal_insert_lsn()`` on this session right after it, in this
-        order, in one pipeline, after the group's statements still in it unless one of them has a row count to
-        check (then those are read first: a row not found must stop the COMMIT). The server skips what follows a
+        order, in one pipeline, after the group's statements still in it unless one of them has a row count the
+        client must check (then those are read first: a row not found must stop the COMMIT; the others' counts
+        the server checks, ``_counted``). The server skips what follows a
         failing statement (a deferred constraint fails the COMMIT itself): that error raises here once the
         pipeline is read to its end, ``in_txn`` stays set and ``rollback`` ends whatever is left of the
         transaction, so nothing of it lands."""
@@ -604,7 +669,7 @@ class PostgresTarget(TargetBase):
         if self.has_origin and commit_time is not None:
             self._send(_ORIGIN_SETUP, [str(source_lsn).encode(), str(pg_timestamp(commit_time)).encode()],
                        "COMMIT", None, -1, source_lsn, flush=False)
-        self._send(b"COMMIT", (), "COMMIT", None, -1, source_lsn, flush=False)
+        self._send(b"COMMIT", (), "COMMIT", None, -1, source_lsn, flush=False, prepare=False)
         if self.sync == "off":
             self._send(_WAL_INSERT_LSN, (), "COMMIT", None, -1, source_lsn, flush=False)
         results = self._sync()
@@ -674,10 +739,13 @@ class PostgresTarget(TargetBase):
         find raise Conflicted when the pipeline is read (``_sync``); else run now (``TargetBase.run_many``)."""
         if not self.pipelined or (b.convert and b.convert[0] is not bytes.decode):
             return super().run_many(sql, params, op, b, lsn)
-        q = self._dollars(sql)
+        q = self._counted_sql.get(sql)
+        if q is None:  # a row count the server checks, unless the statement is a WITH already (``replace_sql``)
+            q = self._counted_sql[sql] = self._dollars(sql if sql.startswith("WITH ") else _counted(sql, 1))
+        rows = 1 if sql.startswith("WITH ") else -1
         enc = self._conn.info.encoding
         for args in params:
-            self._send(q, [None if v is None else v.encode(enc) for v in args], op, b, 1, lsn, flush=False)
+            self._send(q, [None if v is None else v.encode(enc) for v in args], op, b, rows, lsn, flush=False)
         if self._inflight:
             self._conn.wait(psycopg_send(self._conn.pgconn))
         return len(params)
@@ -726,8 +794,18 @@ class PostgresTarget(TargetBase):
                     f"UPDATE {b.qtable} AS t SET {sets} FROM {_unnest(b, cols)} WHERE {_key_join(b)}{guard}" if sets
                     # nothing but the key sent: the rows only need to exist
                     else f"SELECT 1 FROM {b.qtable} AS t, {_unnest(b, cols)} WHERE {_key_join(b)}{guard}")
-            self._send(sql.encode(), [array_text(c) for c in columns], "UPDATE", b, len(ms), lsn)
+            self._send_batch(sql, columns, "UPDATE", b, len(ms), lsn)
         return 0  # rows not found raise Conflicted when the result is read (``_sync``)
+
+    def _send_batch(self, sql: str, columns: Sequence[Sequence[bytes | None]], op: str, b: Binding, rows: int,
+                    lsn: LSN) -> None:
+        """A set-based statement (column arrays) into the pipeline, unprepared (the best plan depends on the
+        arrays' size); its row count checked by the server up to ``SERVER_COUNTED`` rows, by the client above."""
+        params = [array_text(c) for c in columns]
+        if rows <= SERVER_COUNTED:
+            self._send(_counted(sql, rows).encode(), params, op, b, -1, lsn, prepare=False)
+        else:
+            self._send(sql.encode(), params, op, b, rows, lsn, prepare=False)
 
     def delete_rows(self, b: Binding, rows: Sequence[Any], lsn: LSN) -> int:
         """Apply deletes; a batch of keyed ones goes as one DELETE of the keys given as arrays."""
@@ -746,7 +824,7 @@ class PostgresTarget(TargetBase):
                 if len(key) == 1 and not b.pg_arrays[k][1]
                 else f"DELETE FROM {b.qtable} AS t USING {_unnest(b, tuple(key))} WHERE {_key_join(b)}"
                      f"{b.guard.replace('{t}', 't')}")
-        self._send(sql.encode(), [array_text(c) for c in columns], "DELETE", b, len(rows), lsn)
+        self._send_batch(sql, columns, "DELETE", b, len(rows), lsn)
         return 0  # rows not found raise Conflicted when the result is read (``_sync``)
 
     def truncate(self, bindings: Sequence[Binding], cascade: bool, restart_identity: bool) -> None:

@@ -4,7 +4,9 @@ without waiting (``PostgresTarget._send``) and read in one round trip, and the p
 each ``PIPELINE_DEPTH`` statements. What a user checks: a row missing deep inside such a transaction is found,
 resolved by its policy and recorded once, and the rest applied; a row the target refuses deep inside fails the
 transaction whole, named by its key, with nothing of it applied and the position not advanced; so does one
-refused in a transaction of a few inserts only, whose COMMIT goes in the same round trip as the inserts.
+refused in a transaction of a few inserts only, whose COMMIT goes in the same round trip as the inserts. The
+server checks the row counts of updates and deletes itself, so their COMMIT goes in the same round trip too: a row
+missing there still commits nothing of the fast attempt, and is resolved and recorded once.
 """
 
 from __future__ import annotations
@@ -69,3 +71,19 @@ def test_a_row_refused_where_commit_shares_the_pipeline_commits_nothing(rig: Rig
     assert "(id)=(2002)" in str(err.value), err.value
     assert rig.tgt("SELECT count(*), max(id) FROM t") == [(PAIRS, PAIRS)]
     assert rig.progress_lsn() == before
+
+
+@pytest.mark.parametrize("rows", [3, 20])  # a statement per row; one statement for the batch (set-based)
+@pytest.mark.parametrize("op", ["UPDATE", "DELETE"])
+def test_a_row_missing_where_commit_shares_the_pipeline_is_resolved_once(rig: Rig, op: str, rows: int) -> None:
+    setup(rig, "CREATE TABLE t (id int PRIMARY KEY, v text)")
+    rig.tgt("DELETE FROM t WHERE id = 2")
+    change = "UPDATE t SET v = 'w' || id" if op == "UPDATE" else "DELETE FROM t"
+    rig.src(f"{change} WHERE id <= {rows}")
+    assert rig.catchup().transactions == 1
+    kept = [] if op == "DELETE" else [(k, f"w{k}") for k in range(1, rows + 1) if k != 2]
+    assert rig.tgt(f"SELECT id, v FROM t WHERE id <= {rows} ORDER BY id") == kept
+    assert rig.tgt(f"SELECT count(*) FROM t WHERE id > {rows}") == [(PAIRS - rows,)]
+    kind = "update_missing" if op == "UPDATE" else "delete_missing"
+    assert [(r.type, r.table, r.key, r.resolution) for r in recorded(rig)] == [(kind, tname(rig, "t"), "(id)=(2)", "skip")]
+    assert rig.catchup().transactions == 0 and len(recorded(rig)) == 1
