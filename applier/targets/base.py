@@ -81,7 +81,7 @@ class Binding:
     __slots__ = ("rel", "table", "qtable", "names", "qnames", "convert", "key_idx", "dialect", "_sql",
                  "text_compare", "keyed", "foldable", "set_based", "pg_types", "pg_arrays", "plain_convert", "always",
                  "fast_set", "carry", "show", "key_values", "copy_binary", "join", "uniques", "guard", "since", "row_id",
-                 "row_match")
+                 "row_match", "counted")
 
     def __init__(self, rel: Relation, table: str, qtable: str, convert: Sequence[Converter | None],
                  dialect: Dialect, text_compare: Sequence[bool] = ()) -> None:
@@ -105,6 +105,9 @@ class Binding:
         # no other unique index on the target could see the difference (see ``set_unique_indexes``)
         self.foldable = False
         self.set_based = False  # the target may apply a batch of keyed changes in one statement
+        # PostgreSQL target: its keyed updates and deletes may check their own row counts (``_counted``): not on a
+        # table with rules, whose statements cannot be a WITH query's
+        self.counted = False
         # binary mode, PostgreSQL target: inserts may go by COPY (FORMAT binary), the values as they came
         # (every column of a built-in type sent in binary, of exactly that type on the target)
         self.copy_binary = False

@@ -27,10 +27,17 @@ statement fails when rows are missing, and the server runs nothing after it
 until the pipeline is read), so COMMIT joins the pipeline and a group commits
 in one round trip; only a count the client reads (a batch of more than
 ``SERVER_COUNTED`` rows, an update that replaces its row: ``replace_sql``)
-makes the commit read the pipeline first. The fast path's statements (but
-the batches over column arrays, whose best plan depends on their size) are
-prepared on the session when first sent (``_send``): the server parses and
-plans each once, not at every row (the native subscriber does neither).
+makes the commit read the pipeline first, as does a table with rules (a
+rule's statement cannot be part of a WITH query). In text mode the fast
+path's statements (but the batches over column arrays, whose best plan
+depends on their size) are prepared on the session when first sent
+(``_send``), per binding: the server parses and plans each once, not at every
+row (the native subscriber does neither). A binding is made anew at every
+Relation message, so a column applier widens gets statements with its new
+type; a column whose type is changed on the target by hand while applier
+runs keeps its old type in the statements prepared before: a value only the
+new type holds fails, and the retry (a new session) applies it. In binary
+mode psycopg prepares what it runs, as it does by default.
 
 The applied position is written by the engine inside the same transaction
 (``write_progress``) and, when the role may, the session carries a replication
@@ -224,9 +231,9 @@ SERVER_COUNTED = 64
 # server hold for each other)
 PIPELINE_DEPTH = 512
 
-# statements a session prepares (``PostgresTarget._send``: parsed and planned once, not at every execution); past
-# this many, they go unnamed (bounds what the server keeps for the session)
-PREPARED_MAX = 1000
+# statements a session keeps prepared (``PostgresTarget._send``: parsed and planned once, not at every execution);
+# bounds what the server holds for a long session, whose tables are bound anew at every Relation message
+PREPARED_MAX = 500
 
 # what a commit sends besides COMMIT (``PostgresTarget.commit``), prepared as the changes are
 _UPSERT = _numbered(PG_SQL.upsert)
@@ -271,12 +278,13 @@ class PostgresTarget(TargetBase):
         # Relation message, a column widened) prepares its own, with the parameter types its table has now
         self._prepared: dict[tuple[Binding | None, bytes], bytes] = {}
         self._preparing: list[tuple[int, tuple[Binding | None, bytes]]] = []  # in the pipeline: (place, key)
-        self._named = 0  # statement names used (``applier_<n>``; a failed PREPARE's name is not used again)
+        self._named = 0  # statement names used (``applier_<n>``: a name is never used twice)
         try:
             self._conn = psycopg.connect(libpq_dsn(url), autocommit=True)
         except psycopg.Error as exc:
             raise ApplyError(f"cannot connect to the target: {one_line(exc)}") from None
-        # psycopg's own prepared statements off: it would DEALLOCATE ALL (applier's too) after a ROLLBACK
+        self._psycopg_threshold = self._conn.prepare_threshold
+        self._own = True  # applier prepares the statements of the session, not psycopg (``_psycopg_prepares``)
         self._conn.prepare_threshold = None
         self.conn.execute(psql.SQL("SET synchronous_commit = {}").format(psql.Literal(synchronous_commit)))
         try:  # as the native subscriber: user triggers and FK checks do not fire for replicated rows
@@ -330,16 +338,23 @@ class PostgresTarget(TargetBase):
               flush: bool = True, prepare: bool = True) -> None:
         """Add ``sql`` with text ``params`` ($1…: ``op`` of ``rows`` rows of ``b``, -1: not counted here) to the
         pipeline and return at once (``flush``: after sending it); ``_sync`` reads its result. ``prepare``: run
-        it as a statement of the session prepared on first use (up to ``PREPARED_MAX``), which the server parses
-        and plans once (not statements without a plan, nor ones whose best plan depends on array sizes)."""
+        it as a statement of the session prepared on first use, which the server parses and plans once (not
+        statements without a plan, nor ones whose best plan depends on array sizes). Every Relation message
+        makes a new binding, whose statements are prepared anew: once ``PREPARED_MAX`` are, all are deallocated
+        and prepared again as they are next used."""
         self._end_open_copy()
-        if len(self._inflight) >= PIPELINE_DEPTH - 1:  # before, not after: what is sent stays in the pipeline
+        if len(self._inflight) >= PIPELINE_DEPTH - 2:  # before, not after: what is sent stays in the pipeline
             self._sync()
         pgconn = self._conn.pgconn
         if not self._inflight:
             pgconn.enter_pipeline_mode()
+        prepare = prepare and self._own
         name = self._prepared.get((b, sql)) if prepare else None
-        if name is None and prepare and self._named < PREPARED_MAX:
+        if name is None and prepare:
+            if len(self._prepared) >= PREPARED_MAX:
+                pgconn.send_query_params(b"DEALLOCATE ALL", [])
+                self._inflight.append((op, b, -1, lsn))
+                self._prepared.clear()
             self._named += 1
             name = self._prepared[(b, sql)] = b"applier_%d" % self._named
             self._preparing.append((len(self._inflight), (b, sql)))
@@ -352,6 +367,17 @@ class PostgresTarget(TargetBase):
         self._inflight.append((op, b, rows, lsn))
         if flush:
             self._conn.wait(psycopg_send(pgconn))  # out now: the server works while the engine goes on
+
+    def _psycopg_prepares(self) -> None:
+        """Leave preparing statements to psycopg from now on: a binary-mode table is bound, whose changes go
+        through psycopg's executes (which prepare a statement run a few times), not ``_send``. Until then
+        applier prepares (text mode: every change of the fast path goes through ``_send``), and psycopg's own
+        preparing is off. Never both: once psycopg has prepared a statement itself, it deallocates every
+        statement of the session after a ROLLBACK, ALTER or DROP."""
+        if self._own:
+            self._own = False
+            self._prepared.clear()
+            self._conn.prepare_threshold = self._psycopg_threshold
 
     def _sync(self, check: bool = True) -> list[pq.abc.PGresult]:
         """Read the results of everything in the pipeline (one round trip) and leave pipeline mode; the last
@@ -387,7 +413,7 @@ class PostgresTarget(TargetBase):
             preparing, self._preparing = self._preparing, []
             for at, key in preparing:  # a PREPARE that failed or was skipped: its name was not made
                 if at >= aborted:
-                    del self._prepared[key]
+                    self._prepared.pop(key, None)
             try:
                 pgconn.exit_pipeline_mode()
             except psycopg.Error:  # the reading was cut short: results are left unread, the connection is unusable
@@ -557,6 +583,7 @@ class PostgresTarget(TargetBase):
             "i.indpred IS NOT NULL FROM pg_index i WHERE i.indrelid = %s::regclass AND i.indisunique",
             [qtable]).fetchall()
         if binary:
+            self._psycopg_prepares()
             # here, not at the top: start-up time (text mode never loads the binary converters)
             from applier.targets.binary import (
                 FIRST_USER_OID,
@@ -588,9 +615,11 @@ class PostgresTarget(TargetBase):
         # statement-at-once update could trip over, values as text)
         b.set_unique_indexes([None if expr else frozenset(cols) for cols, expr, _ in uniques],
                              [partial for _, _, partial in uniques])
-        if one_row(self.conn.execute("SELECT relkind = 'p' OR relhassubclass FROM pg_class WHERE oid = %s::regclass",
-                                     [qtable]))[0]:  # partitions (or children): a ctid is one per partition
+        parted, rules = one_row(self.conn.execute(
+            "SELECT relkind = 'p' OR relhassubclass, relhasrules FROM pg_class WHERE oid = %s::regclass", [qtable]))
+        if parted:  # partitions (or children): a ctid is one per partition
             b.row_id, b.row_match = ("tableoid", "ctid"), "tableoid = %s::oid AND ctid = %s::tid"
+        b.counted = not rules
         # (an ALWAYS identity column may only be left out of the SET list: the key's)
         b.set_based = (b.foldable and not binary and not any(text_compare[i] for i in b.key_idx)
                        and b.always.issubset(b.key_idx))
@@ -739,10 +768,13 @@ class PostgresTarget(TargetBase):
         find raise Conflicted when the pipeline is read (``_sync``); else run now (``TargetBase.run_many``)."""
         if not self.pipelined or (b.convert and b.convert[0] is not bytes.decode):
             return super().run_many(sql, params, op, b, lsn)
-        q = self._counted_sql.get(sql)
-        if q is None:  # a row count the server checks, unless the statement is a WITH already (``replace_sql``)
-            q = self._counted_sql[sql] = self._dollars(sql if sql.startswith("WITH ") else _counted(sql, 1))
-        rows = 1 if sql.startswith("WITH ") else -1
+        # a row count the server checks (``_counted``), unless the statement is a WITH query already (``replace_sql``)
+        # or its table has rules
+        by_server = b.counted and not sql.startswith("WITH ")
+        q = self._counted_sql.get(sql) if by_server else self._dollars(sql)
+        if q is None:
+            q = self._counted_sql[sql] = self._dollars(_counted(sql, 1))
+        rows = -1 if by_server else 1
         enc = self._conn.info.encoding
         for args in params:
             self._send(q, [None if v is None else v.encode(enc) for v in args], op, b, rows, lsn, flush=False)
@@ -802,7 +834,7 @@ class PostgresTarget(TargetBase):
         """A set-based statement (column arrays) into the pipeline, unprepared (the best plan depends on the
         arrays' size); its row count checked by the server up to ``SERVER_COUNTED`` rows, by the client above."""
         params = [array_text(c) for c in columns]
-        if rows <= SERVER_COUNTED:
+        if rows <= SERVER_COUNTED and b.counted:
             self._send(_counted(sql, rows).encode(), params, op, b, -1, lsn, prepare=False)
         else:
             self._send(sql.encode(), params, op, b, rows, lsn, prepare=False)
