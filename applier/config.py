@@ -48,7 +48,9 @@ SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
         "on_error": (str, "retry"),
         "retry_initial": (float, 1.0),
         "retry_max": (float, 60.0),
-        "group_commit_delay": (float, 0.2),
+        # the longest a target transaction gathers source transactions before committing (seconds): it bounds the
+        # lag a consumer that fell behind under a steady load adds by grouping (bench/README.md, W7)
+        "group_commit_delay": (float, 0.05),
         "heartbeat_interval": (float, 60.0),
         "schema_changes": (str, "error"),
     },

@@ -46,7 +46,7 @@ def test_defaults_fill_what_is_not_set(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, FILE), env={})
     assert cfg.source["streaming"] is False and cfg.source["binary"] is False
     assert cfg.apply["name"] == "applier" and cfg.apply["on_error"] == "retry"
-    assert cfg.apply["group_commit_delay"] == 0.2 and cfg.target["tables"] == {}
+    assert cfg.apply["group_commit_delay"] == 0.05 and cfg.target["tables"] == {}
     assert cfg.source["proto_version"] is None
     assert cfg.apply["retry_max"] == 30.0 and isinstance(cfg.apply["retry_max"], float)  # an int where a float goes
     assert cfg.target_dialect == "sqlite"

@@ -134,7 +134,7 @@ class ApplyEngine:
     """Applies a stream of pgoutput messages to a target; see the module header."""
 
     def __init__(self, target: Target, *, applied: LSN, skip_lsn: LSN | None = None, work_dir: Path,
-                 skip_origins: Sequence[str] = (), group_delay: float = 0.2, group_rows: int = 20000,
+                 skip_origins: Sequence[str] = (), group_delay: float = 0.05, group_rows: int = 20000,
                  careful: bool = False, binary: bool = False, wait_for_tables: bool = False,
                  schema_changes: str = "error", conflicts: Mapping[str, str] | None = None,
                  metrics: CommitObserver | None = None) -> None:
