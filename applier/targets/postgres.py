@@ -45,9 +45,14 @@ origin so the target's own changes can be told apart from replicated ones
 (``origin = none`` publications downstream).
 
 Durability: with ``synchronous_commit = off`` a commit is not yet on disk when
-it returns. Each commit's target WAL position is remembered with the source
-LSN it carries; ``durable_lsn`` reports the highest source LSN whose commit the
-target has flushed, and only that may be confirmed to the source slot.
+it returns. ``durable_lsn`` reports the highest source LSN whose commit the
+target has flushed, and only that may be confirmed to the source slot: it
+reads the target's WAL insert position (at or past the end of every commit
+before it) for the newest commit not yet placed, and its flush position, in
+one statement, and a commit is durable once the flush position passes where it
+was placed. A commit costs no statement of its own for this; a commit is
+confirmed at most one ``durable_lsn`` call later than its exact WAL end would
+allow.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from typing import Any
 import psycopg
 from psycopg import pq
 from psycopg import sql as psql
+from psycopg.abc import PQGen
 from psycopg.errors import UniqueViolation, error_from_result
 from psycopg.generators import fetch_many
 from psycopg.generators import send as psycopg_send
@@ -238,8 +244,22 @@ PREPARED_MAX = 500
 # what a commit sends besides COMMIT (``PostgresTarget.commit``), prepared as the changes are
 _UPSERT = _numbered(PG_SQL.upsert)
 _CLEAR_SKIP = _numbered(PG_SQL.clear_skip)
+# the progress upsert and the origin's position in one statement (a WITH query's INSERT runs whether read or not)
 _ORIGIN_SETUP = b"SELECT pg_replication_origin_xact_setup($1, $2)"
-_WAL_INSERT_LSN = b"SELECT pg_current_wal_insert_lsn()::text"
+_UPSERT_ORIGIN = _numbered(f"WITH p AS ({PG_SQL.upsert}) SELECT pg_replication_origin_xact_setup(%s, %s)")
+_WAL_POSITIONS = "SELECT pg_current_wal_insert_lsn()::text, pg_current_wal_flush_lsn()::text"
+
+
+def _round_trip(pgconn: pq.abc.PGconn, statements: int) -> PQGen[list[list[pq.abc.PGresult]]]:
+    """Send what the pipeline holds, a sync last, and read each of its ``statements``' results and the sync's:
+    one ``wait`` for the whole round trip (not one per statement)."""
+    yield from psycopg_send(pgconn)
+    every = []
+    for _ in range(statements):
+        every.append((yield from fetch_many(pgconn)))
+    while (got := (yield from fetch_many(pgconn))) and got[-1].status != pq.ExecStatus.PIPELINE_SYNC:
+        pass  # nothing else was sent: only the sync's result is left
+    return every
 
 
 @contextlib.contextmanager
@@ -300,7 +320,8 @@ class PostgresTarget(TargetBase):
         self._cur = self.conn.cursor()
         self._utf8 = self._conn.info.encoding == "utf-8"  # wire text values go to the server as they are
         self.in_txn = False
-        self._pending: deque[tuple[LSN, LSN]] = deque()  # (target WAL end of commit, source LSN)
+        self._pending: deque[tuple[LSN, LSN]] = deque()  # (target WAL position at or past its commit, source LSN)
+        self._unplaced: LSN | None = None  # the source LSN of the newest commit not in ``_pending`` yet
         self._durable = LSN(0)
         max_prepared = int(one_row(self.conn.execute("SHOW max_prepared_transactions"))[0])
         self.native_prepare = two_phase_mode == "prepare" and max_prepared > 0
@@ -388,13 +409,13 @@ class PostgresTarget(TargetBase):
         sent, self._inflight = self._inflight, []
         failed: tuple[int, pq.abc.PGresult | int] | None = None  # (statement, its error or the rows it missed)
         results: list[pq.abc.PGresult] = []
-        n = aborted = 0  # statements read; the first that failed (from there on the server ran nothing)
+        aborted = 0  # the first statement that failed (from there on the server ran nothing)
         try:
             pgconn.pipeline_sync()
-            self._conn.wait(psycopg_send(pgconn))
+            every = self._conn.wait(_round_trip(pgconn, len(sent)))
             aborted = len(sent)
             for n, (_, _, rows, _) in enumerate(sent):
-                results = self._conn.wait(fetch_many(pgconn))
+                results = every[n]
                 if aborted < n or not results:
                     continue  # after a failure the server skipped the rest (PIPELINE_ABORTED)
                 res = results[-1]
@@ -404,11 +425,6 @@ class PostgresTarget(TargetBase):
                         failed = (n, res)
                 elif failed is None and rows > int(res.command_tuples or 0):
                     failed = (n, rows - int(res.command_tuples or 0))
-            while (got := self._conn.wait(fetch_many(pgconn))) and got[-1].status != pq.ExecStatus.PIPELINE_SYNC:
-                pass  # nothing else was sent: only the sync's result is left
-        except BaseException:
-            aborted = min(aborted, n)
-            raise
         finally:
             preparing, self._preparing = self._preparing, []
             for at, key in preparing:  # a PREPARE that failed or was skipped: its name was not made
@@ -678,11 +694,10 @@ class PostgresTarget(TargetBase):
                            for v in (self.name, lsn, commit_time, self.source_system, self.slot)], clear_skip)
 
     def commit(self, source_lsn: LSN, commit_time: int | None = None) -> None:
-        """Commit; remember where the commit sits in the target's WAL for ``durable_lsn``.
+        """Commit; the commit is the newest not yet placed in the target's WAL (``durable_lsn``).
 
-        One round trip: the kept progress statements, ``pg_replication_origin_xact_setup``, COMMIT and
-        (synchronous_commit = off) ``pg_current_wal_insert_lsn()`` on this session right after it, in this
-        order, in one pipeline, after the group's statements still in it unless one of them has a row count the
+        One round trip: the kept progress upsert with ``pg_replication_origin_xact_setup`` (one statement), then
+        COMMIT, in one pipeline, after the group's statements still in it unless one of them has a row count the
         client must check (then those are read first: a row not found must stop the COMMIT; the others' counts
         the server checks, ``_counted``). The server skips what follows a
         failing statement (a deferred constraint fails the COMMIT itself): that error raises here once the
@@ -691,20 +706,24 @@ class PostgresTarget(TargetBase):
         if self._copy is not None or any(rows >= 0 for _, _, rows, _ in self._inflight):
             self._settle()
         progress, self._progress = self._progress, None
+        origin: list[bytes | None] | None = None  # pg_replication_origin_xact_setup's parameters
+        if self.has_origin and commit_time is not None:
+            origin = [str(source_lsn).encode(), str(pg_timestamp(commit_time)).encode()]
         if progress is not None:
-            self._send(_UPSERT, progress[0], "COMMIT", None, -1, source_lsn, flush=False)
+            if origin is not None:
+                self._send(_UPSERT_ORIGIN, progress[0] + origin, "COMMIT", None, -1, source_lsn, flush=False)
+                origin = None
+            else:
+                self._send(_UPSERT, progress[0], "COMMIT", None, -1, source_lsn, flush=False)
             if progress[1]:
                 self._send(_CLEAR_SKIP, progress[0][:1], "COMMIT", None, -1, source_lsn, flush=False)
-        if self.has_origin and commit_time is not None:
-            self._send(_ORIGIN_SETUP, [str(source_lsn).encode(), str(pg_timestamp(commit_time)).encode()],
-                       "COMMIT", None, -1, source_lsn, flush=False)
+        if origin is not None:
+            self._send(_ORIGIN_SETUP, origin, "COMMIT", None, -1, source_lsn, flush=False)
         self._send(b"COMMIT", (), "COMMIT", None, -1, source_lsn, flush=False, prepare=False)
-        if self.sync == "off":
-            self._send(_WAL_INSERT_LSN, (), "COMMIT", None, -1, source_lsn, flush=False)
-        results = self._sync()
+        self._sync()
         self.in_txn = False
         if self.sync == "off":
-            self._pending.append((LSN.parse((results[-1].get_value(0, 0) or b"").decode()), source_lsn))
+            self._unplaced = source_lsn
         else:
             self._durable = LSN(max(self._durable, source_lsn))
 
@@ -723,19 +742,25 @@ class PostgresTarget(TargetBase):
         self.in_txn = False
 
     def durable_lsn(self) -> LSN:
-        """The highest source LSN whose target commit is flushed to disk."""
-        if self._pending and not self.in_txn:
-            flushed = LSN.parse(one_row(self.cur.execute("SELECT pg_current_wal_flush_lsn()::text"))[0])
+        """The highest source LSN whose target commit is flushed to disk (see the module header)."""
+        if (self._pending or self._unplaced is not None) and not self.in_txn:
+            inserted, flushed = (LSN.parse(v) for v in one_row(self.cur.execute(_WAL_POSITIONS)))
+            if self._unplaced is not None:
+                self._pending.append((inserted, self._unplaced))
+                self._unplaced = None
             while self._pending and self._pending[0][0] <= flushed:
                 self._durable = LSN(max(self._durable, self._pending.popleft()[1]))
         return self._durable
 
     def wait_durable(self) -> None:
         """Make every commit so far durable (a commit with synchronous_commit on flushes all WAL before it)."""
-        if self._pending and not self.in_txn:
+        if (self._pending or self._unplaced is not None) and not self.in_txn:
             with self.conn.transaction():
                 self.conn.execute("SET LOCAL synchronous_commit = on")
                 self.conn.execute("SELECT pg_current_xact_id()")
+            if self._unplaced is not None:
+                self._durable = LSN(max(self._durable, self._unplaced))
+                self._unplaced = None
             while self._pending:
                 self._durable = LSN(max(self._durable, self._pending.popleft()[1]))
 
