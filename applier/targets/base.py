@@ -111,7 +111,7 @@ class Binding:
         # binary mode, PostgreSQL target: inserts may go by COPY (FORMAT binary), the values as they came
         # (every column of a built-in type sent in binary, of exactly that type on the target)
         self.copy_binary = False
-        self.pg_types: list[str] = []  # PostgreSQL target: each column's type on the target
+        self.pg_types: tuple[str, ...] = ()  # PostgreSQL target: each column's type on the target
         # PostgreSQL target: each column's (array type its batch values are sent as, cast of one element to
         # the column's type or '') for the set-based statements (``applier.targets.postgres``)
         self.pg_arrays: list[tuple[str, str]] = []

@@ -28,16 +28,19 @@ until the pipeline is read), so COMMIT joins the pipeline and a group commits
 in one round trip; only a count the client reads (a batch of more than
 ``SERVER_COUNTED`` rows, an update that replaces its row: ``replace_sql``)
 makes the commit read the pipeline first, as does a table with rules (a
-rule's statement cannot be part of a WITH query). In text mode the fast
-path's statements (but the batches over column arrays, whose best plan
-depends on their size) are prepared on the session when first sent
-(``_send``), per binding: the server parses and plans each once, not at every
-row (the native subscriber does neither). A binding is made anew at every
-Relation message, so a column applier widens gets statements with its new
-type; a column whose type is changed on the target by hand while applier
-runs keeps its old type in the statements prepared before: a value only the
-new type holds fails, and the retry (a new session) applies it. In binary
-mode psycopg prepares what it runs, as it does by default.
+rule's statement cannot be part of a WITH query). In text mode on a UTF-8
+target the fast path's statements (but the batches over column arrays, whose
+best plan depends on their size) are prepared on the session when first sent
+(``_send``), by text and the target columns' types as bound: the server
+parses and plans each once, not at every row (the native subscriber does
+neither); a column applier widens (``follow``) is bound anew and gets
+statements of its new type. A column whose type is changed on the target by
+hand while applier runs is not seen until the next session: the statements
+prepared before keep its old type (as the set-based batches' array types
+always did), so a value may be converted through it (timestamptz to
+timestamp shifts it, numeric to integer rounds it) or refused. Restart
+applier after changing a target column's type. Otherwise psycopg prepares
+what it runs, as it does by default (``_psycopg_prepares``).
 
 The applied position is written by the engine inside the same transaction
 (``write_progress``) and, when the role may, the session carries a replication
@@ -218,6 +221,7 @@ def _numbered(sql: str) -> bytes:
 # COMMIT included, runs.
 _MISSING_MARK = "applier-rows-not-found:"
 _MISSING = re.compile(re.escape(_MISSING_MARK) + r"(\d+)")
+BY_SERVER = -2  # ``PostgresTarget._inflight``: a statement that counts its own rows (``_counted``)
 
 
 def _counted(sql: str, rows: int) -> str:
@@ -241,7 +245,7 @@ PIPELINE_DEPTH = 512
 # bounds what the server holds for a long session, whose tables are bound anew at every Relation message
 PREPARED_MAX = 500
 
-# what a commit sends besides COMMIT (``PostgresTarget.commit``), prepared as the changes are
+# what a commit sends besides COMMIT (``PostgresTarget.commit``), prepared as the changes are (text mode)
 _UPSERT = _numbered(PG_SQL.upsert)
 _CLEAR_SKIP = _numbered(PG_SQL.clear_skip)
 # the progress upsert and the origin's position in one statement (a WITH query's INSERT runs whether read or not)
@@ -289,15 +293,17 @@ class PostgresTarget(TargetBase):
         # open COPY: (context manager, Copy, binding, LSN, what ends its data: COPY_BINARY_TRAILER or b"")
         self._copy: tuple[Any, Any, Binding, LSN, bytes] | None = None
         # statements sent in pipeline mode, results not read yet: (operation, binding (None: BEGIN, the commit's
-        # statements), rows it must find (-1: not counted), LSN); the connection is in pipeline mode while any are
+        # statements; a PREPARE or DEALLOCATE: the statement's it goes with), rows it must find (-1: not counted;
+        # ``BY_SERVER``), LSN); the connection is in pipeline mode while any are
         self._inflight: list[tuple[str, Binding | None, int, LSN]] = []
         self.pipelined = False  # see ``Target.pipelined``
         self._numbered_sql: dict[str, bytes] = {}  # ``_dollars``
         self._counted_sql: dict[str, bytes] = {}  # ``run_many``: its statements checked by the server (``_counted``)
-        # statements prepared on this session, by (binding, text): a binding made anew (a table re-read after a
-        # Relation message, a column widened) prepares its own, with the parameter types its table has now
-        self._prepared: dict[tuple[Binding | None, bytes], bytes] = {}
-        self._preparing: list[tuple[int, tuple[Binding | None, bytes]]] = []  # in the pipeline: (place, key)
+        # statements prepared on this session, by (the target columns' types as bound, text): a table bound anew
+        # unchanged (at every Relation message) uses them again; one whose column was widened prepares its own,
+        # with the parameter types it has now
+        self._prepared: dict[tuple[tuple[str, ...], bytes], bytes] = {}
+        self._preparing: list[tuple[int, tuple[tuple[str, ...], bytes]]] = []  # in the pipeline: (place, key)
         self._named = 0  # statement names used (``applier_<n>``: a name is never used twice)
         try:
             self._conn = psycopg.connect(libpq_dsn(url), autocommit=True)
@@ -319,6 +325,8 @@ class PostgresTarget(TargetBase):
         self.sync = synchronous_commit
         self._cur = self.conn.cursor()
         self._utf8 = self._conn.info.encoding == "utf-8"  # wire text values go to the server as they are
+        if not self._utf8:  # small inserts go through psycopg's executes (``insert``): let psycopg prepare
+            self._psycopg_prepares()
         self.in_txn = False
         self._pending: deque[tuple[LSN, LSN]] = deque()  # (target WAL position at or past its commit, source LSN)
         self._unplaced: LSN | None = None  # the source LSN of the newest commit not in ``_pending`` yet
@@ -357,30 +365,31 @@ class PostgresTarget(TargetBase):
 
     def _send(self, sql: bytes, params: Sequence[bytes | None], op: str, b: Binding | None, rows: int, lsn: LSN,
               flush: bool = True, prepare: bool = True) -> None:
-        """Add ``sql`` with text ``params`` ($1…: ``op`` of ``rows`` rows of ``b``, -1: not counted here) to the
-        pipeline and return at once (``flush``: after sending it); ``_sync`` reads its result. ``prepare``: run
-        it as a statement of the session prepared on first use, which the server parses and plans once (not
-        statements without a plan, nor ones whose best plan depends on array sizes). Every Relation message
-        makes a new binding, whose statements are prepared anew: once ``PREPARED_MAX`` are, all are deallocated
-        and prepared again as they are next used."""
+        """Add ``sql`` with text ``params`` ($1…: ``op`` of ``rows`` rows of ``b``; -1: not counted, ``BY_SERVER``:
+        counted by the statement itself, ``_counted``) to the pipeline and return at once (``flush``: after sending
+        it); ``_sync`` reads its result. ``prepare``: run it as a statement of the session prepared on first use,
+        which the server parses and plans once (not statements without a plan, nor ones whose best plan depends
+        on array sizes); once ``PREPARED_MAX`` are held, all are deallocated and prepared again as next used."""
         self._end_open_copy()
         if len(self._inflight) >= PIPELINE_DEPTH - 2:  # before, not after: what is sent stays in the pipeline
             self._sync()
         pgconn = self._conn.pgconn
         if not self._inflight:
             pgconn.enter_pipeline_mode()
-        prepare = prepare and self._own
-        name = self._prepared.get((b, sql)) if prepare else None
-        if name is None and prepare:
-            if len(self._prepared) >= PREPARED_MAX:
-                pgconn.send_query_params(b"DEALLOCATE ALL", [])
+        name = None
+        if prepare and self._own:
+            key = (b.pg_types if b is not None else (), sql)
+            name = self._prepared.get(key)
+            if name is None:
+                if len(self._prepared) >= PREPARED_MAX:
+                    pgconn.send_query_params(b"DEALLOCATE ALL", [])
+                    self._inflight.append((op, b, -1, lsn))
+                    self._prepared.clear()
+                self._named += 1
+                name = self._prepared[key] = b"applier_%d" % self._named
+                self._preparing.append((len(self._inflight), key))
+                pgconn.send_prepare(name, sql)
                 self._inflight.append((op, b, -1, lsn))
-                self._prepared.clear()
-            self._named += 1
-            name = self._prepared[(b, sql)] = b"applier_%d" % self._named
-            self._preparing.append((len(self._inflight), (b, sql)))
-            pgconn.send_prepare(name, sql)
-            self._inflight.append((op, b, -1, lsn))
         if name is None:
             pgconn.send_query_params(sql, params)
         else:
@@ -390,11 +399,11 @@ class PostgresTarget(TargetBase):
             self._conn.wait(psycopg_send(pgconn))  # out now: the server works while the engine goes on
 
     def _psycopg_prepares(self) -> None:
-        """Leave preparing statements to psycopg from now on: a binary-mode table is bound, whose changes go
-        through psycopg's executes (which prepare a statement run a few times), not ``_send``. Until then
-        applier prepares (text mode: every change of the fast path goes through ``_send``), and psycopg's own
-        preparing is off. Never both: once psycopg has prepared a statement itself, it deallocates every
-        statement of the session after a ROLLBACK, ALTER or DROP."""
+        """Leave preparing statements to psycopg from now on: a binary-mode table is bound, or the target is not
+        UTF-8, so changes go through psycopg's executes (which prepare a statement run a few times), not
+        ``_send``. Until then applier prepares (text mode: every change of the fast path goes through ``_send``),
+        and psycopg's own preparing is off. Never both: once psycopg has prepared a statement itself, it
+        deallocates every statement of the session after a ROLLBACK, ALTER or DROP."""
         if self._own:
             self._own = False
             self._prepared.clear()
@@ -435,7 +444,7 @@ class PostgresTarget(TargetBase):
             except psycopg.Error:  # the reading was cut short: results are left unread, the connection is unusable
                 self._conn.close()
         if check and failed is not None:
-            op, b, _, lsn = sent[failed[0]]
+            op, b, counted, lsn = sent[failed[0]]
             what = failed[1]
             if isinstance(what, int):
                 assert b is not None
@@ -444,8 +453,8 @@ class PostgresTarget(TargetBase):
                 exc = error_from_result(what, encoding=self._conn.info.encoding)
                 if b is None:
                     raise exc
-                missing = _MISSING.search(str(exc)) if exc.sqlstate == "22P02" else None
-                if missing is not None:  # a row count checked by the server (``_counted``)
+                missing = _MISSING.search(str(exc)) if counted == BY_SERVER and exc.sqlstate == "22P02" else None
+                if missing is not None:  # rows missing, as the statement itself counted them (``_counted``)
                     not_found(op, b, int(missing.group(1)), lsn)
                 with _naming(op, b, lsn):
                     raise exc
@@ -619,7 +628,7 @@ class PostgresTarget(TargetBase):
             b.copy_binary = bool(rel.columns) and all(
                 c.type_oid < FIRST_USER_OID and c.type_oid not in TEXT_SENT and tcols[c.name][6] == c.type_oid
                 for c in rel.columns)
-        b.pg_types = [tcols[c.name][0] for c in rel.columns]
+        b.pg_types = tuple(tcols[c.name][0] for c in rel.columns)
         # a set-based batch's values of a column travel as an array of its type without modifier (the
         # assignment checks it, as COPY's input would); of text, cast, where no such array is at hand
         b.pg_arrays = [(arr, "") if arr else ("text[]", f"::{plain}")
@@ -799,7 +808,7 @@ class PostgresTarget(TargetBase):
         q = self._counted_sql.get(sql) if by_server else self._dollars(sql)
         if q is None:
             q = self._counted_sql[sql] = self._dollars(_counted(sql, 1))
-        rows = -1 if by_server else 1
+        rows = BY_SERVER if by_server else 1
         enc = self._conn.info.encoding
         for args in params:
             self._send(q, [None if v is None else v.encode(enc) for v in args], op, b, rows, lsn, flush=False)
@@ -860,7 +869,7 @@ class PostgresTarget(TargetBase):
         arrays' size); its row count checked by the server up to ``SERVER_COUNTED`` rows, by the client above."""
         params = [array_text(c) for c in columns]
         if rows <= SERVER_COUNTED and b.counted:
-            self._send(_counted(sql, rows).encode(), params, op, b, -1, lsn, prepare=False)
+            self._send(_counted(sql, rows).encode(), params, op, b, BY_SERVER, lsn, prepare=False)
         else:
             self._send(sql.encode(), params, op, b, rows, lsn, prepare=False)
 

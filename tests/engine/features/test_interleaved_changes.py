@@ -1,7 +1,7 @@
 """One source transaction of many small changes that alternate (an update, an insert, an update…): each is a
 batch of one row, so on a PostgreSQL target every change is a statement of its own, sent in one libpq pipeline
 without waiting (``PostgresTarget._send``) and read in one round trip, and the pipeline is read mid-transaction
-each ``PIPELINE_DEPTH`` statements. What a user checks: a row missing deep inside such a transaction is found,
+once ``PIPELINE_DEPTH`` statements are in it. What a user checks: a row missing deep inside such a transaction is found,
 resolved by its policy and recorded once, and the rest applied; a row the target refuses deep inside fails the
 transaction whole, named by its key, with nothing of it applied and the position not advanced; so does one
 refused in a transaction of a few inserts only, whose COMMIT goes in the same round trip as the inserts. The
@@ -39,7 +39,7 @@ def setup(rig: Rig, target_ddl: str) -> None:
 def test_a_row_missing_deep_in_a_pipelined_transaction_is_resolved_once(rig: Rig) -> None:
     assert 2 * PAIRS > 2 * PIPELINE_DEPTH
     setup(rig, "CREATE TABLE t (id int PRIMARY KEY, v text)")
-    rig.tgt("DELETE FROM t WHERE id = 650")  # the 1,299th statement of the transaction will not find it
+    rig.tgt("DELETE FROM t WHERE id = 650")  # a statement after the pipeline was read mid-transaction misses it
     rig.src(ALTERNATING)
     summary = rig.catchup()
     assert summary.transactions == 1
