@@ -409,15 +409,14 @@ class PostgresTarget(TargetBase):
             self._prepared.clear()
             self._conn.prepare_threshold = self._psycopg_threshold
 
-    def _sync(self, check: bool = True) -> list[pq.abc.PGresult]:
-        """Read the results of everything in the pipeline (one round trip) and leave pipeline mode; the last
-        statement's results. ``check``: the first failing statement raises once everything is read (BEGIN's and
-        the commit's as they are, the others named), or the first update/delete that found fewer rows than it
-        was sent raises ``Conflicted`` (``not_found``), whichever came first."""
+    def _sync(self, check: bool = True) -> None:
+        """Read the results of everything in the pipeline (one round trip) and leave pipeline mode. ``check``:
+        the first failing statement raises once everything is read (BEGIN's and the commit's as they are, the
+        others named), or the first update/delete that found fewer rows than it was sent raises ``Conflicted``
+        (``not_found``), whichever came first."""
         pgconn = self._conn.pgconn
         sent, self._inflight = self._inflight, []
         failed: tuple[int, pq.abc.PGresult | int] | None = None  # (statement, its error or the rows it missed)
-        results: list[pq.abc.PGresult] = []
         aborted = 0  # the first statement that failed (from there on the server ran nothing)
         try:
             pgconn.pipeline_sync()
@@ -458,7 +457,6 @@ class PostgresTarget(TargetBase):
                     not_found(op, b, int(missing.group(1)), lsn)
                 with _naming(op, b, lsn):
                     raise exc
-        return results
 
     def _end_copy(self, failed: BaseException | None = None) -> None:
         """Finish the open COPY (or abandon it after ``failed``); a row the server rejected raises here."""

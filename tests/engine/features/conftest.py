@@ -23,10 +23,14 @@ import pytest
 
 from applier.admin import init, read_progress
 from applier.config import Config, load_config
+from applier.decoder import Decoder, XLogData
+from applier.decoder.messages import PgOutputMessage
 from applier.embedded import find_install
+from applier.engine.apply import ApplyEngine
 from applier.engine.runner import Runner, Summary
 from applier.inspect import decode_stream, open_peek_source
 from applier.lsn import LSN
+from applier.targets import opener
 from tests.plugins.cli import toml_value
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 from tests.plugins.target_side import TargetSide
@@ -140,6 +144,25 @@ class Rig(TargetSide):
             return list(decode_stream(src))
         finally:
             src.close()
+
+    def decoded(self) -> list[PgOutputMessage]:
+        """The slot's pending messages, decoded (does not consume)."""
+        src = open_peek_source(self.cfg())
+        decoder = Decoder()
+        msgs = []
+        try:
+            while (frame := src.read(1.0)) is not None:
+                if type(frame) is XLogData:
+                    msgs.append(decoder.decode(frame.payload))
+        finally:
+            src.close()
+        return msgs
+
+    def engine(self, **kw: Any) -> ApplyEngine:
+        """An apply engine on a new session of the configured target, at its applied position (``kw``: the
+        engine's options); the caller closes ``engine.target``."""
+        target = opener.open(self.cfg())
+        return ApplyEngine(target, applied=target.read_progress().lsn, work_dir=self.tmp / "spool", **kw)
 
     def progress_lsn(self) -> LSN:
         """The applied position recorded on the target."""

@@ -15,13 +15,9 @@ import re
 import pytest
 
 from applier import admin
-from applier.decoder import Decoder, XLogData
 from applier.decoder.messages import Commit, Relation
-from applier.engine.apply import ApplyEngine
 from applier.errors import ApplyError
-from applier.inspect import open_peek_source
 from applier.lsn import LSN
-from applier.targets import opener
 
 from .conftest import Rig, run_cli
 
@@ -194,11 +190,6 @@ def test_a_transaction_refused_at_commit_is_named_and_nothing_of_it_lands(rig: R
     assert rig.progress_lsn() >= LSN.parse(m.group(1))
 
 
-def engine_for(rig: Rig, **kw) -> ApplyEngine:
-    target = opener.open(rig.cfg())
-    return ApplyEngine(target, applied=target.read_progress().lsn, work_dir=rig.tmp / "spool", careful=True, **kw)
-
-
 def test_update_and_delete_without_replica_identity_are_clear_errors(rig: Rig) -> None:
     """A source never sends an UPDATE or DELETE of a table without a replica identity (see
     test_replica_identity_nothing_with_insert_only_publication), so the engine's error is reached
@@ -209,23 +200,13 @@ def test_update_and_delete_without_replica_identity_are_clear_errors(rig: Rig) -
     rig.src("INSERT INTO t VALUES (1, 'a'), (2, 'b')")
     rig.src("UPDATE t SET v = 'changed' WHERE id = 1")
     rig.src("DELETE FROM t WHERE id = 2")
-    src = open_peek_source(rig.cfg())
-    decoder = Decoder()
-    msgs = []
-    try:
-        while (frame := src.read(1.0)) is not None:
-            if type(frame) is XLogData:
-                msg = decoder.decode(frame.payload)
-                if isinstance(msg, Relation):
-                    msg = msg._replace(replica_identity="n", columns=tuple(c._replace(flags=0) for c in msg.columns))
-                msgs.append(msg)
-    finally:
-        src.close()
+    msgs = [m._replace(replica_identity="n", columns=tuple(c._replace(flags=0) for c in m.columns))
+            if isinstance(m, Relation) else m for m in rig.decoded()]
     begins = [m.final_lsn for m in msgs if type(m).__name__ == "Begin"]
     assert len(begins) == 3 and sum(isinstance(m, Commit) for m in msgs) == 3
 
     for op, lsn, skip in (("UPDATE", begins[1], None), ("DELETE", begins[2], begins[1])):
-        engine = engine_for(rig, skip_lsn=skip)
+        engine = rig.engine(careful=True, skip_lsn=skip)
         try:
             with pytest.raises(ApplyError) as err:
                 for m in msgs:
