@@ -478,10 +478,10 @@ class ApplyEngine:
             return
         b = self.bindings.get(oid)
         if b is None:  # not bound yet, or gated (a table joining the stream): decided here, off the per-row path
+            # work in flight first (earlier changes, maybe of earlier transactions): its failure names that work
+            self.target.settle()
             try:
                 b = self.binding(oid)
-            except Conflicted:  # work in flight read on the way (a batch before this change): as it is
-                raise
             except ApplyError as exc:  # no target table or column: name the change as _error does
                 rel = self.relmap.relations.get(oid)
                 if rel is None:

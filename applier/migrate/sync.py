@@ -215,8 +215,9 @@ class TargetDb:
         return bool(self.execute(f"SELECT 1 FROM {self.name_of(table)[1]} LIMIT 1"))
 
     def empty_tables(self, tables: list[SourceTable], command: str = "applier sync") -> None:
-        """Delete every row of these target tables (TRUNCATE on PostgreSQL), in one transaction (``command``: the
-        one to run again, named in a refusal).
+        """Delete every row of these target tables (TRUNCATE ONLY on PostgreSQL: not their inheritance children's,
+        a partitioned table's partitions'), in one transaction (``command``: the one to run again, named in a
+        refusal).
 
         PostgreSQL truncates only tables that no other table references: tables outside ``tables`` that refer
         to them (also through others) are truncated with them when they are empty, else SyncError naming the
@@ -246,9 +247,15 @@ class TargetDb:
                                         f"{constraint}) and holds rows; empty {referencing} or drop {constraint}, "
                                         f"then run `{command}` again")
                     outside.append(oid)
-            others = [r[0] for r in self.execute("SELECT oid::regclass::text FROM pg_class WHERE oid = ANY(%s)",
-                                                 [outside])]
-            self.execute("TRUNCATE " + ", ".join(names + others))
+            # ONLY each table but a partitioned one (whose rows are its partitions'): never an inheritance child,
+            # which keeps its own rows (published, it is in ``tables``)
+            parted = {r[0] for r in self.execute("SELECT oid FROM pg_class WHERE oid = ANY(%s) AND relkind = 'p'",
+                                                 [oids])}
+            own = [n if oid in parted else f"ONLY {n}" for oid, n in zip(oids, names, strict=True)]
+            others = [r[0] for r in self.execute(
+                "SELECT CASE relkind WHEN 'p' THEN '' ELSE 'ONLY ' END || oid::regclass::text FROM pg_class "
+                "WHERE oid = ANY(%s)", [outside])]
+            self.execute("TRUNCATE " + ", ".join(own + others))
 
     def partitioned(self, table: SourceTable) -> bool:
         """Whether the PostgreSQL target table is partitioned (its rows are its partitions')."""

@@ -13,6 +13,9 @@ Row location, as PostgreSQL's own subscriber does it:
 An update or delete that finds no row is a conflict (the subscriber's ``update_missing`` /
 ``delete_missing``): a batch reports it (``not_found``: Conflicted) and the transaction is applied again row by
 row, where ``applier.engine.conflicts`` resolves each one through the primitives at the end of ``TargetBase``.
+Every statement that finds, changes or empties rows (UPDATE, DELETE, TRUNCATE, the row-locating subquery, the
+conflict probes and repairs) names ``Binding.qonly``: on a PostgreSQL target ``ONLY t`` unless the table is
+partitioned, so an inheritance parent's change never reaches its children's rows.
 
 Identity columns ``GENERATED ALWAYS`` on a PostgreSQL target (``always``): the
 subscriber writes the source's values into them, and so does the binding. An
@@ -78,7 +81,7 @@ def source_name(rel: Relation) -> str:
 class Binding:
     """One source relation mapped onto one target table; builds and caches statements."""
 
-    __slots__ = ("rel", "table", "qtable", "names", "qnames", "convert", "key_idx", "dialect", "_sql",
+    __slots__ = ("rel", "table", "qtable", "qonly", "names", "qnames", "convert", "key_idx", "dialect", "_sql",
                  "text_compare", "keyed", "foldable", "set_based", "pg_types", "pg_arrays", "plain_convert", "always",
                  "fast_set", "carry", "show", "key_values", "copy_binary", "join", "uniques", "guard", "since", "row_id",
                  "row_match", "counted")
@@ -88,6 +91,12 @@ class Binding:
         self.rel = rel
         self.table = table
         self.qtable = qtable
+        # the table as UPDATE, DELETE, TRUNCATE and a SELECT name it to reach its own rows and no other table's: on
+        # PostgreSQL ``ONLY t`` for a table that can have inheritance children (a ``pg_dump -s`` of the source keeps
+        # them), as the native subscriber touches exactly the relation a change names; the name itself where it
+        # must reach other tables' rows (a partitioned table's are its partitions') or there is no inheritance
+        # (SQLite). INSERT and COPY never reach another table: they name ``qtable``
+        self.qonly = qtable
         self.names = [c.name for c in rel.columns]
         self.qnames = [quote_ident(n) for n in self.names]
         self.convert = list(convert)
@@ -235,7 +244,7 @@ class Binding:
         guard = self.guard.replace("{t}", self.qtable)
         if full:
             rid = self.row_id[0] if len(self.row_id) == 1 else f"({', '.join(self.row_id)})"
-            return f"{rid} = (SELECT {', '.join(self.row_id)} FROM {self.qtable} WHERE {cond} LIMIT 1){guard}"
+            return f"{rid} = (SELECT {', '.join(self.row_id)} FROM {self.qonly} WHERE {cond} LIMIT 1){guard}"
         return cond + guard
 
     def update_sql(self, setcols: tuple[int, ...], locate: tuple[int, ...], nulls: tuple[bool, ...], full: bool) -> str:
@@ -249,8 +258,8 @@ class Binding:
         if sql is None:
             ph = self.dialect.placeholder
             sets = ", ".join(f"{self.qnames[i]} = {ph}" for i in setcols)
-            sql = (f"UPDATE {self.qtable} SET {sets} WHERE {self.where(locate, nulls, full)}" if setcols
-                   else f"SELECT 1 FROM {self.qtable} WHERE {self.where(locate, nulls, full)}")
+            sql = (f"UPDATE {self.qonly} SET {sets} WHERE {self.where(locate, nulls, full)}" if setcols
+                   else f"SELECT 1 FROM {self.qonly} WHERE {self.where(locate, nulls, full)}")
             self._sql[key] = sql
         return sql
 
@@ -272,7 +281,7 @@ class Binding:
             given = ", ".join(f"{ph}::{self.pg_types[i]} AS {q[i]}" for i in setcols)
             kept = [f"d.{q[i]}" for i in range(len(q)) if i not in setcols] + [f"d.{c}" for c in self.carry]
             cols = [q[i] for i in setcols] + [q[i] for i in range(len(q)) if i not in setcols] + self.carry
-            sql = (f"WITH v AS (SELECT {given}), d AS (DELETE FROM {self.qtable} WHERE "
+            sql = (f"WITH v AS (SELECT {given}), d AS (DELETE FROM {self.qonly} WHERE "
                    f"{self.where(locate, nulls, full)} RETURNING *) INSERT INTO {self.qtable} ({', '.join(cols)}) "
                    f"OVERRIDING SYSTEM VALUE SELECT {', '.join([f'v.{q[i]}' for i in setcols] + kept)} FROM v, d")
             self._sql[key] = sql
@@ -283,7 +292,7 @@ class Binding:
         key = ("D", locate, nulls, full, self.guard)
         sql = self._sql.get(key)
         if sql is None:
-            sql = f"DELETE FROM {self.qtable} WHERE {self.where(locate, nulls, full)}"
+            sql = f"DELETE FROM {self.qonly} WHERE {self.where(locate, nulls, full)}"
             self._sql[key] = sql
         return sql
 
@@ -426,7 +435,8 @@ class Target(Protocol):
     so may BEGIN and any change's statements. They are settled before the connection is next used for
     anything else (``truncate``, ``bind``, a COPY into another table…) and at the latest by ``commit``,
     which commits only if none failed, so a row the server rejects fails a later call of the same
-    transaction; ``rollback`` abandons them. ``update_rows``/``delete_rows`` return how many rows they did
+    transaction, named as the work it failed (operation, table, transactions); ``settle`` settles them now,
+    so that what comes next is not taken for what failed; ``rollback`` abandons them. ``update_rows``/``delete_rows`` return how many rows they did
     not find, or, for work in flight, raise Conflicted when its result is read and some were not found.
     Without ``pipelined`` (careful mode: the resolver needs each answer at once), every change's failure
     and count come back from its own call.
@@ -474,6 +484,7 @@ class Target(Protocol):
     def begin(self) -> None: ...
     def commit(self, source_lsn: LSN, commit_time: int | None = None) -> None: ...
     def rollback(self) -> None: ...
+    def settle(self) -> None: ...
     def insert(self, b: Binding, rows: Sequence[TupleData], lsn: LSN) -> None: ...
     def update_rows(self, b: Binding, rows: Sequence[Any], lsn: LSN) -> int: ...
     def delete_rows(self, b: Binding, rows: Sequence[Any], lsn: LSN) -> int: ...
@@ -535,6 +546,9 @@ class TargetBase:
     def rollback(self) -> None:
         """Roll back the open transaction, if any (each target's own)."""
         raise NotImplementedError
+
+    def settle(self) -> None:
+        """Settle work in flight (see ``Target``): none on a target that runs each statement at once."""
 
     def run_many(self, sql: str, params: list[list[Any]], op: str, b: Binding, lsn: LSN) -> int:
         """Execute one statement for many parameter rows (``op`` of rows of ``b``, of transactions from the one
@@ -715,14 +729,14 @@ class TargetBase:
 
     def delete_rowids(self, b: Binding, rowids: Sequence[Any]) -> None:
         """Delete rows of ``b``'s table by row id (``LocalRow.rowid``)."""
-        self.cur.executemany(f"DELETE FROM {b.qtable} WHERE {b.row_match}", [list(r) for r in rowids])
+        self.cur.executemany(f"DELETE FROM {b.qonly} WHERE {b.row_match}", [list(r) for r in rowids])
 
     def overwrite(self, b: Binding, rowid: Any, new: TupleData) -> None:
         """Set the row ``rowid`` to ``new``'s sent values (not on a table with ALWAYS identity columns)."""
         cols = present_columns(new)
         ph = self.dialect.placeholder
         sets = ", ".join(f"{b.qnames[i]} = {ph}" for i in cols)
-        self.cur.execute(f"UPDATE {b.qtable} SET {sets} WHERE {b.row_match}", b.values(new, cols) + list(rowid))
+        self.cur.execute(f"UPDATE {b.qonly} SET {sets} WHERE {b.row_match}", b.values(new, cols) + list(rowid))
 
     def record_conflict(self, row: Sequence[Any]) -> None:
         """Add a row to applier_conflicts, in the open transaction (``ProgressSQL.record_conflict``'s columns)."""

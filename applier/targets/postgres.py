@@ -289,7 +289,7 @@ class PostgresTarget(TargetBase):
         self.url = url
         self.name = name
         self.table_map = table_map or {}
-        # work the server is doing while the engine goes on; settled (``_settle``) before the connection is next used
+        # work the server is doing while the engine goes on; settled (``settle``) before the connection is next used
         # open COPY: (context manager, Copy, binding, LSN, what ends its data: COPY_BINARY_TRAILER or b"")
         self._copy: tuple[Any, Any, Binding, LSN, bytes] | None = None
         # statements sent in pipeline mode, results not read yet: (operation, binding (None: BEGIN, the commit's
@@ -342,17 +342,17 @@ class PostgresTarget(TargetBase):
     @property
     def conn(self) -> psycopg.Connection[Any]:
         """The connection, with no COPY open on it and no statement in flight."""
-        self._settle()
+        self.settle()
         return self._conn
 
     @property
     def cur(self) -> psycopg.Cursor[Any]:
         """The cursor, with no COPY open on it and no statement in flight."""
-        self._settle()
+        self.settle()
         return self._cur
 
-    def _settle(self) -> None:
-        """End the open COPY and read the pipeline; a failure names what it was doing."""
+    def settle(self) -> None:
+        """End the open COPY and read the pipeline; a failure names what it was doing (see ``Target``)."""
         self._end_open_copy()
         if self._inflight:
             self._sync()
@@ -638,10 +638,12 @@ class PostgresTarget(TargetBase):
         # statement-at-once update could trip over, values as text)
         b.set_unique_indexes([None if expr else frozenset(cols) for cols, expr, _ in uniques],
                              [partial for _, _, partial in uniques])
-        parted, rules = one_row(self.conn.execute(
-            "SELECT relkind = 'p' OR relhassubclass, relhasrules FROM pg_class WHERE oid = %s::regclass", [qtable]))
-        if parted:  # partitions (or children): a ctid is one per partition
+        kind, rules = one_row(self.conn.execute(
+            "SELECT relkind, relhasrules FROM pg_class WHERE oid = %s::regclass", [qtable]))
+        if kind == "p":  # its rows are its partitions': a ctid is one per partition
             b.row_id, b.row_match = ("tableoid", "ctid"), "tableoid = %s::oid AND ctid = %s::tid"
+        elif kind in ("r", "f"):  # a table that can have inheritance children: its own rows only (see ``Binding``)
+            b.qonly = f"ONLY {qtable}"
         b.counted = not rules
         # (an ALWAYS identity column may only be left out of the SET list: the key's)
         b.set_based = (b.foldable and not binary and not any(text_compare[i] for i in b.key_idx)
@@ -667,7 +669,7 @@ class PostgresTarget(TargetBase):
         origin = (f"(SELECT extract(epoch FROM o.timestamp)::float8 FROM pg_xact_commit_timestamp_origin({row}.xmin) "
                   f"AS o), (SELECT o.roident FROM pg_xact_commit_timestamp_origin({row}.xmin) AS o)"
                   if self.detects_origin else "NULL::float8, NULL::oid")
-        return (f"SELECT {ids}, row_to_json({row}.*)::text, {origin} FROM {b.qtable} AS {row} WHERE {where} "
+        return (f"SELECT {ids}, row_to_json({row}.*)::text, {origin} FROM {b.qonly} AS {row} WHERE {where} "
                 f"LIMIT {limit} FOR UPDATE OF {row}")
 
     def local_row(self, b: Binding, row: Sequence[Any]) -> LocalRow:
@@ -711,7 +713,7 @@ class PostgresTarget(TargetBase):
         pipeline is read to its end, ``in_txn`` stays set and ``rollback`` ends whatever is left of the
         transaction, so nothing of it lands."""
         if self._copy is not None or any(rows >= 0 for _, _, rows, _ in self._inflight):
-            self._settle()
+            self.settle()
         progress, self._progress = self._progress, None
         origin: list[bytes | None] | None = None  # pg_replication_origin_xact_setup's parameters
         if self.has_origin and commit_time is not None:
@@ -855,9 +857,9 @@ class PostgresTarget(TargetBase):
                 sets = ", ".join(f"{b.qnames[i]} = {_element(b, i)}" for i in cols if i not in key)
                 guard = b.guard.replace("{t}", "t")
                 sql = b._sql[("UPDATE-UNNEST", cols)] = (
-                    f"UPDATE {b.qtable} AS t SET {sets} FROM {_unnest(b, cols)} WHERE {_key_join(b)}{guard}" if sets
+                    f"UPDATE {b.qonly} AS t SET {sets} FROM {_unnest(b, cols)} WHERE {_key_join(b)}{guard}" if sets
                     # nothing but the key sent: the rows only need to exist
-                    else f"SELECT 1 FROM {b.qtable} AS t, {_unnest(b, cols)} WHERE {_key_join(b)}{guard}")
+                    else f"SELECT 1 FROM {b.qonly} AS t, {_unnest(b, cols)} WHERE {_key_join(b)}{guard}")
             self._send_batch(sql, columns, "UPDATE", b, len(ms), lsn)
         return 0  # rows not found raise Conflicted when the result is read (``_sync``)
 
@@ -883,17 +885,18 @@ class PostgresTarget(TargetBase):
         if sql is None:
             k = key[0]
             sql = b._sql["DELETE-UNNEST"] = (
-                f"DELETE FROM {b.qtable} WHERE {b.qnames[k]} = ANY($1::{b.pg_arrays[k][0]})"
+                f"DELETE FROM {b.qonly} WHERE {b.qnames[k]} = ANY($1::{b.pg_arrays[k][0]})"
                 f"{b.guard.replace('{t}', b.qtable)}"
                 if len(key) == 1 and not b.pg_arrays[k][1]
-                else f"DELETE FROM {b.qtable} AS t USING {_unnest(b, tuple(key))} WHERE {_key_join(b)}"
+                else f"DELETE FROM {b.qonly} AS t USING {_unnest(b, tuple(key))} WHERE {_key_join(b)}"
                      f"{b.guard.replace('{t}', 't')}")
         self._send_batch(sql, columns, "DELETE", b, len(rows), lsn)
         return 0  # rows not found raise Conflicted when the result is read (``_sync``)
 
     def truncate(self, bindings: Sequence[Binding], cascade: bool, restart_identity: bool) -> None:
-        """TRUNCATE the tables, honouring CASCADE and RESTART IDENTITY."""
-        sql = "TRUNCATE " + ", ".join(b.qtable for b in bindings)
+        """TRUNCATE the tables (ONLY each one, unless partitioned: ``Binding.qonly``), honouring CASCADE and
+        RESTART IDENTITY."""
+        sql = "TRUNCATE " + ", ".join(b.qonly for b in bindings)
         if restart_identity:
             sql += " RESTART IDENTITY"
         if cascade:
