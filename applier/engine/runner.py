@@ -189,12 +189,26 @@ def goal_reached(position: int, goal: int) -> bool:
     return offset in _PAGE_HEADERS and position >= goal - offset
 
 
+# SQLSTATEs of a server error that passes by itself (a connection lost or ended, a server shutting down or
+# starting, resources short, a serialization failure or deadlock, a lock not available); any other a server sends
+# is about what is applied (55000 object_not_in_prerequisite_state: a table that will not change by itself)
+_TRANSIENT_CLASSES = ("08", "53")
+_TRANSIENT_STATES = frozenset({
+    "57P01", "57P02", "57P03",  # admin_shutdown, crash_shutdown, cannot_connect_now
+    "57P05", "25P03",  # the server ended an idle session, one idle in transaction (14+): a lost connection
+    "40001", "40P01", "55P03",  # serialization_failure, deadlock_detected, lock_not_available (lock_timeout)
+})
+
+
 def is_transient(exc: BaseException) -> bool:
-    """A lost connection or a busy database, rather than a change the target refuses."""
+    """A lost connection or a busy database, rather than a change the target refuses: a PostgreSQL error by its
+    SQLSTATE (``_TRANSIENT_STATES``), one without (the client lost the connection) by its class."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, SourceError):
             return True
+        if isinstance(seen, psycopg.Error) and seen.sqlstate:
+            return seen.sqlstate.startswith(_TRANSIENT_CLASSES) or seen.sqlstate in _TRANSIENT_STATES
         if isinstance(seen, (psycopg.OperationalError, psycopg.InterfaceError)):
             return True
         if isinstance(seen, sqlite3.OperationalError) and "locked" in str(seen):
