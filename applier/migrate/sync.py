@@ -219,8 +219,9 @@ class TargetDb:
         one to run again, named in a refusal).
 
         PostgreSQL truncates only tables that no other table references: tables outside ``tables`` that refer
-        to them (also through others) are truncated with them when they are empty, else SyncError naming the
-        reference (their rows would lose what they refer to; nothing is emptied).
+        to them (also through others) are truncated with them when they are empty (a partitioned one when its
+        leaves other than those emptied here are), else SyncError naming the reference (their rows would lose
+        what they refer to; nothing is emptied).
         """
         names = [self.name_of(t)[1] for t in tables]
         if self.dialect == "sqlite":  # foreign keys are not enforced on this connection
@@ -240,15 +241,29 @@ class TargetDb:
                     if oid in outside:
                         continue
                     self.execute(f"LOCK TABLE {referencing} IN SHARE MODE")
-                    if self.execute(f"SELECT 1 FROM {referencing} LIMIT 1"):
+                    holder = self._rows_kept(oid, referencing, oids + outside)
+                    if holder is not None:
+                        where = "" if holder == referencing else f" (in its partition {holder})"
                         raise SyncError(f"cannot empty target table {referenced} for the copy: target table "
                                         f"{referencing}, which is not published, references it (foreign key "
-                                        f"{constraint}) and holds rows; empty {referencing} or drop {constraint}, "
-                                        f"then run `{command}` again")
+                                        f"{constraint}) and holds rows{where}; empty {referencing} or drop "
+                                        f"{constraint}, then run `{command}` again")
                     outside.append(oid)
             others = [r[0] for r in self.execute("SELECT oid::regclass::text FROM pg_class WHERE oid = ANY(%s)",
                                                  [outside])]
             self.execute("TRUNCATE " + ", ".join(names + others))
+
+    def _rows_kept(self, oid: int, name: str, emptied: list[int]) -> str | None:
+        """The table (``name`` or a partition of it) whose rows would stay once the tables ``emptied`` (oids) are:
+        a partitioned table's rows are its leaves', those emptied left out; any other table's are its own and its
+        inheritance children's (TRUNCATE empties those with it). None: no row would stay."""
+        if not self.execute("SELECT 1 FROM pg_class WHERE oid = %s AND relkind = 'p'", [oid]):
+            return name if self.execute(f"SELECT 1 FROM {name} LIMIT 1") else None
+        for (leaf,) in self.execute("SELECT relid::regclass::text FROM pg_partition_tree(%s::oid) "
+                                    "WHERE isleaf AND NOT relid::oid = ANY(%s::oid[]) ORDER BY 1", [oid, emptied]):
+            if self.execute(f"SELECT 1 FROM {leaf} LIMIT 1"):
+                return str(leaf)
+        return None
 
     def partitioned(self, table: SourceTable) -> bool:
         """Whether the PostgreSQL target table is partitioned (its rows are its partitions')."""
