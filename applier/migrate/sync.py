@@ -270,6 +270,14 @@ class TargetDb:
         return bool(self.execute("SELECT 1 FROM pg_class WHERE oid = to_regclass(%s) AND relkind = 'p'",
                                  [self.name_of(table)[1]]))
 
+    def column_names(self, table: SourceTable) -> set[str]:
+        """Every column the target table holds, generated ones included."""
+        shown, qname = self.name_of(table)
+        if self.dialect == "sqlite":  # table_xinfo: table_info leaves generated columns out
+            return {r[1] for r in self.execute(f"PRAGMA table_xinfo({quote_ident(shown)})")}
+        return {r[0] for r in self.execute("SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) "
+                                           "AND attnum > 0 AND NOT attisdropped", [qname])}
+
     def columns_without_default(self, table: SourceTable) -> list[str]:
         """Columns of the target table that have no default (nor identity or generation expression)."""
         shown, qname = self.name_of(table)
