@@ -39,8 +39,9 @@ wants them (the leaves, or the root with its partitions' rows).
 An existing target table is checked instead: every published column must exist
 with the same type (PostgreSQL: same type name, modifiers may differ; SQLite: a
 declared type whose affinity keeps the mapped values as they are), and a target
-column the source does not publish must be nullable or have a default. Every
-mismatch is reported, by table and column, before anything is written.
+column the source does not publish must be nullable or have a default, and one the
+source generates without sending it must not be a plain column (it would stay NULL).
+Every mismatch is reported, by table and column, before anything is written.
 """
 
 from __future__ import annotations
@@ -393,22 +394,30 @@ def sqlite_create_statements(table: SourceTable, name: str) -> list[str]:
     return stmts
 
 
+def plain_where_generated(column: SourceColumn) -> str:
+    """The problem of a target column that is plain where the source's is generated (and not sent)."""
+    return (f"column {column.name}: generated on the source as {column.expression}, a plain column on the target: the "
+            f"source does not send its values, so it would stay NULL; make it a generated column on the target or "
+            f"drop it")
+
+
 def check_pg_table(conn: psycopg.Connection[Any], table: SourceTable, schema: str | None, name: str) -> list[str] | None:
     """Problems of an existing PostgreSQL target table (one line each), or None if it does not exist."""
     reg = _one(conn, "SELECT to_regclass(%s)::oid", [quoted_name(schema, name)])[0]
     if reg is None:
         return None
     have = {r[0]: r[1:] for r in conn.execute(
-        "SELECT attname, format_type(atttypid, NULL), attnotnull, atthasdef OR attidentity <> '' OR attgenerated <> '' "
-        "FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped", [reg])}
+        "SELECT attname, format_type(atttypid, NULL), attnotnull, atthasdef OR attidentity <> '' OR attgenerated <> '', "
+        "attgenerated <> '' FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped", [reg])}
     problems = []
     for c in table.columns:
         if c.name not in have:
             problems.append(f"column {c.name}: missing on the target (source type {c.type_sql})")
         elif have[c.name][0] != c.type_name:
             problems.append(f"column {c.name}: source type {c.type_sql}, target type {have[c.name][0]}")
+    problems += [plain_where_generated(c) for c in table.generated if c.name in have and not have[c.name][3]]
     published = {c.name for c in table.columns}
-    for col, (_, notnull, hasdef) in have.items():
+    for col, (_, notnull, hasdef, _generated) in have.items():
         if col not in published and notnull and not hasdef:
             problems.append(f"column {col}: NOT NULL on the target without a default, and the source does not "
                             f"publish it")
@@ -430,6 +439,7 @@ def check_sqlite_table(conn: sqlite3.Connection, table: SourceTable, name: str) 
         if aff not in _KEEPS[decl]:
             problems.append(f"column {c.name}: declared {have[c.name][0] or '(none)'} ({aff} affinity) would change "
                             f"the mapped {decl} values of source type {c.type_sql}")
+    problems += [plain_where_generated(c) for c in table.generated if c.name in have]  # table_info: plain ones only
     published = {c.name for c in table.columns}
     for col, (_, notnull, hasdef, _pk) in have.items():
         if col not in published and notnull and not hasdef:

@@ -220,8 +220,9 @@ class TargetDb:
         refusal).
 
         PostgreSQL truncates only tables that no other table references: tables outside ``tables`` that refer
-        to them (also through others) are truncated with them when they are empty, else SyncError naming the
-        reference (their rows would lose what they refer to; nothing is emptied).
+        to them (also through others) are truncated with them when they are empty (a partitioned one when its
+        leaves other than those emptied here are), else SyncError naming the reference (their rows would lose
+        what they refer to; nothing is emptied).
         """
         names = [self.name_of(t)[1] for t in tables]
         if self.dialect == "sqlite":  # foreign keys are not enforced on this connection
@@ -241,11 +242,13 @@ class TargetDb:
                     if oid in outside:
                         continue
                     self.execute(f"LOCK TABLE {referencing} IN SHARE MODE")
-                    if self.execute(f"SELECT 1 FROM {referencing} LIMIT 1"):
+                    holder = self._rows_kept(oid, referencing, oids + outside)
+                    if holder is not None:
+                        where = "" if holder == referencing else f" (in its partition {holder})"
                         raise SyncError(f"cannot empty target table {referenced} for the copy: target table "
                                         f"{referencing}, which is not published, references it (foreign key "
-                                        f"{constraint}) and holds rows; empty {referencing} or drop {constraint}, "
-                                        f"then run `{command}` again")
+                                        f"{constraint}) and holds rows{where}; empty {referencing} or drop "
+                                        f"{constraint}, then run `{command}` again")
                     outside.append(oid)
             # ONLY each table but a partitioned one (whose rows are its partitions'): never an inheritance child,
             # which keeps its own rows (published, it is in ``tables``)
@@ -257,10 +260,30 @@ class TargetDb:
                 "WHERE oid = ANY(%s)", [outside])]
             self.execute("TRUNCATE " + ", ".join(own + others))
 
+    def _rows_kept(self, oid: int, name: str, emptied: list[int]) -> str | None:
+        """The table (``name`` or a partition of it) whose rows would stay once the tables ``emptied`` (oids) are:
+        a partitioned table's rows are its leaves', those emptied left out; any other table's are its own and its
+        inheritance children's (TRUNCATE empties those with it). None: no row would stay."""
+        if not self.execute("SELECT 1 FROM pg_class WHERE oid = %s AND relkind = 'p'", [oid]):
+            return name if self.execute(f"SELECT 1 FROM {name} LIMIT 1") else None
+        for (leaf,) in self.execute("SELECT relid::regclass::text FROM pg_partition_tree(%s::oid) "
+                                    "WHERE isleaf AND NOT relid::oid = ANY(%s::oid[]) ORDER BY 1", [oid, emptied]):
+            if self.execute(f"SELECT 1 FROM {leaf} LIMIT 1"):
+                return str(leaf)
+        return None
+
     def partitioned(self, table: SourceTable) -> bool:
         """Whether the PostgreSQL target table is partitioned (its rows are its partitions')."""
         return bool(self.execute("SELECT 1 FROM pg_class WHERE oid = to_regclass(%s) AND relkind = 'p'",
                                  [self.name_of(table)[1]]))
+
+    def column_names(self, table: SourceTable) -> set[str]:
+        """Every column the target table holds, generated ones included."""
+        shown, qname = self.name_of(table)
+        if self.dialect == "sqlite":  # table_xinfo: table_info leaves generated columns out
+            return {r[1] for r in self.execute(f"PRAGMA table_xinfo({quote_ident(shown)})")}
+        return {r[0] for r in self.execute("SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) "
+                                           "AND attnum > 0 AND NOT attisdropped", [qname])}
 
     def columns_without_default(self, table: SourceTable) -> list[str]:
         """Columns of the target table that have no default (nor identity or generation expression)."""

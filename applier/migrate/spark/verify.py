@@ -49,7 +49,10 @@ are read into Spark as above. Either way: 1024 key ranges, the same report.
 
 A target column that a column list leaves out (it exists on the source) and
 that has no default must be NULL, as the copy and the stream leave it: it is
-compared with NULL. A table without columns compares its row counts.
+compared with NULL. A column the source generates and does not send (``SourceTable.generated``: sync
+creates it generated on a PostgreSQL target and leaves it out of a SQLite one) is compared by its value
+wherever the target table holds it, computed there or not, on every path: a target that no longer
+computes what the source does differs. A table without columns compares its row counts.
 
 A target table that does not exist differs (``TableResult.target_missing``):
 the target lacks what the source publishes.
@@ -483,12 +486,15 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                     same_encoding = server_encoding(conn) == server_encoding(target.conn)
             for t in tables:
                 shown, qtarget = target.name_of(t)
-                cols = [c.name for c in t.columns]
                 res_name = t.qualified
                 if not target.exists(t):
                     report.tables.append(TableResult(res_name, shown, t.key_columns, target_missing=True))
                     continue
-                if not t.columns:  # nothing but a row count (only a PostgreSQL target can hold such a table)
+                # the published columns, and the generated ones the source does not send that the target holds
+                held = target.column_names(t)
+                compared = t.columns + [c for c in t.generated if c.name in held]
+                cols = [c.name for c in compared]
+                if not compared:  # nothing but a row count (only a PostgreSQL target can hold such a table)
                     say(f"comparing {t.qualified} (no columns: row counts)")
                     n, m = count_in_snapshot(cfg, info.snapshot_name, t), target.count(t)
                     report.tables.append(TableResult(res_name, shown, [], n, m, 1, int(n != m)))
@@ -500,7 +506,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                 src_plan = pg_plan(cfg.source["dsn"], t.qname, qcols + ["NULL"] * len(nulls), pages=t.pages,
                                    partitions=nparts, snapshot=info.snapshot_name, where=t.rowfilter,
                                    app="applier-verify source", only=t.only,
-                                   canonical_types=[c.type_oid for c in t.columns] + [25] * len(nulls)
+                                   canonical_types=[c.type_oid for c in compared] + [25] * len(nulls)
                                    if sqlite else None)
                 qcols += [quote_ident(c) for c in nulls]
                 if sqlite:
@@ -512,7 +518,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                     fmt = "applier_pg"
                 say(f"comparing {t.qualified}")
                 on_servers = not sqlite and same_encoding and same_types(
-                    [(c.name, c.type_schema, c.type_name, c.type_mod) for c in t.columns],
+                    [(c.name, c.type_schema, c.type_name, c.type_mod) for c in compared],
                     target_types(target.conn, qtarget))
                 try:
                     if on_servers:
