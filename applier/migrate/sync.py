@@ -211,8 +211,14 @@ class TargetDb:
         return self.execute("SELECT to_regclass(%s)", [qname])[0][0] is not None
 
     def has_rows(self, table: SourceTable) -> bool:
-        """Whether the target table holds any row."""
-        return bool(self.execute(f"SELECT 1 FROM {self.name_of(table)[1]} LIMIT 1"))
+        """Whether the target table holds any row of its own (not its inheritance children's: ``own``)."""
+        return bool(self.execute(f"SELECT 1 FROM {self.own(table)} LIMIT 1"))
+
+    def own(self, table: SourceTable) -> str:
+        """The target table as a query names its own rows: ``ONLY`` it on PostgreSQL unless partitioned (a
+        partitioned table's rows are its partitions'; an inheritance child's are not its parent's)."""
+        name = self.name_of(table)[1]
+        return name if self.dialect == "sqlite" or self.partitioned(table) else f"ONLY {name}"
 
     def empty_tables(self, tables: list[SourceTable], command: str = "applier sync") -> None:
         """Delete every row of these target tables (TRUNCATE ONLY on PostgreSQL: not their inheritance children's,
@@ -262,10 +268,10 @@ class TargetDb:
 
     def _rows_kept(self, oid: int, name: str, emptied: list[int]) -> str | None:
         """The table (``name`` or a partition of it) whose rows would stay once the tables ``emptied`` (oids) are:
-        a partitioned table's rows are its leaves', those emptied left out; any other table's are its own and its
-        inheritance children's (TRUNCATE empties those with it). None: no row would stay."""
+        a partitioned table's rows are its leaves', those emptied left out; any other table's are its own (TRUNCATE
+        ONLY leaves its inheritance children alone). None: no row would stay."""
         if not self.execute("SELECT 1 FROM pg_class WHERE oid = %s AND relkind = 'p'", [oid]):
-            return name if self.execute(f"SELECT 1 FROM {name} LIMIT 1") else None
+            return name if self.execute(f"SELECT 1 FROM ONLY {name} LIMIT 1") else None
         for (leaf,) in self.execute("SELECT relid::regclass::text FROM pg_partition_tree(%s::oid) "
                                     "WHERE isleaf AND NOT relid::oid = ANY(%s::oid[]) ORDER BY 1", [oid, emptied]):
             if self.execute(f"SELECT 1 FROM {leaf} LIMIT 1"):
@@ -295,9 +301,8 @@ class TargetDb:
             "AND NOT atthasdef AND attidentity = '' AND attgenerated = ''", [qname])]
 
     def count(self, table: SourceTable) -> int:
-        """Rows of the target table (``ONLY`` it on PostgreSQL, unless partitioned)."""
-        only = "" if self.dialect == "sqlite" or self.partitioned(table) else "ONLY "
-        return int(self.execute(f"SELECT count(*) FROM {only}{self.name_of(table)[1]}")[0][0])
+        """Rows of the target table (its own: ``own``)."""
+        return int(self.execute(f"SELECT count(*) FROM {self.own(table)}")[0][0])
 
     def pages(self, table: SourceTable) -> int:
         """Heap pages of a PostgreSQL target table."""
