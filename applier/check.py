@@ -95,7 +95,8 @@ def run_checks(cfg: Config) -> list[Result]:
     with ExitStack() as stack:
         def connect() -> str:
             c.source = stack.enter_context(source_connect(cfg))
-            return f"{redact_dsn(s['dsn'])} (PostgreSQL {c.source.info.server_version})"
+            version = c.source.info.server_version
+            return f"{redact_dsn(s['dsn'])} (PostgreSQL {version // 10000}.{version % 10000})"
 
         def replication() -> str:
             ws = WalSender(session_dsn(s["dsn"]), connect_timeout=s["connect_timeout"])
@@ -103,7 +104,7 @@ def run_checks(cfg: Config) -> list[Result]:
                 c.system = ws.identify_system()["systemid"]
             finally:
                 ws.close()
-            return f"replication connection, system {c.system}"
+            return f"system identifier {c.system}"
 
         def slot() -> str:
             assert c.source is not None

@@ -74,7 +74,7 @@ def drop(cfg: Config, *, control_tables: bool, yes: bool, say: Callable[[str], N
             if part.remove is None:
                 say(f"{part.what}: {part.found}")
             elif not yes:
-                say(f"{part.what}: {part.found}, will be dropped")
+                say(f"{part.what}: {part.found}; will be dropped")
             else:
                 say(f"{part.what}: {part.remove()}")
         if not control_tables:
@@ -148,13 +148,13 @@ def _tables(cfg: Config, conn: Any, where: str) -> Part:
     if others:
         statements = [(f"DELETE FROM {quote_ident(t)} WHERE name = {ph}", [name])
                       for t in present if t != CONTROL_TABLES[-1]]
-        found = (f"{', '.join(present)} (kept: apply.name {', '.join(map(repr, others))} uses them; the rows of "
-                 f"{name!r} go)")
+        found = (f"exist ({', '.join(present)}), kept: apply.name {', '.join(map(repr, others))} uses them; "
+                 f"the rows of {name!r} go")
         done = f"rows of apply.name {name!r} deleted; tables kept for {', '.join(map(repr, others))}"
     else:
         statements = [(f"DROP TABLE {quote_ident(t)}", []) for t in present]
-        found = ", ".join(present)
-        done = f"dropped ({found})"
+        found = f"exist ({', '.join(present)})"
+        done = f"dropped ({', '.join(present)})"
 
     def remove() -> str:
         try:

@@ -8,6 +8,7 @@ subprocess: what a user types, what a user reads.
 from __future__ import annotations
 
 import subprocess
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,17 @@ class Rig(TargetSide):
                                 "target": {"url": url}, "apply": {"work_dir": str(tmp / "work")}})
         return rig
 
-    def applier(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        """``applier ARGS -c CONFIG``, run to its end."""
-        return subprocess.run([applier_script(), *args, "-c", str(self.config)], capture_output=True, text=True,
-                              timeout=timeout, env=clean_env(), stdin=subprocess.DEVNULL)
+    def applier(self, *args: str, config: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """``applier ARGS -c CONFIG`` (this rig's config, or ``config``), run to its end."""
+        return subprocess.run([applier_script(), *args, "-c", str(config or self.config)], capture_output=True,
+                              text=True, timeout=timeout, env=clean_env(), stdin=subprocess.DEVNULL)
+
+    def variant(self, name: str, **changes: dict[str, Any]) -> Path:
+        """A config file beside this one with ``changes`` (section -> keys) made to it."""
+        sections = tomllib.loads(self.config.read_text())
+        for section, keys in changes.items():
+            sections.setdefault(section, {}).update(keys)
+        return write_toml(self.config.with_name(f"{name}.toml"), sections)
 
     def start(self, *args: str) -> subprocess.Popen[str]:
         """``applier ARGS -c CONFIG`` in the background."""

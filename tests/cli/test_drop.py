@@ -74,6 +74,18 @@ def test_without_control_tables_keeps_them(rig: Rig) -> None:
     assert "control tables on the target: kept" in r.stdout
 
 
+def test_control_tables_another_name_uses_are_kept(rig: Rig) -> None:
+    if not rig.tgt("SELECT 1 FROM applier_progress WHERE name = 'applier'"):
+        rig.tgt("INSERT INTO applier_progress (name, lsn) VALUES ('applier', '0/0')")
+    rig.tgt("INSERT INTO applier_progress (name, lsn) VALUES ('other', '0/1')")
+    r = rig.applier("drop", "--yes", "--control-tables")
+    assert r.returncode == 0, r.stderr
+    assert "tables kept for 'other'" in r.stdout
+    assert rig.target_tables() == set(CONTROL_TABLES)
+    assert rig.tgt("SELECT name FROM applier_progress") == [("other",)]
+    assert rig.slots() == set()
+
+
 def test_refused_while_an_applier_runs(rig: Rig) -> None:
     daemon = rig.start("run")
     try:
