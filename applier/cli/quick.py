@@ -9,8 +9,8 @@ to the typer app, which defines the command line.
 Invariants:
 - ``parse`` accepts only what the typer app reads the same way: ``[-v|--verbose] catchup|run``
   followed by ``--option VALUE`` / ``--option=VALUE`` / ``-c VALUE`` / ``-p VALUE`` pairs of the
-  shared options (``applier.cli.guard``'s names), each given once except ``--publication``, each
-  value non-empty and not starting with ``-``. Anything else (``--help``, an unknown option, a
+  shared options (``applier.cli.guard``'s names; ``catchup`` also ``--until``), each given once
+  except ``--publication``, each value non-empty and not starting with ``-``. Anything else (``--help``, an unknown option, a
   missing value, another command) is None: typer parses it, and prints its usage errors.
 - Both ways in run ``apply`` with the same values through ``guard.run_guarded``: the same output,
   the same one-line errors, the same exit codes.
@@ -50,6 +50,7 @@ OPTIONS = {name: param for names, param in ((CONFIG, "config"), (DSN, "dsn"), (S
                                              (PUBLICATION, "publication"), (TARGET, "target"),
                                              (METRICS, "metrics"), (LOG_FORMAT, "log_format"))
             for name in names}
+CATCHUP_OPTIONS = {**OPTIONS, "--until": "until"}  # catchup also stops at a position (``catchup --until``)
 _REPEATABLE = frozenset(("publication",))
 
 
@@ -80,7 +81,7 @@ def parse(argv: list[str]) -> Call | None:
             if not rest:
                 return None
             value = rest.pop(0)
-        param = OPTIONS.get(name)
+        param = (CATCHUP_OPTIONS if command == "catchup" else OPTIONS).get(name)
         if param is None or not value or value.startswith("-"):
             return None
         if param in _REPEATABLE:
