@@ -39,7 +39,7 @@ from applier.source.base import SourceError
 from applier.source.walsender import WalSender, session_dsn
 from applier.targets import opener
 from applier.targets.claim import refusal, target_holder
-from applier.targets.naming import shown_name, target_table
+from applier.targets.naming import quoted_name, shown_name, target_table
 from applier.text import one_line
 
 # What a check may fail with: each is one line naming what is wrong (a database error is wrapped into a
@@ -166,7 +166,7 @@ def _progress(c: Checks) -> str:
 
 def _tables(cfg: Config, conn: psycopg.Connection[Any]) -> str:
     """Every published table exists on the target with every published column (as ``applier sync`` checks an
-    existing table)."""
+    existing table), and on PostgreSQL the target role may read and change its rows."""
     tables = read_source_tables(conn, cfg.source["publications"])
     dialect = cfg.target_dialect
     problems = []
@@ -174,6 +174,8 @@ def _tables(cfg: Config, conn: psycopg.Connection[Any]) -> str:
         for t in tables:
             schema, name = target_table(t.relation(), dialect, cfg.target["tables"])
             found = check_sqlite_table(tgt, t, name) if dialect == "sqlite" else check_pg_table(tgt, t, schema, name)
+            if found is not None and dialect != "sqlite":
+                found += _pg_privileges(tgt, quoted_name(schema, name))
             if found is None:
                 problems.append(f"table {shown_name(schema, name)} (of {t.qualified}) does not exist on the target "
                                 f"(`applier sync --table {t.qualified}` creates and copies it)")
@@ -181,6 +183,18 @@ def _tables(cfg: Config, conn: psycopg.Connection[Any]) -> str:
     if problems:
         raise ConfigError(f"{cfg.where('target', 'url')}: " + "; ".join(problems))
     return f"{len(tables)} published, all on the target"
+
+
+def _pg_privileges(conn: Any, qname: str) -> list[str]:
+    """What the target role may not do to a target table that the apply does to it (one line, or none)."""
+    row = one_row(conn.execute("SELECT " + ", ".join(f"has_table_privilege(%s, '{p}')" for p in _APPLY_PRIVILEGES),
+                               [qname] * len(_APPLY_PRIVILEGES)))
+    lacking = [p for p, ok in zip(_APPLY_PRIVILEGES, row) if not ok]
+    return [f"the target role lacks {', '.join(lacking)} on it (GRANT {', '.join(lacking)} ON {qname} TO …)"] \
+        if lacking else []
+
+
+_APPLY_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE")
 
 
 def _claim(cfg: Config) -> str:

@@ -79,6 +79,24 @@ def test_names_each_failing_check(rig: Rig) -> None:
     assert f"table {'public.t' if rig.target is not None else 't'}: column v: missing on the target" in r.stdout
 
 
+def test_a_target_role_that_cannot_change_a_table_fails(source_db: ScratchDb, target_db: ScratchDb,
+                                                          tmp_path: Path) -> None:
+    rig = Rig.make(source_db, target_db, tmp_path)
+    assert rig.applier("init").returncode == 0
+    role = f"ops_{target_db.dbname}"
+    rig.tgt(f"CREATE ROLE {role} LOGIN")
+    try:
+        rig.tgt(f"GRANT ALL ON ALL TABLES IN SCHEMA public TO {role}; "
+                f"GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO {role}; REVOKE UPDATE, DELETE ON t FROM {role}")
+        url = target_db.url.replace("postgres@", f"{role}@")
+        r = rig.applier("check", config=rig.variant("reader", target={"url": url}))
+        assert r.returncode != 0
+        assert failed(r) == {"target tables"}, r.stdout
+        assert 'table public.t: the target role lacks UPDATE, DELETE on it' in r.stdout
+    finally:
+        rig.tgt(f"DROP OWNED BY {role}; DROP ROLE {role}")
+
+
 def test_a_running_applier_fails_slot_state_and_claim(rig: Rig) -> None:
     daemon = rig.start("run")
     try:
