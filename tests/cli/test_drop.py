@@ -86,6 +86,22 @@ def test_control_tables_another_name_uses_are_kept(rig: Rig) -> None:
     assert rig.slots() == set()
 
 
+def test_a_target_role_that_may_not_see_origins_still_drops_the_slot(rig: Rig) -> None:
+    if rig.target is None:
+        pytest.skip("replication origins are on a PostgreSQL target")
+    role = f"ops_{rig.target.dbname}"
+    rig.tgt(f"CREATE ROLE {role} LOGIN")
+    try:
+        url = rig.target.url.replace("postgres@", f"{role}@")
+        r = rig.applier("drop", "--yes", config=rig.variant("plain_role", target={"url": url}))
+    finally:
+        rig.tgt(f"DROP ROLE {role}")
+    assert r.returncode == 0, r.stderr
+    assert f"replication origin '{ORIGIN}' on the target: left alone" in r.stdout
+    assert rig.slots() == set()
+    assert origins(rig) == [ORIGIN]
+
+
 def test_refused_while_an_applier_runs(rig: Rig) -> None:
     daemon = rig.start("run")
     try:
