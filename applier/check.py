@@ -133,13 +133,16 @@ def _conn(c: Checks) -> psycopg.Connection[Any]:
 
 
 def _slot_state(cfg: Config, conn: psycopg.Connection[Any]) -> str:
-    """The slot's WAL is still there and no other process streams from it."""
+    """The slot is not invalidated (its WAL removed; PostgreSQL 17+: any ``invalidation_reason``) and no other
+    process streams from it."""
     slot = cfg.source["slot"]
-    active_pid, wal_status = one_row(conn.execute(
-        "SELECT active_pid, wal_status FROM pg_replication_slots WHERE slot_name = %s", [slot]))
-    if wal_status == "lost":
-        raise ConfigError(f"{cfg.where('source', 'slot')}: slot {slot!r} is invalidated (wal_status 'lost': the "
-                          f"WAL it needed is gone); the replica needs a new slot and a new copy")
+    reason = "invalidation_reason" if conn.info.server_version >= 170000 else "NULL::text"
+    active_pid, wal_status, invalidated = one_row(conn.execute(
+        f"SELECT active_pid, wal_status, {reason} FROM pg_replication_slots WHERE slot_name = %s", [slot]))
+    if wal_status == "lost" or invalidated is not None:
+        raise ConfigError(f"{cfg.where('source', 'slot')}: slot {slot!r} is invalidated ("
+                          + (f"invalidation_reason {invalidated!r}" if invalidated else "wal_status 'lost'")
+                          + "): the changes it held are gone; the replica needs a new slot and a new copy")
     if active_pid is not None:
         raise InUseError(f"{cfg.where('source', 'slot')}: slot {slot!r} is in use by process {active_pid} on the "
                          f"source (another applier or consumer streams from it)")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from applier.embedded import find_install
+from applier.embedded import PgInstall, find_install
 from applier.progress.store import CONTROL_TABLES
 from tests.cli.opsrig import SLOT, Rig
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
@@ -128,3 +128,24 @@ def test_wal_level_replica_fails(replica_wal_source: ScratchDb, tmp_path: Path) 
     assert {"wal_level", "slot", "target"} <= failed(r)
     assert rig.slots() == set() and rig.target_tables() == set()
     assert set(CONTROL_TABLES).isdisjoint(rig.target_tables())
+
+
+@pytest.fixture
+def small_wal_keep_source(pg_clusters: ClusterPool, pg_install: PgInstall) -> Iterator[ScratchDb]:
+    cluster = pg_clusters.get(pg_install, "slot-keep", {"max_slot_wal_keep_size": "1MB", "min_wal_size": "32MB"})
+    with scratch_db(cluster, "src") as db:
+        yield db
+
+
+def test_an_invalidated_slot_fails_slot_state(small_wal_keep_source: ScratchDb, tmp_path: Path) -> None:
+    rig = Rig.make(small_wal_keep_source, None, tmp_path)
+    assert rig.applier("init").returncode == 0
+    for _ in range(4):  # past max_slot_wal_keep_size: the next checkpoint removes the WAL the slot holds
+        rig.src("INSERT INTO t SELECT g, repeat('x', 200) FROM generate_series(1, 5000) g; DELETE FROM t")
+        rig.src("SELECT pg_switch_wal()")
+    rig.src("CHECKPOINT")
+    assert rig.src("SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s", [SLOT]) == [("lost",)]
+    r = rig.applier("check")
+    assert r.returncode != 0
+    assert "slot state" in failed(r), r.stdout
+    assert f"slot '{SLOT}' is invalidated" in r.stdout
