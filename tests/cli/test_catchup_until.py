@@ -45,6 +45,25 @@ def test_until_applies_the_commits_at_or_before_it_and_stops(rig: Rig) -> None:
     assert rig.applied_lsn() == b_end
 
 
+def test_until_and_a_streamed_transaction(source_db: ScratchDb, tmp_path: Path) -> None:
+    # the walsender streams a transaction larger than logical_decoding_work_mem before it commits
+    rig = Rig.make(source_db, None, tmp_path, streaming=True)
+    rig.config.write_text(rig.config.read_text().replace(
+        f'dsn = "{source_db.dsn}"', f'dsn = "{source_db.dsn} options=\'-c logical_decoding_work_mem=64kB\'"'))
+    assert rig.applier("init").returncode == 0
+    rig.src("INSERT INTO t SELECT g, repeat('x', 100) FROM generate_series(1, 3000) g")
+    rig.src("INSERT INTO t VALUES (0, 'after')")
+    (big_commit, big_end), _ = rig.pending()
+
+    r = rig.applier("catchup", "--until", str(LSN(big_commit - 1)))
+    assert r.returncode == 0, r.stderr
+    assert rig.tgt("SELECT count(*) FROM t") == [(0,)]
+    r = rig.applier("catchup", "--until", str(big_commit))
+    assert r.returncode == 0, r.stderr
+    assert rig.tgt("SELECT count(*), min(id) FROM t") == [(3000, 1)]
+    assert rig.applied_lsn() == big_end
+
+
 def test_until_past_the_source_waits_for_it(rig: Rig) -> None:
     rig.src("INSERT INTO t VALUES (1, 'x')")
     ahead = LSN(LSN.parse(rig.src("SELECT pg_current_wal_insert_lsn()::text")[0][0]) + 1)
