@@ -46,10 +46,9 @@ def test_until_applies_the_commits_at_or_before_it_and_stops(rig: Rig) -> None:
 
 
 def test_until_and_a_streamed_transaction(source_db: ScratchDb, tmp_path: Path) -> None:
-    # the walsender streams a transaction larger than logical_decoding_work_mem before it commits
+    # the walsender streams a transaction larger than logical_decoding_work_mem (64kB on the test servers) before
+    # it commits
     rig = Rig.make(source_db, None, tmp_path, streaming=True)
-    rig.config.write_text(rig.config.read_text().replace(
-        f'dsn = "{source_db.dsn}"', f'dsn = "{source_db.dsn} options=\'-c logical_decoding_work_mem=64kB\'"'))
     assert rig.applier("init").returncode == 0
     rig.src("INSERT INTO t SELECT g, repeat('x', 100) FROM generate_series(1, 3000) g")
     rig.src("INSERT INTO t VALUES (0, 'after')")
@@ -62,6 +61,23 @@ def test_until_and_a_streamed_transaction(source_db: ScratchDb, tmp_path: Path) 
     assert r.returncode == 0, r.stderr
     assert rig.tgt("SELECT count(*), min(id) FROM t") == [(3000, 1)]
     assert rig.applied_lsn() == big_end
+
+
+def test_until_between_prepare_and_commit_prepared(source_db: ScratchDb, tmp_path: Path) -> None:
+    rig = Rig.make(source_db, None, tmp_path, two_phase=True)
+    assert rig.applier("init").returncode == 0
+    rig.src("BEGIN; INSERT INTO t VALUES (10, 'prepared'); PREPARE TRANSACTION 'g1'")
+    between = LSN.parse(rig.src("SELECT pg_current_wal_insert_lsn()::text")[0][0])
+    rig.src("COMMIT PREPARED 'g1'")
+
+    r = rig.applier("catchup", "--until", str(between))  # the PREPARE is applied, the COMMIT PREPARED is not
+    assert r.returncode == 0, r.stderr
+    assert ids(rig) == []
+    assert rig.tgt("SELECT gid FROM applier_prepared") == [("g1",)]
+    r = rig.applier("catchup")
+    assert r.returncode == 0, r.stderr
+    assert ids(rig) == [10]
+    assert rig.tgt("SELECT gid FROM applier_prepared") == []
 
 
 def test_until_past_the_source_waits_for_it(rig: Rig) -> None:
