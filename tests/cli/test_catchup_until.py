@@ -67,10 +67,12 @@ def test_until_between_prepare_and_commit_prepared(source_db: ScratchDb, tmp_pat
     rig = Rig.make(source_db, None, tmp_path, two_phase=True)
     assert rig.applier("init").returncode == 0
     rig.src("BEGIN; INSERT INTO t VALUES (10, 'prepared'); PREPARE TRANSACTION 'g1'")
+    rig.src("CREATE TABLE unpublished (id int); INSERT INTO unpublished VALUES (1)")  # WAL after the PREPARE's end
     between = LSN.parse(rig.src("SELECT pg_current_wal_insert_lsn()::text")[0][0])
     rig.src("COMMIT PREPARED 'g1'")
 
-    r = rig.applier("catchup", "--until", str(between))  # the PREPARE is applied, the COMMIT PREPARED is not
+    # just before the COMMIT PREPARED's record (which starts at ``between``): the PREPARE is applied, it is not
+    r = rig.applier("catchup", "--until", str(LSN(between - 1)))
     assert r.returncode == 0, r.stderr
     assert ids(rig) == []
     assert rig.tgt("SELECT gid FROM applier_prepared") == [("g1",)]
