@@ -39,37 +39,62 @@ def source_connect(cfg: Config) -> psycopg.Connection[Any]:
 
 
 def check_source(cfg: Config, need_slot: bool = True) -> dict[str, Any]:
-    """Source reachable, wal_level logical, publications exist, slot exists (if needed); returns facts."""
+    """Source reachable, wal_level logical, publications exist, slot exists (if needed), the role may replicate;
+    returns facts (``server_version``, ``slot``: see ``check_slot``). ``applier check`` (``applier.check``) runs
+    the same checks one by one."""
     with source_connect(cfg) as conn:
-        facts: dict[str, Any] = {"server_version": conn.info.server_version}
-        wal_level = one_row(conn.execute("SHOW wal_level"))[0]
-        if wal_level != "logical":
-            raise ConfigError(f"source: wal_level is {wal_level!r}, logical replication needs 'logical'")
-        have = {r[0] for r in conn.execute("SELECT pubname FROM pg_publication WHERE pubname = ANY(%s)",
-                                           [cfg.source["publications"]])}
-        for pub in cfg.source["publications"]:
-            if pub not in have:
-                raise ConfigError(f"{cfg.where('source', 'publications')}: publication {pub!r} does not exist "
-                                  f"on the source (CREATE PUBLICATION {pub} FOR …)")
-        row = conn.execute(
-            "SELECT plugin, slot_type, two_phase, confirmed_flush_lsn::text, database = current_database() "
-            "FROM pg_replication_slots WHERE slot_name = %s", [cfg.source["slot"]]).fetchone()
-        facts["slot"] = row
-        if row is None and need_slot:
-            raise ConfigError(f"{cfg.where('source', 'slot')}: replication slot {cfg.source['slot']!r} does not exist "
-                              f"on the source (run `applier init`)")
-        if row is not None:
-            if row[0] != "pgoutput" or row[1] != "logical":
-                raise ConfigError(f"{cfg.where('source', 'slot')}: slot {cfg.source['slot']!r} is a {row[1]} slot "
-                                  f"of plugin {row[0]!r}, not a logical pgoutput slot")
-            if not row[4]:
-                raise ConfigError(f"{cfg.where('source', 'slot')}: slot {cfg.source['slot']!r} belongs to another "
-                                  f"database")
-        priv = conn.execute("SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()
-        if not priv or not priv[0]:
-            raise ConfigError(f"{cfg.where('source', 'dsn')}: the source role lacks the REPLICATION privilege "
-                              f"(ALTER ROLE … REPLICATION)")
-        return facts
+        check_wal_level(cfg, conn)
+        check_publications(cfg, conn)
+        slot = check_slot(cfg, conn, need_slot)
+        check_replication_privilege(cfg, conn)
+        return {"server_version": conn.info.server_version, "slot": slot}
+
+
+def check_wal_level(cfg: Config, conn: psycopg.Connection[Any]) -> str:
+    """wal_level is logical (ConfigError if not); a line for ``applier check``."""
+    wal_level = one_row(conn.execute("SHOW wal_level"))[0]
+    if wal_level != "logical":
+        raise ConfigError(f"source: wal_level is {wal_level!r}, logical replication needs 'logical'")
+    return "logical"
+
+
+def check_publications(cfg: Config, conn: psycopg.Connection[Any]) -> str:
+    """Every configured publication exists (ConfigError naming the first missing one)."""
+    have = {r[0] for r in conn.execute("SELECT pubname FROM pg_publication WHERE pubname = ANY(%s)",
+                                       [cfg.source["publications"]])}
+    for pub in cfg.source["publications"]:
+        if pub not in have:
+            raise ConfigError(f"{cfg.where('source', 'publications')}: publication {pub!r} does not exist "
+                              f"on the source (CREATE PUBLICATION {pub} FOR …)")
+    return ", ".join(cfg.source["publications"])
+
+
+def check_slot(cfg: Config, conn: psycopg.Connection[Any], need_slot: bool = True) -> tuple[Any, ...] | None:
+    """The slot is a logical pgoutput slot of this database, and exists if ``need_slot`` (ConfigError if not);
+    its row (plugin, slot_type, two_phase, confirmed_flush_lsn, same database), None when there is none."""
+    row = conn.execute(
+        "SELECT plugin, slot_type, two_phase, confirmed_flush_lsn::text, database = current_database() "
+        "FROM pg_replication_slots WHERE slot_name = %s", [cfg.source["slot"]]).fetchone()
+    if row is None and need_slot:
+        raise ConfigError(f"{cfg.where('source', 'slot')}: replication slot {cfg.source['slot']!r} does not exist "
+                          f"on the source (run `applier init`)")
+    if row is not None:
+        if row[0] != "pgoutput" or row[1] != "logical":
+            raise ConfigError(f"{cfg.where('source', 'slot')}: slot {cfg.source['slot']!r} is a {row[1]} slot "
+                              f"of plugin {row[0]!r}, not a logical pgoutput slot")
+        if not row[4]:
+            raise ConfigError(f"{cfg.where('source', 'slot')}: slot {cfg.source['slot']!r} belongs to another "
+                              f"database")
+    return None if row is None else tuple(row)
+
+
+def check_replication_privilege(cfg: Config, conn: psycopg.Connection[Any]) -> str:
+    """The source role has REPLICATION (or is a superuser); ConfigError if not."""
+    priv = conn.execute("SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()
+    if not priv or not priv[0]:
+        raise ConfigError(f"{cfg.where('source', 'dsn')}: the source role lacks the REPLICATION privilege "
+                          f"(ALTER ROLE … REPLICATION)")
+    return "REPLICATION"
 
 
 @contextmanager
@@ -141,7 +166,7 @@ def init(cfg: Config) -> list[str]:
     facts = check_source(cfg, need_slot=False)
     check_target(cfg, need_init=False)
     if cfg.source["two_phase"] and cfg.target_dialect == "postgresql" and cfg.target["two_phase_mode"] == "prepare":
-        _check_prepared_allowed(cfg)
+        check_prepared_allowed(cfg)
     from applier.progress.migrate import migrate  # start-up time: alembic/SQLAlchemy (status/skip need not)
 
     before, after = migrate(cfg.target["url"])
@@ -161,7 +186,7 @@ def init(cfg: Config) -> list[str]:
     return done
 
 
-def _check_prepared_allowed(cfg: Config) -> None:
+def check_prepared_allowed(cfg: Config) -> None:
     """The PostgreSQL target can hold prepared transactions (``two_phase_mode = "prepare"``); ConfigError if not."""
     with opener.open(cfg, plain=True, autocommit=True) as conn:
         n = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])

@@ -52,16 +52,22 @@ def init(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, pub
 
 @app.command()
 def catchup(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publication: PubOpt = None,
-            target: TargetOpt = None, metrics: MetricsOpt = None, log_format: LogFormatOpt = None) -> None:
-    """Apply everything the slot holds up to the source's WAL position now, then exit with a summary.
+            target: TargetOpt = None, metrics: MetricsOpt = None, log_format: LogFormatOpt = None,
+            until: Annotated[str | None, typer.Option(
+                "--until", metavar="LSN", help="Apply the transactions committed at or before this LSN, then stop "
+                "(as pg_recvlogical's --endpos; a position the source has not reached yet is waited for).")]
+            = None) -> None:
+    """Apply everything the slot holds up to the source's WAL position now (or --until LSN), then exit with a summary.
 
     Examples:
 
       applier catchup -c applier.toml
 
+      applier catchup -c applier.toml --until 0/16F4428
+
       APPLIER_TARGET_URL=sqlite:////tmp/r.db applier catchup -c applier.toml
     """
-    run_guarded(apply, True, config, dsn, slot, publication, target, metrics, log_format)
+    run_guarded(apply, True, config, dsn, slot, publication, target, metrics, log_format, until)
 
 
 @app.command()

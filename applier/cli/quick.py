@@ -9,8 +9,8 @@ to the typer app, which defines the command line.
 Invariants:
 - ``parse`` accepts only what the typer app reads the same way: ``[-v|--verbose] catchup|run``
   followed by ``--option VALUE`` / ``--option=VALUE`` / ``-c VALUE`` / ``-p VALUE`` pairs of the
-  shared options (``applier.cli.guard``'s names), each given once except ``--publication``, each
-  value non-empty and not starting with ``-``. Anything else (``--help``, an unknown option, a
+  shared options (``applier.cli.guard``'s names; ``catchup`` also ``--until``), each given once
+  except ``--publication``, each value non-empty and not starting with ``-``. Anything else (``--help``, an unknown option, a
   missing value, another command) is None: typer parses it, and prints its usage errors.
 - Both ways in run ``apply`` with the same values through ``guard.run_guarded``: the same output,
   the same one-line errors, the same exit codes.
@@ -36,11 +36,13 @@ from applier.cli.guard import (
     SLOT,
     TARGET,
     VERBOSE,
+    UserError,
     echo,
     make_config,
     run_guarded,
     setup_logging,
 )
+from applier.lsn import LSN
 
 COMMANDS = ("catchup", "run")
 # option name -> the apply function's parameter
@@ -48,6 +50,7 @@ OPTIONS = {name: param for names, param in ((CONFIG, "config"), (DSN, "dsn"), (S
                                              (PUBLICATION, "publication"), (TARGET, "target"),
                                              (METRICS, "metrics"), (LOG_FORMAT, "log_format"))
             for name in names}
+CATCHUP_OPTIONS = {**OPTIONS, "--until": "until"}  # catchup also stops at a position (``catchup --until``)
 _REPEATABLE = frozenset(("publication",))
 
 
@@ -78,7 +81,7 @@ def parse(argv: list[str]) -> Call | None:
             if not rest:
                 return None
             value = rest.pop(0)
-        param = OPTIONS.get(name)
+        param = (CATCHUP_OPTIONS if command == "catchup" else OPTIONS).get(name)
         if param is None or not value or value.startswith("-"):
             return None
         if param in _REPEATABLE:
@@ -105,14 +108,19 @@ def run(call: Call) -> None:
 
 def apply(catchup: bool, config: Path | None = None, dsn: str | None = None, slot: str | None = None,
           publication: list[str] | None = None, target: str | None = None, metrics: str | None = None,
-          log_format: str | None = None) -> None:
+          log_format: str | None = None, until: str | None = None) -> None:
     """``applier catchup`` (``catchup``) or ``applier run``: check, serve the metrics (if on), apply, print the
-    summary line."""
+    summary line. ``until`` (catchup only, typer's way in): apply the transactions committed at or before this
+    LSN and stop."""
     # here, not at the top: start-up time (`applier --help` and the other commands do not load the engine)
     from applier.admin import check_source, check_target
     from applier.engine.heartbeat import Bar, Heartbeat
     from applier.engine.runner import Runner
 
+    try:
+        end = None if until is None else LSN.parse(until)
+    except ValueError as exc:
+        raise UserError(f"--until: {exc}") from None
     cfg = make_config(config, dsn, slot, publication, target, metrics=metrics, log_format=log_format)
     served = None
     listen = cfg.metrics_listen
@@ -132,7 +140,8 @@ def apply(catchup: bool, config: Path | None = None, dsn: str | None = None, slo
     # catchup on a terminal: a bar instead of progress lines (the runner logs lines otherwise)
     bar = Bar() if catchup and cfg.apply["heartbeat_interval"] > 0 and sys.stderr.isatty() else None
     runner = Runner(cfg, catchup=catchup, stop=stop,
-                    heartbeat=Heartbeat(Bar.EVERY, bar.show) if bar is not None else None, metrics=served)
+                    heartbeat=Heartbeat(Bar.EVERY, bar.show) if bar is not None else None, metrics=served,
+                    until=end)
     complete = False
     try:
         summary = runner.run()

@@ -30,7 +30,9 @@ Metrics (``applier.metrics``, when on): the runner hands each session's engine a
 ``Metrics`` object and counts errors by kind, retries and reconnects; the engine reports each commit.
 
 Catch-up goal: the source's ``pg_current_wal_insert_lsn()`` when the command
-starts. It is reached when a commit ends at or past it, or a keepalive's WAL end
+starts, or ``until`` (``catchup --until``, pg_recvlogical's ``--endpos``: a position past the
+source's WAL is waited for, streaming). With ``until``, a transaction whose commit (or prepare)
+is past it is not applied: the session stops at its first message (``past_until``). It is reached when a commit ends at or past it, or a keepalive's WAL end
 passes it (transactions with nothing published are never sent). The insert
 position can sit just past a page header no record will ever end in; a WAL end
 at that page's start counts as reached too.
@@ -199,6 +201,17 @@ _TRANSIENT_STATES = frozenset({
     "40001", "40P01", "55P03",  # serialization_failure, deadlock_detected, lock_not_available (lock_timeout)
 })
 
+# the field of each message that opens or ends a transaction holding the LSN that ``catchup --until`` compares
+_POSITION_OF = {b"B": "final_lsn", b"b": "prepare_lsn", b"P": "prepare_lsn", b"p": "prepare_lsn",
+                b"K": "commit_lsn", b"c": "commit_lsn", b"r": "rollback_end_lsn"}
+
+
+def past_until(msg: Any, kind: int, until: LSN) -> bool:
+    """True when ``msg`` (its first byte ``kind``) starts or ends a transaction whose commit, prepare or rollback
+    record lies past ``until``: nothing of it is applied (``catchup --until``)."""
+    field = _POSITION_OF.get(bytes((kind,)))
+    return field is not None and getattr(msg, field) > until
+
 
 def is_transient(exc: BaseException) -> bool:
     """A lost connection or a busy database, rather than a change the target refuses: a PostgreSQL error by its
@@ -236,8 +249,10 @@ class Runner:
 
     def __init__(self, cfg: Config, *, catchup: bool, stop: threading.Event | None = None,
                  max_connect_retries: int | None = None, wrap_source: Any = None,
-                 heartbeat: Heartbeat | None = None, metrics: Metrics | None = None) -> None:
+                 heartbeat: Heartbeat | None = None, metrics: Metrics | None = None,
+                 until: LSN | None = None) -> None:
         self.cfg = cfg
+        self.until = until  # catchup's goal instead of the source's position now (``catchup --until``)
         self.metrics = metrics  # told of sessions, errors and retries (``applier.metrics``); None: metrics off
         self.sessions = 0
         self.command = "catchup" if catchup else "run"  # how this process names itself to a second one (claim)
@@ -258,7 +273,10 @@ class Runner:
     def run(self) -> Summary:
         """Apply until stopped (daemon) or caught up (catchup); returns the summary."""
         started = time.monotonic()
-        if self.catchup:
+        if self.catchup and self.until is not None:
+            self.goal = self.summary.goal = self.until
+            log.info("catching up to %s (--until): the transactions committed at or before it", self.goal)
+        elif self.catchup:
             self.goal = current_wal_insert_lsn(self.cfg.source["dsn"], flush=True)
             self.summary.goal = self.goal
             log.info("catching up to the source's WAL insert position %s", self.goal)
@@ -436,6 +454,7 @@ class Runner:
     def _loop(self, engine: ApplyEngine, source: ChunkReader, target: Any, careful: bool, fail_point: LSN) -> None:
         handle = engine.handle
         goal = self.goal
+        until = self.until
         reached: int = LSN(0)  # plain ints from the frames on the hot path
         keepalive_end: int = LSN(0)
         last_confirm = time.monotonic()
@@ -483,6 +502,9 @@ class Runner:
             for frame, msg in chunk:
                 if msg is not None:
                     payload = frame.payload  # type: ignore[union-attr] # a message comes only in XLogData
+                    if until is not None and past_until(msg, payload[0], until):
+                        done = True
+                        break
                     handle(msg, payload)
                     if payload[0] not in _ENDS:  # a change inside a transaction: nothing else to look at
                         continue

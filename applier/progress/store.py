@@ -10,6 +10,10 @@ from applier.lsn import LSN
 # The newest alembic revision of the control tables (tests check it against migrations/).
 HEAD_REVISION = "0004"
 VERSION_TABLE = "applier_alembic_version"
+# Every control table at HEAD_REVISION, alembic's last (``applier drop --control-tables`` drops them in this order);
+# each but the last has the ``name`` column of apply.name.
+CONTROL_TABLES = ("applier_conflicts", "applier_sync_tables", "applier_sync_parts", "applier_sync", "applier_prepared",
+                  "applier_progress", VERSION_TABLE)
 
 
 class Progress(NamedTuple):

@@ -104,6 +104,11 @@ log = logging.getLogger("applier.targets")
 _NO_EQUALITY = frozenset({"json", "xml", "point", "line", "lseg", "box", "path", "polygon", "circle"})
 
 
+def origin_name(name: str) -> str:
+    """The replication origin the target's sessions of apply.name ``name`` carry."""
+    return f"applier_{name}"
+
+
 def libpq_dsn(url: str) -> str:
     """A postgresql URL as a libpq conninfo (query values such as ``options`` kept as given)."""
     from psycopg.conninfo import make_conninfo
@@ -333,7 +338,7 @@ class PostgresTarget(TargetBase):
         self._durable = LSN(0)
         max_prepared = int(one_row(self.conn.execute("SHOW max_prepared_transactions"))[0])
         self.native_prepare = two_phase_mode == "prepare" and max_prepared > 0
-        self.origin = f"applier_{name}"
+        self.origin = origin_name(name)
         self.use_origin = use_origin
         self.has_origin = use_origin and self._setup_origin()
         self.origin_id = 0  # the replication origin's roident, when ``detects_origin``

@@ -110,6 +110,8 @@ def test_plain_apply_command_lines_are_read_as_typer_reads_them() -> None:
         True, False, {"config": Path("a.toml"), "dsn": "host=h dbname=d", "publication": ["p1", "p2"], "slot": "s",
                       "target": "sqlite:///r.db"})
     assert quick.parse(["--verbose", "catchup", "-c", "a.toml"]) == quick.Call(True, True, {"config": Path("a.toml")})
+    assert quick.parse(["catchup", "--until", "0/1"]) == quick.Call(False, True, {"until": "0/1"})
+    assert quick.parse(["run", "--until", "0/1"]) is None  # catchup's alone: typer refuses it for run
 
 
 @pytest.mark.parametrize("command", quick.COMMANDS)
@@ -117,7 +119,7 @@ def test_quick_options_are_the_typer_commands_options(command: str) -> None:
     group = typer.main.get_command(app)
     cmd = group.commands[command]  # type: ignore[attr-defined]
     typer_options = {opt: p.name for p in cmd.params for opt in p.opts}
-    assert typer_options == quick.OPTIONS
+    assert typer_options == (quick.CATCHUP_OPTIONS if command == "catchup" else quick.OPTIONS)
     # (--version is typer's alone: a command line with it is not a plain catchup/run line)
     assert {opt for p in group.params for opt in p.opts} - {"--version"} == set(quick.VERBOSE)
     assert quick.parse(["--version", command]) is None

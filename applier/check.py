@@ -1,0 +1,209 @@
+"""``applier check``: every start-up check, one by one, read-only.
+
+Contract: ``run_checks(cfg)`` runs the checks the apply commands make before they start (``applier.admin``'s
+source and target checks, the slot against the progress row as the runner checks it, the claim) and, beyond
+them, that each published table exists on the target with its published columns (as ``applier sync`` checks an
+existing table). Each gives one ``Result``: passed (with what was found), failed (the one line the command
+would have stopped with, and its error), or skipped (a check it needs failed). Nothing is created or changed:
+no slot, no control table, no target file, no claim taken.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from applier.admin import (
+    check_prepared_allowed,
+    check_publications,
+    check_replication_privilege,
+    check_slot,
+    check_target,
+    check_wal_level,
+    read_progress,
+    source_connect,
+    target_db,
+)
+from applier.config import Config, ConfigError, redact_dsn
+from applier.engine.runner import check_progress_owner
+from applier.errors import InUseError
+from applier.lsn import LSN
+from applier.migrate.schema import check_pg_table, check_sqlite_table, read_source_tables
+from applier.rows import one_row
+from applier.source.base import SourceError
+from applier.source.walsender import WalSender, session_dsn
+from applier.targets import opener
+from applier.targets.claim import refusal, target_holder
+from applier.targets.naming import quoted_name, shown_name, target_table
+from applier.text import one_line
+
+# What a check may fail with: each is one line naming what is wrong (a database error is wrapped into a
+# ConfigError naming the check).
+_FAILURES = (ConfigError, SourceError, InUseError, psycopg.Error, sqlite3.Error)
+
+
+@dataclass
+class Result:
+    """One check: ``state`` is 'ok', 'fail' or 'skip'; ``detail`` what was found or what is wrong."""
+
+    name: str
+    state: str
+    detail: str
+    error: Exception | None = None
+
+    def line(self) -> str:
+        """One line for people."""
+        return f"{self.state:<4}  {self.name}: {self.detail}"
+
+
+@dataclass
+class Checks:
+    """The results so far, and what the passed checks found for the later ones."""
+
+    cfg: Config
+    results: list[Result] = field(default_factory=list)
+    source: psycopg.Connection[Any] | None = None
+    system: str | None = None  # the source's system identifier (IDENTIFY_SYSTEM)
+    slot: tuple[Any, ...] | None = None  # admin.check_slot's row
+
+    def passed(self, name: str) -> bool:
+        return any(r.name == name and r.state == "ok" for r in self.results)
+
+    def run(self, name: str, check: Callable[[], str], needs: tuple[str, ...] = ()) -> None:
+        """Run ``check`` (returns what it found; raises one of ``_FAILURES``) unless a check it needs failed."""
+        missing = [n for n in needs if not self.passed(n)]
+        if missing:
+            self.results.append(Result(name, "skip", f"needs {', '.join(missing)}"))
+            return
+        try:
+            self.results.append(Result(name, "ok", check()))
+        except _FAILURES as exc:
+            error = exc if isinstance(exc, (ConfigError, SourceError, InUseError)) \
+                else ConfigError(f"{name}: {one_line(exc)[:300]}")
+            self.results.append(Result(name, "fail", str(error), error))
+
+
+def run_checks(cfg: Config) -> list[Result]:
+    """Every start-up check of ``cfg``, in order; see the module header."""
+    c = Checks(cfg)
+    s = cfg.source
+    with ExitStack() as stack:
+        def connect() -> str:
+            c.source = stack.enter_context(source_connect(cfg))
+            version = c.source.info.server_version
+            return f"{redact_dsn(s['dsn'])} (PostgreSQL {version // 10000}.{version % 10000})"
+
+        def replication() -> str:
+            ws = WalSender(session_dsn(s["dsn"]), connect_timeout=s["connect_timeout"])
+            try:
+                c.system = ws.identify_system()["systemid"]
+            finally:
+                ws.close()
+            return f"system identifier {c.system}"
+
+        def slot() -> str:
+            assert c.source is not None
+            c.slot = check_slot(cfg, c.source)
+            assert c.slot is not None
+            return f"{s['slot']!r}, confirmed up to {c.slot[3]}"
+
+        c.run("source connection", connect)
+        src = ("source connection",)
+        c.run("source privileges", lambda: check_replication_privilege(cfg, _conn(c)), src)
+        c.run("wal_level", lambda: check_wal_level(cfg, _conn(c)), src)
+        c.run("publications", lambda: check_publications(cfg, _conn(c)), src)
+        c.run("replication connection", replication, ("source privileges",))
+        c.run("slot", slot, src)
+        c.run("slot state", lambda: _slot_state(cfg, _conn(c)), ("slot",))
+        c.run("target", lambda: _target(cfg))
+        c.run("slot and progress", lambda: _progress(c), ("slot", "replication connection", "target"))
+        c.run("target tables", lambda: _tables(cfg, _conn(c)), ("publications", "target"))
+        c.run("claim", lambda: _claim(cfg), ("target",))
+    return c.results
+
+
+def _conn(c: Checks) -> psycopg.Connection[Any]:
+    assert c.source is not None
+    return c.source
+
+
+def _slot_state(cfg: Config, conn: psycopg.Connection[Any]) -> str:
+    """The slot is not invalidated (its WAL removed; PostgreSQL 17+: any ``invalidation_reason``) and no other
+    process streams from it."""
+    slot = cfg.source["slot"]
+    reason = "invalidation_reason" if conn.info.server_version >= 170000 else "NULL::text"
+    active_pid, wal_status, invalidated = one_row(conn.execute(
+        f"SELECT active_pid, wal_status, {reason} FROM pg_replication_slots WHERE slot_name = %s", [slot]))
+    if wal_status == "lost" or invalidated is not None:
+        raise ConfigError(f"{cfg.where('source', 'slot')}: slot {slot!r} is invalidated ("
+                          + (f"invalidation_reason {invalidated!r}" if invalidated else "wal_status 'lost'")
+                          + "): the changes it held are gone; the replica needs a new slot and a new copy")
+    if active_pid is not None:
+        raise InUseError(f"{cfg.where('source', 'slot')}: slot {slot!r} is in use by process {active_pid} on the "
+                         f"source (another applier or consumer streams from it)")
+    return f"not in use, wal_status {wal_status}"
+
+
+def _target(cfg: Config) -> str:
+    """The target opens and holds the control tables at the newest revision, writable (and, applying prepared
+    transactions as such, can hold them)."""
+    rev = check_target(cfg)
+    if cfg.source["two_phase"] and cfg.target_dialect == "postgresql" and cfg.target["two_phase_mode"] == "prepare":
+        check_prepared_allowed(cfg)
+    return f"{redact_dsn(cfg.target['url'])}, control tables at revision {rev}"
+
+
+def _progress(c: Checks) -> str:
+    """The recorded position belongs to this source and slot, and the slot has not gone past it (as the runner
+    checks at each session's start)."""
+    assert c.slot is not None
+    progress = read_progress(c.cfg)
+    check_progress_owner(c.cfg, progress, c.system, LSN.parse(c.slot[3]) if c.slot[3] else None)
+    return f"applied up to {progress.lsn}" if progress.lsn else "nothing applied yet"
+
+
+def _tables(cfg: Config, conn: psycopg.Connection[Any]) -> str:
+    """Every published table exists on the target with every published column (as ``applier sync`` checks an
+    existing table), and on PostgreSQL the target role may read and change its rows."""
+    tables = read_source_tables(conn, cfg.source["publications"])
+    dialect = cfg.target_dialect
+    problems = []
+    with target_db(cfg) as tgt:
+        for t in tables:
+            schema, name = target_table(t.relation(), dialect, cfg.target["tables"])
+            found = check_sqlite_table(tgt, t, name) if dialect == "sqlite" else check_pg_table(tgt, t, schema, name)
+            if found is not None and dialect != "sqlite":
+                found += _pg_privileges(tgt, quoted_name(schema, name))
+            if found is None:
+                problems.append(f"table {shown_name(schema, name)} (of {t.qualified}) does not exist on the target "
+                                f"(`applier sync --table {t.qualified}` creates and copies it)")
+            problems += [f"table {shown_name(schema, name)}: {p}" for p in found or []]
+    if problems:
+        raise ConfigError(f"{cfg.where('target', 'url')}: " + "; ".join(problems))
+    return f"{len(tables)} published, all on the target"
+
+
+def _pg_privileges(conn: Any, qname: str) -> list[str]:
+    """What the target role may not do to a target table that the apply does to it (one line, or none)."""
+    row = one_row(conn.execute("SELECT " + ", ".join(f"has_table_privilege(%s, '{p}')" for p in _APPLY_PRIVILEGES),
+                               [qname] * len(_APPLY_PRIVILEGES)))
+    lacking = [p for p, ok in zip(_APPLY_PRIVILEGES, row) if not ok]
+    return [f"the target role lacks {', '.join(lacking)} on it (GRANT {', '.join(lacking)} ON {qname} TO …)"] \
+        if lacking else []
+
+
+_APPLY_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE")
+
+
+def _claim(cfg: Config) -> str:
+    """No applier holds the progress row now (as ``run`` and ``catchup`` would be refused)."""
+    with target_db(cfg) as conn:
+        holder = target_holder(cfg.target_dialect, conn, opener.location(cfg), cfg.apply["name"])
+    if holder is not None:
+        raise refusal(cfg.apply["name"], holder)
+    return f"apply.name {cfg.apply['name']!r} is free"

@@ -1,0 +1,100 @@
+"""A replication set up as an operator has it, for the operating commands' tests (check, drop, catchup --until).
+
+A source database with table ``t`` in publication ``pub``, a target (a SQLite file or a scratch PostgreSQL
+database) with ``t`` created, a config file, and the installed ``applier`` script run against it in a
+subprocess: what a user types, what a user reads.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from applier.decoder.messages import Begin, Commit
+from applier.decoder.pgoutput import decode_message
+from applier.lsn import LSN
+from tests.plugins.cli import applier_script, clean_env, write_toml
+from tests.plugins.clusters import ScratchDb
+from tests.plugins.target_side import TargetSide
+
+SLOT = "ops_slot"
+
+
+@dataclass
+class Rig(TargetSide):
+    """One replication: ``source``, ``target`` (None: the SQLite file ``sqlite_path``), ``config``."""
+
+    source: ScratchDb
+    target: ScratchDb | None
+    sqlite_path: Path
+    config: Path
+
+    @classmethod
+    def make(cls, source: ScratchDb, target: ScratchDb | None, tmp: Path, **source_keys: Any) -> Rig:
+        """The tables and the config (nothing of applier's made yet: run ``init``)."""
+        source.cluster.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE PUBLICATION pub FOR TABLE t",
+                               source.dbname)
+        rig = cls(source, target, tmp / "replica.db", tmp / "applier.toml")
+        rig.tgt("CREATE TABLE t (id int PRIMARY KEY, v text)")
+        url = target.url if target is not None else f"sqlite:///{rig.sqlite_path}"
+        write_toml(rig.config, {"source": {"dsn": source.dsn, "slot": SLOT, "publications": ["pub"], **source_keys},
+                                "target": {"url": url}, "apply": {"work_dir": str(tmp / "work")}})
+        return rig
+
+    def applier(self, *args: str, config: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """``applier ARGS -c CONFIG`` (this rig's config, or ``config``), run to its end."""
+        return subprocess.run([applier_script(), *args, "-c", str(config or self.config)], capture_output=True,
+                              text=True, timeout=timeout, env=clean_env(), stdin=subprocess.DEVNULL)
+
+    def variant(self, name: str, **changes: dict[str, Any]) -> Path:
+        """A config file beside this one with ``changes`` (section -> keys) made to it."""
+        sections = tomllib.loads(self.config.read_text())
+        for section, keys in changes.items():
+            sections.setdefault(section, {}).update(keys)
+        return write_toml(self.config.with_name(f"{name}.toml"), sections)
+
+    def start(self, *args: str) -> subprocess.Popen[str]:
+        """``applier ARGS -c CONFIG`` in the background."""
+        return subprocess.Popen([applier_script(), *args, "-c", str(self.config)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=clean_env(), stdin=subprocess.DEVNULL)
+
+    def src(self, query: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
+        """One statement on the source; its rows."""
+        return self.source.cluster.execute(query, self.source.dbname, params)
+
+    def slots(self) -> set[str]:
+        """The replication slots of the source database."""
+        return {r[0] for r in self.src("SELECT slot_name FROM pg_replication_slots WHERE database = "
+                                       "current_database()")}
+
+    def target_tables(self) -> set[str]:
+        """The target's tables whose names start with applier."""
+        if self.target is not None:
+            return {r[0] for r in self.tgt("SELECT tablename FROM pg_tables WHERE tablename LIKE 'applier%%'")}
+        if not self.sqlite_path.exists():
+            return set()
+        return {r[0] for r in self.tgt("SELECT name FROM sqlite_master WHERE type = 'table' "
+                                       "AND name LIKE 'applier%'")}
+
+    def applied_lsn(self) -> LSN:
+        """The target's recorded position for apply.name 'applier'."""
+        rows = self.tgt("SELECT lsn FROM applier_progress WHERE name = 'applier'")
+        return LSN.parse(rows[0][0]) if rows else LSN(0)
+
+    def pending(self) -> list[tuple[LSN, LSN]]:
+        """(commit LSN, end LSN) of each transaction the slot holds, in order (peeked: not consumed)."""
+        out = []
+        begin: Begin | None = None
+        for (data,) in self.src("SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, "
+                                "'proto_version', '1', 'publication_names', 'pub')", [SLOT]):
+            msg = decode_message(bytes(data))
+            if isinstance(msg, Begin):
+                begin = msg
+            elif isinstance(msg, Commit):
+                assert begin is not None
+                out.append((begin.final_lsn, msg.end_lsn))
+        return out
+
