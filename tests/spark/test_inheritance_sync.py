@@ -2,7 +2,8 @@
 
 What a user relies on: changes to a parent (``UPDATE ONLY``, ``DELETE FROM ONLY``, ``TRUNCATE ONLY``) change the
 parent's rows on the target and none of its children's, so ``catchup`` and ``verify`` agree; a new copy
-(``sync --force``) empties the published tables and not an unpublished child's rows, which are the target's own.
+(``sync --force``) empties the published tables and not an unpublished child's rows, which are the target's own;
+nor do such rows make a first ``sync`` take the parent for a table that holds rows.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def test_a_parent_changed_and_copied_again_leaves_its_children_alone(spark, src:
     (tmp_path / "schema.sql").write_text(schema)
     subprocess.run([str(install.bin("psql")), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", dst.dsn,
                     "-f", str(tmp_path / "schema.sql")], capture_output=True, text=True, check=True, timeout=60)
+    # the target's own row in an unpublished child: not a row of the published (empty) parent
+    dst.cluster.execute("INSERT INTO keep_c VALUES (7, 'the target''s own', 'x')", dst.dbname)
     cfg = make_config(src, dst.url, tmp_path / "work", partitions=1)
     res = sync(cfg, spark=spark)
     assert {t.table: t.rows for t in res.tables} == {"public.inh_p": 3, "public.inh_c": 3, "public.trunc_p": 2,
@@ -68,7 +71,6 @@ def test_a_parent_changed_and_copied_again_leaves_its_children_alone(spark, src:
     assert _only(dst, "trunc_c") == [(1, "c1", "x"), (3, "c3", "x")]
     assert verify(cfg, spark=spark).ok
 
-    dst.cluster.execute("INSERT INTO keep_c VALUES (7, 'the target''s own', 'x')", dst.dbname)  # not published
     src.cluster.execute("INSERT INTO keep_p VALUES (2, 'p2')", src.dbname)
     res = sync(cfg, spark=spark, force=True)
     assert {t.table: t.rows for t in res.tables}["public.keep_p"] == 2
