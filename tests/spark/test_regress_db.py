@@ -169,8 +169,8 @@ def _dml_round(src: ScratchDb, tables: list[Published]) -> int:
     did."""
     done = 0
     with psycopg.connect(src.dsn, autocommit=True) as conn:
-        for stmt in REPRO_DML:
-            conn.execute(stmt)
+        for repro in REPRO_DML:
+            conn.execute(repro)
         statements = [sql.SQL(s).format(t=sql.Identifier(t.schema, t.name), c=sql.Identifier(t.settable))
                       for t in tables if t.settable is not None and t.name not in REPRO_TABLES for s in DML]
         for stmt in statements + [sql.SQL(s) for s in THROUGH_PARENTS]:
