@@ -1,4 +1,4 @@
-"""Published tables' contents on the source and on a PostgreSQL target, compared with plain SQL, not ``verify``.
+"""Published tables' contents on the source and on a target, compared directly, not with ``verify``.
 
 Why: ``applier verify`` is applier's own code (Spark jobs, key ranges, its canonical form of values) and is itself
 under test; a test that trusts it cannot see what it misses (a generated column it skips, a row it hashes the same
@@ -7,6 +7,11 @@ row count, an md5 over the text of every row (every column, generated ones inclu
 and for every column an md5 over its values' text in order: equal contents give equal digests, and the column
 digests name the columns that differ. For a table that differs, both sides' rows are read to show a few rows
 found on one side only.
+
+On a SQLite target the values are compared as the README's mapping promises them
+(``applier.targets.values``, the documented mapping, applied to each source value as PostgreSQL prints it):
+every row of the source, mapped, must be a row of the target table, and no other; a generated column the
+publication does not send is left out there by design, so it is not compared.
 
 Invariants: rows are read ``FROM ONLY`` the table (its own rows, as a publication publishes an inheritance parent;
 a child is a table of its own), except a partitioned table published via its root, read with its partitions; the
@@ -17,12 +22,17 @@ the source table's, looked up by name on the target (a column the target lacks i
 
 from __future__ import annotations
 
+import sqlite3
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from psycopg import sql
+
+from applier.decoder.messages import Column, Relation
+from applier.targets.values import sqlite_text_converters
+from applier.text import quote_ident
 
 # settings that decide how values print as text: the same on both sides
 SESSION = ("SET DateStyle = 'ISO, YMD'", "SET IntervalStyle = 'postgres'", "SET TimeZone = 'UTC'",
@@ -41,6 +51,7 @@ class Published:
     rowfilter: str | None
     columns: tuple[str, ...]  # every column of the source table, generated ones included, by position
     settable: str | None  # its first column that is not generated (None: it has none)
+    generated: tuple[str, ...] = ()  # its generated columns
 
     @property
     def qualified(self) -> str:
@@ -73,11 +84,14 @@ def published_tables(conn: psycopg.Connection[Any], publication: str) -> list[Pu
         "       coalesce((SELECT array_agg(a.attname::text ORDER BY a.attnum) FROM pg_attribute a "
         "                 WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped), '{}'), "
         "       (SELECT a.attname::text FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0 "
-        "        AND NOT a.attisdropped AND a.attgenerated = '' ORDER BY a.attnum LIMIT 1) "
+        "        AND NOT a.attisdropped AND a.attgenerated = '' ORDER BY a.attnum LIMIT 1), "
+        "       coalesce((SELECT array_agg(a.attname::text ORDER BY a.attnum) FROM pg_attribute a "
+        "                 WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped "
+        "                   AND a.attgenerated <> ''), '{}') "
         "FROM pg_publication_tables p JOIN pg_namespace n ON n.nspname = p.schemaname "
         "JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = p.tablename "
         "WHERE p.pubname = %s ORDER BY 1, 2", [publication]).fetchall()
-    return [Published(s, t, k, f, tuple(cols), first) for s, t, k, f, cols, first in rows]
+    return [Published(s, t, k, f, tuple(cols), first, tuple(gen)) for s, t, k, f, cols, first, gen in rows]
 
 
 def _from(table: Published, rowfilter: str | None) -> sql.Composable:
@@ -150,4 +164,57 @@ def differences(source_dsn: str, target_dsn: str, tables: list[Published]) -> li
             if b - a:
                 what.append("only on the target: " + _shown(b - a))
             out.append(f"{table.qualified}: " + "; ".join(what))
+    return out
+
+
+def _sqlite_rows(src: psycopg.Connection[Any], table: Published) -> tuple[tuple[str, ...], Counter[tuple[Any, ...]]]:
+    """The columns a SQLite target holds (all but the generated ones) and the source's rows mapped as the README
+    says: each value as PostgreSQL prints it (its type's output function), through the documented mapping."""
+    columns = tuple(c for c in table.columns if c not in table.generated)
+    types = dict(src.execute("SELECT attname::text, atttypid::int FROM pg_attribute WHERE attrelid = %s::regclass "
+                             "AND attnum > 0 AND NOT attisdropped",
+                             [sql.Identifier(table.schema, table.name).as_string(src)]).fetchall())
+    rel = Relation(None, 0, table.schema, table.name, "d", tuple(Column(0, c, types[c], -1) for c in columns))
+    convert = sqlite_text_converters(rel)
+    printed = sql.SQL(", ").join(sql.SQL("CASE WHEN {c} IS NULL THEN NULL ELSE format('%s', {c}) END").format(
+        c=sql.Identifier(c)) for c in columns)
+    out: Counter[tuple[Any, ...]] = Counter()
+    for row in src.execute(sql.SQL("SELECT {} {}").format(printed, _from(table, table.rowfilter))):
+        out[tuple(None if v is None else f(v.encode()) for f, v in zip(convert, row, strict=True))] += 1
+    return columns, out
+
+
+def sqlite_differences(source_dsn: str, path: str, tables: list[Published]) -> list[str]:
+    """One line per table whose rows on the SQLite file at ``path`` are not the source's, mapped: counts, the
+    columns that differ (compared value by value in rows sorted the same way), rows found on one side only."""
+    out = []
+    dst = sqlite3.connect(path)
+    try:
+        with connect(source_dsn) as src:
+            for table in tables:
+                name = table.name if table.schema == "public" else table.qualified
+                present = {r[1] for r in dst.execute(f"PRAGMA table_info({quote_ident(name)})")}
+                if not present:
+                    out.append(f"{table.qualified}: missing on the target")
+                    continue
+                columns, mine = _sqlite_rows(src, table)
+                missing = [c for c in columns if c not in present]
+                if missing:
+                    out.append(f"{table.qualified}: columns missing on the target: " + ", ".join(missing))
+                    continue
+                theirs = Counter(dst.execute("SELECT {} FROM {}".format(", ".join(quote_ident(c) for c in columns),
+                                                                         quote_ident(name))).fetchall())
+                if mine == theirs:
+                    continue
+                what = [f"{mine.total()} rows on the source, {theirs.total()} on the target"]
+                cols = [c for i, c in enumerate(columns)
+                        if Counter(r[i] for r in mine.elements()) != Counter(r[i] for r in theirs.elements())]
+                if cols:
+                    what.append("columns that differ: " + ", ".join(cols))
+                for side, rows_ in (("source", mine - theirs), ("target", theirs - mine)):
+                    if rows_:
+                        what.append(f"only on the {side}: " + _shown(Counter({repr(r): n for r, n in rows_.items()})))
+                out.append(f"{table.qualified}: " + "; ".join(what))
+    finally:
+        dst.close()
     return out

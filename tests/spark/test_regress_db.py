@@ -44,7 +44,7 @@ from applier.targets.postgres import libpq_dsn
 from tests.plugins.clusters import ScratchDb, scratch_db
 from tests.spark.conftest import make_config, target_exec
 from tests.spark.regress_db import build_regression_db, load_schema
-from tests.spark.table_content import Published, differences, published_tables
+from tests.spark.table_content import Published, differences, published_tables, sqlite_differences
 
 pytest.importorskip("pyspark")
 
@@ -205,9 +205,13 @@ def _verify_agrees(cfg: Config, spark: Any, tables: list[Published]) -> None:
     assert len(report.tables) == len(tables)
 
 
-def _same_content(stage: str, src: ScratchDb, target_dsn: str, tables: list[Published]) -> list[str]:
+def _same_content(stage: str, src: ScratchDb, target_url: str, tables: list[Published]) -> list[str]:
     """Lines naming what differs after ``stage``, each table on its own line."""
-    return [f"after {stage}: {line}" for line in differences(src.dsn, target_dsn, tables)]
+    if target_url.startswith("sqlite"):
+        lines = sqlite_differences(src.dsn, target_url.removeprefix("sqlite:///"), tables)
+    else:
+        lines = differences(src.dsn, libpq_dsn(target_url), tables)
+    return [f"after {stage}: {line}" for line in lines]
 
 
 def test_the_regression_database_is_synced_followed_and_verified(spark: Any, regression: ScratchDb,
@@ -219,16 +223,12 @@ def test_the_regression_database_is_synced_followed_and_verified(spark: Any, reg
     res = sync(cfg, spark=spark)
     assert _target_counts(target_url, tables) == _source_counts(regression, tables) == \
         {t.table: t.rows for t in res.tables}
-    target_dsn = None if sqlite else libpq_dsn(target_url)
-    differ = [] if target_dsn is None else _same_content("sync", regression, target_dsn, tables)
+    differ = _same_content("sync", regression, target_url, tables)
     assert _dml_round(regression, tables) >= 100
 
     Runner(cfg, catchup=True).run()
-    if target_dsn is None:
-        assert _target_counts(target_url, tables) == _source_counts(regression, tables)
-    else:
-        differ += _same_content("catchup", regression, target_dsn, tables)
-        assert not differ, "tables that differ between the source and the target:\n" + "\n".join(differ)
+    differ += _same_content("catchup", regression, target_url, tables)
+    assert not differ, "tables that differ between the source and the target:\n" + "\n".join(differ)
     _verify_agrees(cfg, spark, tables)
 
 
@@ -249,10 +249,10 @@ def test_a_target_loaded_with_pg_dump_schema_only_is_synced_followed_and_verifie
         for stmt in checks:
             target.cluster.execute(stmt, target.dbname)
         assert {t.table: t.rows for t in res.tables} == _source_counts(regression, tables)
-        differ = _same_content("sync", regression, target.dsn, tables)
+        differ = _same_content("sync", regression, target.url, tables)
         assert _dml_round(regression, tables) >= 100
 
         Runner(cfg, catchup=True).run()
-        differ += _same_content("catchup", regression, target.dsn, tables)
+        differ += _same_content("catchup", regression, target.url, tables)
         assert not differ, "tables that differ between the source and the target:\n" + "\n".join(differ)
         _verify_agrees(cfg, spark, tables)
