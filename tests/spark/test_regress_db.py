@@ -3,10 +3,11 @@
 What a user relies on: a real, messy schema (inheritance trees, partitions, tables without a key, a table
 without columns, nearly every built-in type, dropped columns) is copied and followed exactly: every
 published table holds on the target what the publication publishes on the source. That is checked
-directly with SQL, not by ``verify`` (which is under test too): on a PostgreSQL target every column of
-every published table, generated ones included, is compared on both sides after the copy and again after
-the changes (``tests.spark.table_content``; the failure names the tables, the columns that differ and
-rows found on one side only); on SQLite the row counts. Then ``verify`` must agree.
+directly, not by ``verify`` (which is under test too): every column of every published table, generated
+ones included, is compared on both sides after the copy and again after the changes
+(``tests.spark.table_content``: with SQL on a PostgreSQL target, through the README's value mapping on
+SQLite; the failure names the tables, the columns that differ and rows found on one side only). Then
+``verify`` must agree.
 
 Two kinds of PostgreSQL target: one whose tables ``sync`` creates, and one loaded first with
 ``pg_dump --schema-only`` of the source (``regress_db.load_schema``), as an operator prepares a target
