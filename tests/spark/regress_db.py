@@ -14,6 +14,12 @@ placeholders filled, with a results directory the server may write.
 Invariant: when ``build_regression_db`` returns, no prepared transaction of the
 database is left (``prepared_xacts`` may leave some, and a logical slot could
 not be created while one is open).
+
+``load_schema`` gives a target the source's schema as an operator does before a
+logical-replication copy: ``pg_dump --schema-only`` of the source database,
+restored with ``psql -v ON_ERROR_STOP=0`` (both of the source's install), so
+inheritance, partitions, constraints, triggers and rules are all there; what the
+restore refuses (roles of the source cluster, …) is returned, not raised.
 """
 
 from __future__ import annotations
@@ -82,3 +88,16 @@ def build_regression_db(cluster: Cluster, dbname: str) -> None:
                            timeout=300, check=False, cwd=tmp)
     for (gid,) in cluster.execute("SELECT gid FROM pg_prepared_xacts WHERE database = %s", dbname, [dbname]):
         cluster.execute(f"ROLLBACK PREPARED '{gid}'", dbname)
+
+
+def load_schema(source: Cluster, source_db: str, target: Cluster, target_db: str, workdir: Path) -> list[str]:
+    """Restore ``pg_dump --schema-only`` of ``source_db`` into ``target_db``, going on past errors; the errors."""
+    dump = workdir / f"{source_db}.schema.sql"
+    dumped = subprocess.run([str(source.install.bin("pg_dump")), "--schema-only", "-f", str(dump),
+                             "-d", source.dsn(source_db)], capture_output=True, text=True, timeout=300, check=False)
+    if dumped.returncode != 0:
+        pytest.fail(f"pg_dump --schema-only of {source_db} failed: {dumped.stderr.strip()}")
+    restored = subprocess.run([str(source.install.bin("psql")), "-X", "-q", "-v", "ON_ERROR_STOP=0",
+                               "-d", target.dsn(target_db), "-f", str(dump)],
+                              capture_output=True, text=True, timeout=600, check=False)
+    return [line for line in restored.stderr.splitlines() if "ERROR:" in line]
