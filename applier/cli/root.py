@@ -24,9 +24,11 @@ __all__ = ["ConfigOpt", "DsnOpt", "LogFormatOpt", "MetricsOpt", "PubOpt", "SlotO
 
 app = typer.Typer(
     help="Apply PostgreSQL logical replication (pgoutput) to PostgreSQL or SQLite, exactly once.",
+    epilog="Exit codes:\n\n" + "\n\n".join(f"  {code}  {meaning}" for code, meaning in guard.EXIT_MEANINGS),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
 )
 
 ConfigOpt = Annotated[Path | None, typer.Option(*guard.CONFIG, help="TOML config file (see config.example.toml).")]
