@@ -211,3 +211,40 @@ def test_redact_dsn(dsn: str, shown: str) -> None:
 ])
 def test_redact_text(line: str, shown: str) -> None:
     assert redact_text(line) == shown
+
+
+@pytest.mark.parametrize(("var", "text", "words"), [
+    ("APPLIER_APPLY_GROUP_COMMIT_DELAY", "-0.5", ["apply.group_commit_delay", "0 or more", "-0.5"]),
+    ("APPLIER_APPLY_RETRY_INITIAL", "-1", ["apply.retry_initial", "more than 0", "-1.0"]),
+    ("APPLIER_APPLY_RETRY_INITIAL", "0", ["apply.retry_initial", "more than 0"]),
+    ("APPLIER_APPLY_RETRY_MAX", "nan", ["apply.retry_max", "nan"]),
+    ("APPLIER_APPLY_HEARTBEAT_INTERVAL", "-1", ["apply.heartbeat_interval", "0 or more"]),
+    ("APPLIER_SOURCE_STATUS_INTERVAL", "0", ["source.status_interval", "more than 0"]),
+    ("APPLIER_SOURCE_CONNECT_TIMEOUT", "-3", ["source.connect_timeout", "0 or more"]),
+    ("APPLIER_SOURCE_PROTO_VERSION", "5", ["source.proto_version", "from 1 to 4"]),
+    ("APPLIER_SPARK_PARTITIONS", "0", ["spark.partitions", "1 or more"]),
+])
+def test_numbers_out_of_range_name_the_key(var: str, text: str, words: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, env={**BASE_ENV, var: text})
+    for word in [var, *words]:
+        assert word in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(("url", "words"), [
+    ("sqlite://r.db", ["names no file", "three slashes", "sqlite:///r.db"]),
+    ("sqlite://", ["in-memory"]),
+    ("sqlite:///:memory:", ["in-memory"]),
+    ("postgresql+psycopg2://u@h/d", ["psycopg2", "psycopg"]),
+])
+def test_target_urls_that_cannot_be_a_replica_are_refused(url: str, words: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, env={**BASE_ENV, "APPLIER_TARGET_URL": url})
+    for word in ["APPLIER_TARGET_URL", *words]:
+        assert word in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("url", ["postgres://u@h/d", "postgresql://u@h/d", "postgresql+psycopg://u@h/d"])
+def test_postgres_urls_as_libpq_takes_them(url: str) -> None:
+    cfg = load_config(None, env={**BASE_ENV, "APPLIER_TARGET_URL": url})
+    assert cfg.target["url"] == "postgresql+psycopg://u@h/d" and cfg.target_dialect == "postgresql"

@@ -15,16 +15,19 @@ functions, so both ways in print the same lines and exit with the same codes.
 from __future__ import annotations
 
 import logging
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
+
+import psycopg
 
 from applier.config import Config, ConfigError, load_config
 from applier.decoder import DecodeError
 from applier.errors import ApplyError, InUseError, SlotGone, Unreachable
 from applier.logs import TextFormatter, use_format
 from applier.source.base import SourceError
-from applier.text import redact_text
+from applier.text import one_line, redact_text
 
 # The shared options' names (``applier.cli.root`` declares them on typer; ``applier.cli.quick`` reads them).
 CONFIG = ("--config", "-c")
@@ -64,7 +67,13 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (DecodeError, USAGE),
     (SourceError, USAGE),  # what the source refused or sent (a missing slot, a bad recording); its loss: Unreachable
     (ApplyError, APPLY),
+    # a driver's error that reached the command unwrapped (a catch-up that ran out of connection retries)
+    (psycopg.OperationalError, CONNECTION),
+    (psycopg.InterfaceError, CONNECTION),
+    (psycopg.Error, APPLY),
+    (sqlite3.Error, APPLY),
 )
+_DRIVER_ERRORS = (psycopg.Error, sqlite3.Error)
 
 
 def exit_code(exc: BaseException) -> int:
@@ -108,7 +117,7 @@ def run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     except tuple(kind for kind, _ in EXIT_CODES) as exc:
         logging.getLogger("applier.cli").debug("the command failed:", exc_info=exc)
-        fail(str(exc), exit_code(exc))
+        fail(one_line(exc) if isinstance(exc, _DRIVER_ERRORS) else str(exc), exit_code(exc))
     except KeyboardInterrupt:
         interrupted()
 

@@ -60,6 +60,7 @@ class World:
         body = {"source": {"dsn": f"{self.source.dsn} password={SECRET}", "slot": "s", "publications": ["pub"],
                            **(source or {})},
                 "target": {"url": target or f"sqlite:///{self.tmp / name}.db"}, **sections}
+        body["apply"] = {"work_dir": str(self.tmp / "work"), **sections.get("apply", {})}
         return write_toml(self.tmp / f"{name}.toml", body)
 
     def src(self, sql: str) -> list[tuple[Any, ...]]:
