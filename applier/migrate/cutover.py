@@ -160,7 +160,8 @@ class CutoverReport:
         """What a person does next, once everything holds."""
         return ["point the application at the target",
                 "drop the slot on the source (it holds WAL until dropped; stop `applier run` first if it runs): "
-                + shell_command("psql", self.source, "-c", self.drop_slot_sql())]
+                # a slot name is lower-case letters, digits and '_' (PostgreSQL's rule): safe in double quotes
+                + shell_command("psql", self.source) + f' -c "{self.drop_slot_sql()}"']
 
     def lines(self) -> list[str]:
         """For people: where the target is, each sequence, verify, then the verdict and what to do next."""
