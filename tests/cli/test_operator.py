@@ -169,9 +169,10 @@ def test_exit_codes_by_kind(world: World) -> None:
         while "running: applier run" not in run("status", "-c", str(good)).stdout:
             assert daemon.poll() is None and time.monotonic() < deadline, daemon.stderr
             time.sleep(0.3)
-        r = run("catchup", "-c", str(good))
-        assert r.returncode == 5, r.stderr
-        assert "applier run" in one_error_line(r)
+        for command in ("catchup", "run"):
+            r = run(command, "-c", str(good))
+            assert r.returncode == 5, (command, r.stderr)
+            assert "applier run" in one_error_line(r)
         # 130: SIGINT (Ctrl-C) stops the daemon as SIGTERM does, with its summary, but says it was interrupted
         daemon.send_signal(signal.SIGINT)
         out, err = daemon.communicate(timeout=60)
