@@ -24,6 +24,7 @@ import psycopg
 
 from applier.config import Config, ConfigError, load_config
 from applier.decoder import DecodeError
+from applier.engine.spool import SpoolFull
 from applier.errors import ApplyError, InUseError, SlotGone, Unreachable
 from applier.logs import TextFormatter, use_format
 from applier.source.base import SourceError
@@ -66,6 +67,7 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (UserError, USAGE),
     (DecodeError, USAGE),
     (SourceError, USAGE),  # what the source refused or sent (a missing slot, a bad recording); its loss: Unreachable
+    (SpoolFull, USAGE),  # no room in apply.work_dir (named): not a change the target refused
     (ApplyError, APPLY),
     # a driver's error that reached the command unwrapped (a catch-up that ran out of connection retries)
     (psycopg.OperationalError, CONNECTION),
