@@ -97,7 +97,7 @@ def redact_dsn(dsn: str) -> str:
 
 def _redact_url(scheme: str, rest: str) -> str:
     """``scheme://rest`` with the password of its user info and the unsafe values of its query masked."""
-    if scheme.partition("+")[0] in _LIBPQ_URI and "+" not in scheme:
+    if scheme in _LIBPQ_URI:  # libpq's own URI (a SQLAlchemy URL, backend+driver://, libpq cannot read)
         try:
             conninfo_to_dict(f"{scheme}://{rest}")
         except PsycopgError:  # libpq cannot read it: nothing of it can be told apart safely
