@@ -11,13 +11,13 @@ from __future__ import annotations
 import sqlite3
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from applier.config import Config, ConfigError, parse_age, redact_dsn
+from applier.config import Config, ConfigError, ConnectError, parse_age
 from applier.decoder.messages import Begin, StreamCommit, StreamStart, StreamStop, pg_timestamp
 from applier.decoder.pgoutput import decode_message
 from applier.lsn import LSN
@@ -26,7 +26,7 @@ from applier.rows import one_row
 from applier.source.base import SourceError, StreamOptions
 from applier.source.walsender import WalSender
 from applier.targets import opener
-from applier.text import one_line
+from applier.text import one_line, redact_dsn, redact_text
 
 
 def source_connect(cfg: Config) -> psycopg.Connection[Any]:
@@ -34,8 +34,8 @@ def source_connect(cfg: Config) -> psycopg.Connection[Any]:
     try:
         return psycopg.connect(cfg.source["dsn"], autocommit=True, connect_timeout=cfg.source["connect_timeout"])
     except psycopg.Error as exc:
-        raise ConfigError(f"{cfg.where('source', 'dsn')}: cannot connect to the source "
-                          f"({redact_dsn(cfg.source['dsn'])}): {one_line(exc)}") from None
+        raise ConnectError(f"{cfg.where('source', 'dsn')}: cannot connect to the source "
+                           f"({redact_dsn(cfg.source['dsn'])}): {redact_text(one_line(exc))}") from None
 
 
 def check_source(cfg: Config, need_slot: bool = True) -> dict[str, Any]:
@@ -208,16 +208,27 @@ def read_progress(cfg: Config) -> Progress:
 def skip(cfg: Config, lsn: LSN) -> str:
     """Ask the engine to skip the one transaction finished at ``lsn``; returns a line for the log.
 
-    A transaction finished before the applied position was applied already: refused (nothing to skip).
+    A transaction finished before the applied position was applied already, and none finished past the source's
+    WAL position now: both refused (nothing to skip). A pending skip of another transaction is replaced; the line
+    says so, naming it.
     """
     check_target(cfg)
-    applied = read_progress(cfg).lsn
+    progress = read_progress(cfg)
+    applied = progress.lsn
     if lsn < applied:
         raise ConfigError(f"--lsn {lsn}: the target is already at {applied}, so the transaction finished at {lsn} "
                           f"was applied (or skipped) before; only a transaction not yet applied can be skipped")
+    with source_connect(cfg) as conn:
+        current = LSN.parse(one_row(conn.execute("SELECT pg_current_wal_lsn()::text"))[0])
+    if lsn > current:
+        raise ConfigError(f"--lsn {lsn}: the source's WAL is at {current}, so no transaction finished at {lsn}; "
+                          f"give the finish LSN of the failing transaction (the error names it)")
     with target_db(cfg) as conn:
         conn.execute(_progress_sql(cfg).set_skip, [cfg.apply["name"], str(lsn)])
-    return f"the transaction finished at {lsn} will be skipped (once) by the next apply"
+    line = f"the transaction finished at {lsn} will be skipped (once) by the next apply"
+    if progress.skip_lsn is not None and progress.skip_lsn != lsn:
+        line += f"; this replaces the pending skip of the transaction finished at {progress.skip_lsn}"
+    return line
 
 
 def status(cfg: Config) -> dict[str, Any]:
@@ -231,7 +242,8 @@ def status(cfg: Config) -> dict[str, Any]:
       while an applier streams, the walsender's own flush lag);
     - ``running``: who holds the target's progress row now (applier.targets.claim), or null;
     - the last error and when, prepared transactions waiting, a pending skip.
-    ``slot_exists`` False is what the CLI turns into a non-zero exit.
+    ``slot_exists`` False is what the CLI turns into a non-zero exit; a source that cannot be reached leaves the
+    source's fields out, ``slot_exists`` None, and says why in ``error``.
     """
     check_target(cfg)
     progress = read_progress(cfg)
@@ -242,14 +254,18 @@ def status(cfg: Config) -> dict[str, Any]:
         target.close()
     out: dict[str, Any] = {"name": cfg.apply["name"], "running": running, "slot": cfg.source["slot"],
                            "applied_lsn": str(progress.lsn)}
-    with source_connect(cfg) as conn:
-        row = conn.execute(
+    try:
+        source = source_connect(cfg)
+    except ConnectError as exc:  # what the target says is still printed (``status --json``), with the error
+        source, out["error"] = None, str(exc)
+    with source or nullcontext() as conn:
+        row = None if conn is None else conn.execute(
             "SELECT s.confirmed_flush_lsn::text, s.restart_lsn::text, s.active, s.active_pid, "
             "pg_current_wal_lsn()::text, r.sent_lsn::text, extract(epoch FROM r.flush_lag)::float8 "
             "FROM pg_replication_slots s LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid "
             "WHERE s.slot_name = %s", [cfg.source["slot"]]).fetchone()
-        if row is None:
-            out["slot_exists"] = False
+        if row is None or conn is None:
+            out["slot_exists"] = None if conn is None else False
         else:
             confirmed, restart, active, active_pid, current, sent, flush_lag = row
             applied = progress.lsn if progress.lsn else LSN.parse(confirmed or "0/0")

@@ -29,7 +29,7 @@ from applier.admin import (
     source_connect,
     target_db,
 )
-from applier.config import Config, ConfigError, redact_dsn
+from applier.config import Config, ConfigError
 from applier.engine.runner import check_progress_owner
 from applier.errors import InUseError
 from applier.lsn import LSN
@@ -40,7 +40,7 @@ from applier.source.walsender import WalSender, session_dsn
 from applier.targets import opener
 from applier.targets.claim import refusal, target_holder
 from applier.targets.naming import quoted_name, shown_name, target_table
-from applier.text import one_line
+from applier.text import one_line, redact_dsn
 
 # What a check may fail with: each is one line naming what is wrong (a database error is wrapped into a
 # ConfigError naming the check).

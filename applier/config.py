@@ -8,13 +8,14 @@ documents the same keys for people.
 
 from __future__ import annotations
 
+import math
 import os
-import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from applier.errors import Unreachable
 from applier.targets.url import parse_target_url
 from applier.text import file_safe
 
@@ -94,10 +95,21 @@ _CHOICES = {
 }
 
 # keys whose command-line option is not --<key>
-_OPTION = {"metrics.listen": "--metrics", "log.format": "--log-format"}
+_OPTION = {"metrics.listen": "--metrics", "log.format": "--log-format", "target.url": "--target"}
 
 
-_NON_NEGATIVE = {("apply", "heartbeat_interval")}
+# the range of every numeric key: (lowest, highest) allowed, None for no bound; ``_LOW_EXCLUSIVE``: more than the low
+_RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
+    ("source", "proto_version"): (1, 4),
+    ("source", "status_interval"): (0, None),
+    ("source", "connect_timeout"): (0, None),  # libpq: 0 waits for ever
+    ("apply", "retry_initial"): (0, None),
+    ("apply", "retry_max"): (0, None),
+    ("apply", "group_commit_delay"): (0, None),
+    ("apply", "heartbeat_interval"): (0, None),  # 0: no heartbeat
+    ("spark", "partitions"): (1, None),
+}
+_LOW_EXCLUSIVE = {("source", "status_interval"), ("apply", "retry_initial"), ("apply", "retry_max")}
 
 
 # keys that existed once: why they are gone and what to do instead
@@ -109,6 +121,11 @@ _REMOVED = {
 
 class ConfigError(ValueError):
     """A bad configuration; the message names the file and key."""
+
+
+class ConnectError(ConfigError, Unreachable):
+    """A database the configuration names cannot be reached or opened; the message names the key (``source.dsn``,
+    ``target.url``: from the file, the environment or a flag) and the DSN or URL without its secrets."""
 
 
 @dataclass
@@ -162,8 +179,8 @@ def _coerce(section: str, key: str, value: Any, where: str, from_text: bool = Tr
         raise ConfigError(f"{where}: {section}.{key} must be {names}, got {value!r}")
     if (section, key) in _CHOICES and value not in _CHOICES[(section, key)]:
         raise ConfigError(f"{where}: {section}.{key} must be one of {', '.join(_CHOICES[(section, key)])}, got {value!r}")
-    if (section, key) in _NON_NEGATIVE and isinstance(value, (int, float)) and value < 0:
-        raise ConfigError(f"{where}: {section}.{key} must be 0 or more, got {value!r}")
+    if (section, key) in _RANGES and isinstance(value, (int, float)) and not isinstance(value, bool):
+        _check_range(section, key, value, where)
     if (section, key) == ("metrics", "listen") and isinstance(value, str):
         parse_listen(value, where)
     if (section, key) == ("conflicts", "prune_after") and isinstance(value, str):
@@ -171,6 +188,17 @@ def _coerce(section: str, key: str, value: Any, where: str, from_text: bool = Tr
     if (section, key) == ("source", "streaming") and isinstance(value, str) and value not in ("on", "off", "parallel"):
         raise ConfigError(f"{where}: source.streaming must be true, false or 'parallel', got {value!r}")
     return value
+
+
+def _check_range(section: str, key: str, value: float, where: str) -> None:
+    """ConfigError naming the key if a number is outside its ``_RANGES`` range (or not finite)."""
+    low, high = _RANGES[(section, key)]
+    strict = (section, key) in _LOW_EXCLUSIVE
+    if not math.isfinite(value) or low is not None and (value <= low if strict else value < low) \
+            or high is not None and value > high:
+        what = (f"from {low:g} to {high:g}" if high is not None else
+                f"more than {low:g}" if strict else f"{low:g} or more")
+        raise ConfigError(f"{where}: {section}.{key} must be {what}, got {value!r}")
 
 
 def _from_env_text(text: str, typ: Any) -> Any:
@@ -249,18 +277,37 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         return Config(values["source"], values["target"], values["apply"], values["spark"],
                       Path(path) if path is not None else None, origin, values["metrics"], values["log"],
                       values["conflicts"])
-    try:
-        backend = parse_target_url(url).backend
-    except ValueError:
-        raise ConfigError(f"{origin.get('target.url', fname)}: target.url is not a database URL: "
-                          f"expected postgresql+psycopg://… or sqlite:///…") from None
-    if backend not in ("postgresql", "sqlite"):
-        raise ConfigError(f"{origin.get('target.url', fname)}: target.url must be a postgresql or sqlite URL, got {backend}")
+    values["target"]["url"] = _check_target_url(url, origin.get("target.url", fname))
     if not values["source"]["publications"]:
         raise ConfigError(f"{fname}: source.publications must name at least one publication")
     return Config(values["source"], values["target"], values["apply"], values["spark"],
                   Path(path) if path is not None else None, origin, values["metrics"], values["log"],
                       values["conflicts"])
+
+
+def _check_target_url(url: str, where: str) -> str:
+    """``target.url`` as the commands use it (``postgres://`` and ``postgresql://``, as libpq and psql accept them,
+    read as ``postgresql+psycopg://``); a ConfigError naming ``where`` if it is no file or server to replicate into."""
+    try:
+        parsed = parse_target_url(url)
+    except ValueError:
+        raise ConfigError(f"{where}: target.url is not a database URL: expected postgresql://… or sqlite:///…") from None
+    if parsed.backend in ("postgresql", "postgres"):
+        if parsed.driver not in (None, "psycopg"):
+            raise ConfigError(f"{where}: target.url names the driver {parsed.driver!r}; applier connects with psycopg "
+                              f"(postgresql://… or postgresql+psycopg://…)")
+        return "postgresql+psycopg" + url[url.index("://"):]
+    if parsed.backend != "sqlite":
+        raise ConfigError(f"{where}: target.url must be a postgresql or sqlite URL, got {parsed.backend}")
+    if parsed.host is not None:
+        raise ConfigError(f"{where}: target.url {url.partition('?')[0]!r} names no file ({parsed.host!r} is read as a "
+                          f"host): a SQLite URL has three slashes before a relative path (sqlite:///{parsed.host}) and "
+                          f"four before an absolute one (sqlite:////var/lib/replica.db)")
+    db = parsed.database or ""
+    if db in ("", ":memory:") or db.startswith("file::memory:") or parsed.query.get("mode") == "memory":
+        raise ConfigError(f"{where}: target.url {url!r} is an in-memory SQLite database, which vanishes with the "
+                          f"process while the slot stays on the source: name a file (sqlite:///replica.db)")
+    return url
 
 
 def parse_listen(text: str, where: str) -> tuple[str, int]:
@@ -283,12 +330,3 @@ def parse_age(text: str, where: str) -> int:
     if len(t) < 2 or t[-1] not in _AGE_UNITS or not t[:-1].isdigit():
         raise ConfigError(f"{where} must be an age such as 90m, 12h or 7d (units s, m, h, d), got {text!r}")
     return int(t[:-1]) * _AGE_UNITS[t[-1]]
-
-
-def redact_dsn(dsn: str) -> str:
-    """A DSN or URL with any password replaced by ***, safe to log."""
-
-    dsn = re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", dsn, flags=re.I)
-    # user:password@ of a URL: neither part crosses a space or a '/', so in a whole log line the match never
-    # reaches an '@' further on (a mail address) and swallows the host, port and database between
-    return re.sub(r"(://[^:/@\s]*:)[^@\s/]*@", r"\1***@", dsn)

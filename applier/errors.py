@@ -1,6 +1,7 @@
 """Errors that cross packages and end a command with one line.
 
-Invariant: each names what is wrong and where; none carries a secret.
+Invariant: each names what is wrong and where; none carries a secret. What kind of error it is decides the
+command's exit code (``applier.cli.guard.EXIT_CODES``): a class here says what happened, not how to exit.
 """
 
 from __future__ import annotations
@@ -31,6 +32,20 @@ class InUseError(RuntimeError):
     Not transient for a command that should end (``catchup``, ``sync``, a second ``run`` on one target):
     the message names the holder, so an operator can tell which process to stop.
     """
+
+
+class Unreachable(RuntimeError):
+    """A database cannot be reached or opened (the source or target server is down, a SQLite file's directory is
+    missing): nothing was done; the same command succeeds once it is back."""
+
+
+class TargetUnreachable(ApplyError, Unreachable):
+    """The engine's target cannot be connected to (the runner retries it as a lost connection)."""
+
+
+class SlotGone(RuntimeError):
+    """The replication slot is missing or invalidated on the source: what it held is lost to the replica, which
+    needs a re-copy; the message names the slot and what happened to it."""
 
 
 class MissingTable(ApplyError):

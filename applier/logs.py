@@ -5,7 +5,7 @@
 ``logger``, ``message`` and, where the log call knows them (``extra=``), the fields in
 ``FIELDS``: the LSN, the source transaction's xid, the table, the operation, the conflict type.
 
-Invariant: every line, in either form, goes through ``applier.config.redact_dsn`` (message,
+Invariant: every line, in either form, goes through ``applier.text.redact_text`` (message,
 field values and traceback alike): a password in a DSN or URL never reaches the log. Logging is
 off the per-row path (a line per batch at most), so the redaction costs nothing that matters.
 """
@@ -17,8 +17,8 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from applier.config import redact_dsn
 from applier.lsn import LSN
+from applier.text import redact_text
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 FIELDS = ("lsn", "xid", "table", "operation", "conflict")  # passed with ``extra=`` where known
@@ -32,7 +32,7 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         """The line as ``TEXT_FORMAT`` renders it, without passwords."""
-        return redact_dsn(super().format(record))
+        return redact_text(super().format(record))
 
 
 class JsonFormatter(logging.Formatter):
@@ -45,7 +45,7 @@ class JsonFormatter(logging.Formatter):
             "timestamp": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": record.levelname,
             "logger": record.name,
-            "message": redact_dsn(record.getMessage()),
+            "message": redact_text(record.getMessage()),
         }
         for name in FIELDS:
             value = record.__dict__.get(name)
@@ -56,9 +56,9 @@ class JsonFormatter(logging.Formatter):
             elif isinstance(value, int) and not isinstance(value, bool):
                 out[name] = value
             else:
-                out[name] = redact_dsn(str(value))
+                out[name] = redact_text(str(value))
         if record.exc_info:
-            out["exception"] = redact_dsn(self.formatException(record.exc_info))
+            out["exception"] = redact_text(self.formatException(record.exc_info))
         return json.dumps(out, ensure_ascii=False)
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from applier.config import SCHEMA, ConfigError, load_config, redact_dsn
+from applier.config import SCHEMA, ConfigError, load_config
+from applier.text import redact_dsn, redact_text
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "config.example.toml"
 BASE_ENV = {"APPLIER_SOURCE_DSN": "host=envhost dbname=app", "APPLIER_TARGET_URL": "sqlite:////tmp/env.db"}
@@ -180,14 +181,70 @@ def test_example_documents_every_key_and_loads() -> None:
 
 @pytest.mark.parametrize(("dsn", "shown"), [
     ("host=h password=sekret dbname=d", "host=h password=*** dbname=d"),
-    ("host=h password = 'se kret' dbname=d", "host=h password = *** dbname=d"),
+    ("host=h password = 'se kret' dbname=d", "host=h password=*** dbname=d"),
+    ("host=h port=5432 passwd=sekret", "host=*** port=*** passwd=***"),  # libpq cannot read it: every value
+    ("host=h sslpassword=sekret oauth_client_secret=sekret user=u", "host=h sslpassword=*** oauth_client_secret=*** user=u"),
+    ("host=h sekret", "host=*** ***"),
+    ("host='a b' dbname=d", "host='a b' dbname=d"),
     ("postgresql://user:sekret@h:5432/d", "postgresql://user:***@h:5432/d"),
+    ("postgres://user:sekret@h/d?sslmode=require&sslpassword=sekret", "postgres://user:***@h/d?sslmode=require&sslpassword=***"),
+    ("postgresql://user:se@kret@h/d", "postgresql://user:***@h/d"),  # the last @ ends the password
+    ("postgresql://user:se%zzkret@h/d", "postgresql://***"),
     ("postgresql+psycopg://user:sekret@h/d", "postgresql+psycopg://user:***@h/d"),
+    ("postgresql+psycopg://user:se@kret@h/d?x=sekret", "postgresql+psycopg://user:***@h/d?x=***"),
+    ("sqlite:///relative.db", "sqlite:///relative.db"),
     ("host=h dbname=d", "host=h dbname=d"),
+])
+def test_redact_dsn(dsn: str, shown: str) -> None:
+    assert redact_dsn(dsn) == shown
+
+
+@pytest.mark.parametrize(("line", "shown"), [
+    ("cannot connect (host=h passwd=sekret pass = 'se kret')", "cannot connect (host=h passwd=*** pass = ***)"),
     # in a whole log line: a later '@' is not the end of a password
     ("cannot reach postgresql://replica:5432/app; mail dba@example.com",
      "cannot reach postgresql://replica:5432/app; mail dba@example.com"),
     ("postgresql://u:sekret@h/d failed; mail dba@example.com", "postgresql://u:***@h/d failed; mail dba@example.com"),
+    ("cannot connect (host=*** passwd=***): invalid option", "cannot connect (host=*** passwd=***): invalid option"),
+    ('missing "=" after "sekret" in connection info string', 'missing "=" after "***" in connection info string'),
+    ('invalid percent-encoded token: "se%zzkret"', 'invalid percent-encoded token: "***"'),
 ])
-def test_redact_dsn(dsn: str, shown: str) -> None:
-    assert redact_dsn(dsn) == shown
+def test_redact_text(line: str, shown: str) -> None:
+    assert redact_text(line) == shown
+
+
+@pytest.mark.parametrize(("var", "text", "words"), [
+    ("APPLIER_APPLY_GROUP_COMMIT_DELAY", "-0.5", ["apply.group_commit_delay", "0 or more", "-0.5"]),
+    ("APPLIER_APPLY_RETRY_INITIAL", "-1", ["apply.retry_initial", "more than 0", "-1.0"]),
+    ("APPLIER_APPLY_RETRY_INITIAL", "0", ["apply.retry_initial", "more than 0"]),
+    ("APPLIER_APPLY_RETRY_MAX", "nan", ["apply.retry_max", "nan"]),
+    ("APPLIER_APPLY_HEARTBEAT_INTERVAL", "-1", ["apply.heartbeat_interval", "0 or more"]),
+    ("APPLIER_SOURCE_STATUS_INTERVAL", "0", ["source.status_interval", "more than 0"]),
+    ("APPLIER_SOURCE_CONNECT_TIMEOUT", "-3", ["source.connect_timeout", "0 or more"]),
+    ("APPLIER_SOURCE_PROTO_VERSION", "5", ["source.proto_version", "from 1 to 4"]),
+    ("APPLIER_SPARK_PARTITIONS", "0", ["spark.partitions", "1 or more"]),
+])
+def test_numbers_out_of_range_name_the_key(var: str, text: str, words: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, env={**BASE_ENV, var: text})
+    for word in [var, *words]:
+        assert word in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(("url", "words"), [
+    ("sqlite://r.db", ["names no file", "three slashes", "sqlite:///r.db"]),
+    ("sqlite://", ["in-memory"]),
+    ("sqlite:///:memory:", ["in-memory"]),
+    ("postgresql+psycopg2://u@h/d", ["psycopg2", "psycopg"]),
+])
+def test_target_urls_that_cannot_be_a_replica_are_refused(url: str, words: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, env={**BASE_ENV, "APPLIER_TARGET_URL": url})
+    for word in ["APPLIER_TARGET_URL", *words]:
+        assert word in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("url", ["postgres://u@h/d", "postgresql://u@h/d", "postgresql+psycopg://u@h/d"])
+def test_postgres_urls_as_libpq_takes_them(url: str) -> None:
+    cfg = load_config(None, env={**BASE_ENV, "APPLIER_TARGET_URL": url})
+    assert cfg.target["url"] == "postgresql+psycopg://u@h/d" and cfg.target_dialect == "postgresql"

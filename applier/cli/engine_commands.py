@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from applier.cli.guard import CONNECTION, SLOT_GONE
 from applier.cli.quick import apply
 from applier.cli.root import (
     ConfigOpt,
@@ -24,7 +25,9 @@ from applier.cli.root import (
     make_config,
     run_guarded,
 )
+from applier.config import ConnectError
 from applier.lsn import LSN
+from applier.text import redact_text
 
 log = logging.getLogger("applier")
 
@@ -73,7 +76,7 @@ def catchup(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, 
 @app.command()
 def run(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publication: PubOpt = None,
         target: TargetOpt = None, metrics: MetricsOpt = None, log_format: LogFormatOpt = None) -> None:
-    """Follow the source until SIGTERM/SIGINT (the daemon); then finish or roll back and exit 0.
+    """Follow the source until SIGTERM/SIGINT (the daemon); then finish or roll back and exit 0 (130 after SIGINT).
 
     Examples:
 
@@ -89,9 +92,10 @@ def run(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publ
 @app.command()
 def status(config: ConfigOpt = None, as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
            dsn: DsnOpt = None, slot: SlotOpt = None, target: TargetOpt = None) -> None:
-    """Where the replica stands: applied position, lag, who applies now, the last error; exit 2 without a slot.
+    """Where the replica stands: applied position, lag, who applies now, the last error.
 
-    Lag is 0 when everything the slot sent is applied. Also shows prepared transactions waiting.
+    Lag is 0 when everything the slot sent is applied. Also shows prepared transactions waiting. Exit 6 without
+    the slot; 3 if the source or target cannot be reached (what could be read is printed, with "error").
 
     Examples:
 
@@ -104,15 +108,21 @@ def status(config: ConfigOpt = None, as_json: Annotated[bool, typer.Option("--js
 
     def go() -> None:
         cfg = make_config(config, dsn, slot, None, target)
-        info = do_status(cfg)
+        try:
+            info = do_status(cfg)
+        except ConnectError as exc:  # the target: nothing of it could be read
+            info = {"name": cfg.apply["name"], "slot": cfg.source["slot"], "error": str(exc)}
         if as_json:
-            typer.echo(json.dumps(info))
+            typer.echo(redact_text(json.dumps(info)))
         else:
             for k, v in info.items():
-                typer.echo(f"{k}: {'-' if v is None or v == [] else v}")
+                if k != "error":
+                    typer.echo(redact_text(f"{k}: {'-' if v is None or v == [] else v}"))
+        if "error" in info:
+            fail(info["error"], CONNECTION)
         if not info["slot_exists"]:
             fail(f"{cfg.where('source', 'slot')}: replication slot {info['slot']!r} does not exist on the source; "
-                 f"nothing is replicated (run `applier init`, or `applier sync` to copy and follow)")
+                 f"nothing is replicated (run `applier init`, or `applier sync` to copy and follow)", SLOT_GONE)
 
     run_guarded(go)
 

@@ -2,7 +2,10 @@
 
 Every command turns its options into a ``Config`` (file, then environment, then
 flags), calls one library function, and turns the known errors (bad config,
-source or target failures, bad input) into one line on stderr and exit code 2.
+source or target failures, bad input) into one line on stderr, passwords
+redacted, and the exit code of their kind (``EXIT_CODES``; the README's
+operating section and ``applier --help`` show the same table). An interrupt
+(SIGINT, Ctrl-C) is one line and exit 130, on every command.
 
 Nothing here imports typer: ``applier catchup`` and ``applier run`` start
 without it (``applier.cli.quick``), and the typer commands use the same
@@ -12,15 +15,20 @@ functions, so both ways in print the same lines and exit with the same codes.
 from __future__ import annotations
 
 import logging
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+import psycopg
+
 from applier.config import Config, ConfigError, load_config
 from applier.decoder import DecodeError
-from applier.errors import ApplyError, InUseError
+from applier.engine.spool import SpoolFull
+from applier.errors import ApplyError, InUseError, SlotGone, Unreachable
 from applier.logs import TextFormatter, use_format
 from applier.source.base import SourceError
+from applier.text import one_line, redact_text
 
 # The shared options' names (``applier.cli.root`` declares them on typer; ``applier.cli.quick`` reads them).
 CONFIG = ("--config", "-c")
@@ -34,7 +42,45 @@ LOG_FORMAT = ("--log-format",)  # run and catchup only
 
 
 class UserError(Exception):
-    """An error to print as one line, exit 2."""
+    """A usage error to print as one line, exit 2."""
+
+
+# The exit codes, by kind (what scripts and systemd's RestartPreventExitStatus= key on).
+DONE, DIFFERENT, USAGE, CONNECTION, APPLY, REFUSED, SLOT_GONE, INTERRUPTED = 0, 1, 2, 3, 4, 5, 6, 130
+EXIT_MEANINGS = (
+    (DONE, "done"),
+    (DIFFERENT, "a difference found (verify, cutover)"),
+    (USAGE, "usage or configuration: a bad option, key or value, or a state that needs an operator's step first"),
+    (CONNECTION, "connection: the source or the target cannot be reached or opened"),
+    (APPLY, "apply failure: the target refused a change"),
+    (REFUSED, "refused: another process holds the target's claim or streams from the slot"),
+    (SLOT_GONE, "the replication slot is gone or invalidated: the replica needs a re-copy"),
+    (INTERRUPTED, "interrupted (SIGINT, Ctrl-C)"),
+)
+# error class -> exit code; the first class an error is an instance of decides (the specific before the general:
+# SlotInUseError is a SourceError and an InUseError, ConnectError a ConfigError)
+EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (SlotGone, SLOT_GONE),
+    (InUseError, REFUSED),
+    (Unreachable, CONNECTION),
+    (ConfigError, USAGE),
+    (UserError, USAGE),
+    (DecodeError, USAGE),
+    (SourceError, USAGE),  # what the source refused or sent (a missing slot, a bad recording); its loss: Unreachable
+    (SpoolFull, USAGE),  # no room in apply.work_dir (named): not a change the target refused
+    (ApplyError, APPLY),
+    # a driver's error that reached the command unwrapped (a catch-up that ran out of connection retries)
+    (psycopg.OperationalError, CONNECTION),
+    (psycopg.InterfaceError, CONNECTION),
+    (psycopg.Error, APPLY),
+    (sqlite3.Error, APPLY),
+)
+_DRIVER_ERRORS = (psycopg.Error, sqlite3.Error)
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit code of an error of a known kind (``EXIT_CODES``)."""
+    return next(code for kind, code in EXIT_CODES if isinstance(exc, kind))
 
 
 def echo(line: str, err: bool = False) -> None:
@@ -42,10 +88,16 @@ def echo(line: str, err: bool = False) -> None:
     print(line, file=sys.stderr if err else sys.stdout, flush=True)
 
 
-def fail(message: str) -> NoReturn:
-    """Print one line to stderr and exit 2."""
-    echo(f"applier: error: {message}", err=True)
-    raise SystemExit(2)
+def fail(message: str, code: int = USAGE) -> NoReturn:
+    """Print one line to stderr (any password in it redacted) and exit with ``code``."""
+    echo(f"applier: error: {redact_text(message)}", err=True)
+    raise SystemExit(code)
+
+
+def interrupted() -> NoReturn:
+    """The end of a command that SIGINT (Ctrl-C) interrupted: one line, exit 130."""
+    echo("applier: interrupted", err=True)
+    raise SystemExit(INTERRUPTED)
 
 
 def make_config(config: Path | None, dsn: str | None = None, slot: str | None = None,
@@ -61,20 +113,32 @@ def make_config(config: Path | None, dsn: str | None = None, slot: str | None = 
 
 
 def run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call a library function, turning known errors into one line and exit 2 (and, with -v, the traceback)."""
+    """Call a library function, turning known errors into one line and their exit code (and, with -v, the
+    traceback), an interrupt into one line and exit 130."""
     try:
         return fn(*args, **kwargs)
-    except (ConfigError, SourceError, DecodeError, UserError, ApplyError, InUseError) as exc:
+    except tuple(kind for kind, _ in EXIT_CODES) as exc:
         logging.getLogger("applier.cli").debug("the command failed:", exc_info=exc)
-        fail(str(exc))
+        fail(one_line(exc) if isinstance(exc, _DRIVER_ERRORS) else str(exc), exit_code(exc))
     except KeyboardInterrupt:
-        raise SystemExit(130) from None
+        interrupted()
 
 
 def setup_logging(verbose: bool) -> None:
     """Log lines to stderr as text (time, level, logger: message; ``make_config`` may switch them to JSON),
-    passwords redacted (``applier.logs``)."""
+    passwords redacted (``applier.logs``); without ``verbose``, an interrupt is not logged as an error (py4j
+    logs one, with its traceback, when SIGINT reaches it in a Spark command): ``interrupted`` says it once."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(TextFormatter())
+    if not verbose:
+        handler.addFilter(_not_an_interrupt)
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
     logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+def _not_an_interrupt(record: logging.LogRecord) -> bool:
+    """False for a log record about an interrupt: one carrying a KeyboardInterrupt, or py4j's when one reached
+    its gateway (its connection then breaks: "Exception while sending command.")."""
+    if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
+        return False
+    return not (record.levelno >= logging.ERROR and "py4j" in record.pathname.replace("\\", "/").split("/"))

@@ -11,17 +11,22 @@ from __future__ import annotations
 import sys
 
 from applier.cli import quick
+from applier.cli.guard import interrupted
 
 __all__ = ["main"]
 
 
 def main() -> None:
-    """Entry point of the ``applier`` script."""
-    call = quick.parse(sys.argv[1:])
-    if call is not None:
-        quick.run(call)
-        return
-    # here, not at the top: start-up time (catchup and run above do without typer and pydantic)
-    from applier.cli.app import app
+    """Entry point of the ``applier`` script; an interrupt before a command runs (while it starts) ends as one
+    during it does (``guard.interrupted``)."""
+    try:
+        call = quick.parse(sys.argv[1:])
+        if call is not None:
+            quick.run(call)
+            return
+        # here, not at the top: start-up time (catchup and run above do without typer and pydantic)
+        from applier.cli.app import app
 
-    app()
+        app()
+    except KeyboardInterrupt:
+        interrupted()

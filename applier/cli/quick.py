@@ -38,6 +38,7 @@ from applier.cli.guard import (
     VERBOSE,
     UserError,
     echo,
+    interrupted,
     make_config,
     run_guarded,
     setup_logging,
@@ -133,9 +134,14 @@ def apply(catchup: bool, config: Path | None = None, dsn: str | None = None, slo
     check_source(cfg)
     check_target(cfg)
     stop = threading.Event()
+    stopped_by: list[int] = []  # the signal that stopped `run`
     if not catchup:
+        def stopping(signum: int, _frame: object) -> None:
+            stopped_by.append(signum)
+            stop.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, stopping)
     tune_gc()
     # catchup on a terminal: a bar instead of progress lines (the runner logs lines otherwise)
     bar = Bar() if catchup and cfg.apply["heartbeat_interval"] > 0 and sys.stderr.isatty() else None
@@ -152,6 +158,8 @@ def apply(catchup: bool, config: Path | None = None, dsn: str | None = None, slo
         if served is not None:  # the port is free again when the command ends
             served.close()
     echo(summary.line())
+    if signal.SIGINT in stopped_by:  # stopped as asked, but by an interrupt: its exit code (SIGTERM: 0, done)
+        interrupted()
 
 
 def tune_gc() -> None:

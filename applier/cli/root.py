@@ -1,6 +1,6 @@
 """The root of the command line: the app and its shared options (typer).
 
-How every command runs (config, logging, known errors as one line and exit 2) is
+How every command runs (config, logging, known errors as one line and the exit code of their kind) is
 ``applier.cli.guard``, shared with the typer-free way into ``catchup`` and ``run``
 (``applier.cli.quick``). Command modules (``*_commands``) import this one and
 register on ``app``; ``applier.cli.app`` imports them all (imports run one way:
@@ -24,9 +24,11 @@ __all__ = ["ConfigOpt", "DsnOpt", "LogFormatOpt", "MetricsOpt", "PubOpt", "SlotO
 
 app = typer.Typer(
     help="Apply PostgreSQL logical replication (pgoutput) to PostgreSQL or SQLite, exactly once.",
+    epilog="Exit codes:\n\n" + "\n\n".join(f"  {code}  {meaning}" for code, meaning in guard.EXIT_MEANINGS),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
 )
 
 ConfigOpt = Annotated[Path | None, typer.Option(*guard.CONFIG, help="TOML config file (see config.example.toml).")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -73,6 +74,10 @@ def record(
 
     def go() -> None:
         cfg = make_config(config, dsn, slot, publication, need_target=False)
+        folder = out.parent.resolve()
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):  # before the slot is read
+            raise UserError(f"--out {out}: the directory {folder} "
+                            f"{'is not writable' if folder.is_dir() else 'does not exist'}")
         n, reached = record_stream(cfg, out, limit=limit, until=LSN.parse(until) if until else None, idle=idle)
         typer.echo(f"recorded {n} frames to {out} (up to {reached})", err=True)
 

@@ -72,7 +72,7 @@ from applier.errors import ApplyError, Conflicted, FinalError, MissingTable, Tab
 from applier.lsn import LSN
 from applier.targets.base import Binding, Join, Target, describe_values, not_found, source_name
 from applier.targets.claim import copy_claim_name
-from applier.text import one_line
+from applier.text import one_line, shell_command
 
 
 class CommitObserver(Protocol):
@@ -385,7 +385,7 @@ class ApplyEngine:
         except MissingTable as exc:
             rel = self.relmap.relations[oid]
             join = self.target.table_join(rel)
-            hint = f"`applier sync --table {source_name(rel)}`"
+            hint = f"`{shell_command('applier', 'sync', '--table', source_name(rel))}`"
             if join is None and not self.wait_for_tables:
                 raise MissingTable(f"{exc}; if the table was added to the publication, copy it first: {hint}",
                                    exc.table) from None
@@ -395,7 +395,7 @@ class ApplyEngine:
                        f"changes from there on, without a copy)")
             elif join[0] == "ready":  # copied once, the target table dropped since: only a new copy brings it back
                 why = (f"{exc}, but applier_sync_tables says it joined the stream at {join[1]}: waiting for "
-                       f"`applier sync --table {source_name(rel)} --force` to copy it again")
+                       f"`{shell_command('applier', 'sync', '--table', source_name(rel), '--force')}` to copy it again")
             else:
                 why = f"{exc}, and applier_sync_tables says it is {join[0]}: waiting for {hint} to create it"
             raise self._wait(rel, join, why, missing=True) from None
@@ -460,7 +460,7 @@ class ApplyEngine:
                 return None
             at = f" at {seen[1]}" if seen[1] is not None else ""
             return (f"the copy of table {table}{at} ({seen[0]}) is not running (no `applier sync --table` holds "
-                    f"it: killed or failed): run `applier sync --table {table}` again")
+                    f"it: killed or failed): run `{shell_command('applier', 'sync', '--table', table)}` again")
 
         return TableWait(why, changed, dead)
 

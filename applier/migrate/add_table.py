@@ -78,7 +78,7 @@ from applier.progress.migrate import migrate
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
 from applier.targets.claim import FileClaim, claim_target, copy_claim_name
-from applier.text import one_line, quote_ident
+from applier.text import one_line, quote_ident, shell_command
 
 
 def sync_tables(cfg: Config, names: list[str], *, force: bool = False, spark: Any = None, reporter: Any = None,
@@ -245,7 +245,7 @@ def _begin_table(cfg: Config, target: TargetDb, t: SourceTable, run: str, force:
                         f"`catchup` apply its changes. Use --force to copy it again (empties target table {shown}; "
                         f"stop `applier run` first)")
     if row is None and exists and not force:
-        raise SyncError(f"target table {shown} exists, but not from `applier sync --table {t.qualified}`: "
+        raise SyncError(f"target table {shown} exists, but not from `{shell_command('applier', 'sync', '--table', t.qualified)}`: "
                         f"`applier run` may have applied changes to it. Use --force to empty it and copy it "
                         f"(stop `applier run` first)")
     guard: TargetDb | None = None

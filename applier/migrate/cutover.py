@@ -50,7 +50,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from applier.admin import check_source, check_target, read_progress, source_connect, status, target_db
-from applier.config import Config, ConfigError, redact_dsn
+from applier.config import Config, ConfigError
 from applier.engine.runner import Runner, goal_reached
 from applier.errors import ApplyError, InUseError
 from applier.inspect import current_wal_insert_lsn
@@ -62,7 +62,7 @@ from applier.migrate.sync import read_tables_in_snapshot
 from applier.rows import one_row
 from applier.source.base import SourceError
 from applier.targets import opener
-from applier.text import one_line, quote_ident
+from applier.text import SAFE_KEYWORDS, one_line, quote_ident, redact_dsn, shell_command
 
 log = logging.getLogger("applier.cutover")
 
@@ -159,8 +159,9 @@ class CutoverReport:
     def next_steps(self) -> list[str]:
         """What a person does next, once everything holds."""
         return ["point the application at the target",
-                f"drop the slot on the source (it holds WAL until dropped; stop `applier run` first if it runs): "
-                f"psql \"{self.source}\" -c \"{self.drop_slot_sql()}\""]
+                "drop the slot on the source (it holds WAL until dropped; stop `applier run` first if it runs): "
+                # a slot name is lower-case letters, digits and '_' (PostgreSQL's rule): safe in double quotes
+                + shell_command("psql", self.source) + f' -c "{self.drop_slot_sql()}"']
 
     def lines(self) -> list[str]:
         """For people: where the target is, each sequence, verify, then the verdict and what to do next."""
@@ -207,14 +208,13 @@ class CutoverReport:
 
 
 def _without_password(dsn: str) -> str:
-    """The DSN as conninfo without any key ``redact_dsn`` would mask (``password``, ``sslpassword``, …: psql then
-    asks, or reads ~/.pgpass), so the command it goes into runs as printed; redacted if unparsable."""
+    """The DSN as conninfo with only the keywords ``redact_dsn`` keeps (``password``, ``sslpassword``, … left out:
+    psql then asks, or reads ~/.pgpass), so the command it goes into runs as printed; redacted if unparsable."""
     try:
         parts = conninfo_to_dict(dsn)
     except psycopg.Error:
         return redact_dsn(dsn)
-    kept = {k: v for k, v in parts.items() if redact_dsn(f"{k}=v") == f"{k}=v"}
-    return redact_dsn(make_conninfo("", **kept))
+    return make_conninfo("", **{k: v for k, v in parts.items() if k in SAFE_KEYWORDS})
 
 
 # -- step 1: caught up ----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from applier.decoder.framing import Frame
-from applier.errors import InUseError
+from applier.errors import InUseError, Unreachable
 from applier.lsn import LSN
 
 
@@ -39,6 +39,11 @@ FULL = Full.FULL
 
 class SourceError(RuntimeError):
     """The source failed (connection lost, server error, bad file)."""
+
+
+class SourceUnreachable(SourceError, Unreachable):
+    """The source cannot be reached, or the connection to it was lost (the runner retries it; a command that ends
+    on it exits with the connection exit code)."""
 
 
 class SlotInUseError(SourceError, InUseError):

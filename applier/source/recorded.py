@@ -39,7 +39,12 @@ class RecordWriter:
 
     def __init__(self, path: str | Path, header: dict[str, Any]) -> None:
         self.path = Path(path)
-        self._f: BinaryIO = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        try:
+            self._f: BinaryIO = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        except OSError as exc:
+            folder = self.path.parent
+            why = f"the directory {folder} does not exist" if not folder.is_dir() else exc.strerror or str(exc)
+            raise SourceError(f"{self.path}: cannot write the recording: {why}") from None
         self._f.write(MAGIC)
         self._f.write(json.dumps({"format": 1, **header}, sort_keys=True).encode() + b"\n")
         self.count = 0

@@ -24,7 +24,7 @@ import psycopg
 from applier.decoder.framing import Frame
 from applier.decoder.messages import XLogData
 from applier.lsn import LSN
-from applier.source.base import SourceError, StreamOptions, slot_in_use
+from applier.source.base import SourceError, SourceUnreachable, StreamOptions, slot_in_use
 from applier.text import one_line
 
 # Rows whose LSN is the end of their WAL record (Commit, Prepare, Commit/Rollback
@@ -40,7 +40,7 @@ class SqlSlotSource:
         try:
             self.conn = psycopg.connect(dsn, autocommit=True)
         except psycopg.Error as exc:
-            raise SourceError(f"cannot connect to the source: {one_line(exc)}") from None
+            raise SourceUnreachable(f"cannot connect to the source: {one_line(exc)}") from None
         self.slot = slot
         self.pairs = options.as_pairs(self.conn.info.server_version)
         self.batch_changes = batch_changes

@@ -33,7 +33,7 @@ from applier.decoder.framing import Frame, encode_standby_status, read_frame
 from applier.decoder.messages import Keepalive, PgOutputMessage, XLogData
 from applier.decoder.pgoutput import DecodeError, Decoder
 from applier.lsn import LSN
-from applier.source.base import FULL, Full, SlotInfo, SourceError, StreamOptions, slot_in_use
+from applier.source.base import FULL, Full, SlotInfo, SourceError, SourceUnreachable, StreamOptions, slot_in_use
 from applier.text import one_line, quote_ident, quote_literal
 
 
@@ -86,7 +86,7 @@ class WalSender:
         try:
             self.conn = psycopg.connect(dsn, replication="database", autocommit=True, connect_timeout=connect_timeout)
         except psycopg.Error as exc:
-            raise SourceError(f"cannot open a replication connection to the source: {one_line(exc)}") from None
+            raise SourceUnreachable(f"cannot open a replication connection to the source: {one_line(exc)}") from None
         self.pgconn = self.conn.pgconn
         self.server_version = self.pgconn.server_version
         self.status_interval = status_interval
@@ -204,10 +204,10 @@ class WalSender:
                 if ready:
                     pgconn.consume_input()
                     if pgconn.status == pq.ConnStatus.BAD:
-                        raise SourceError(f"replication connection lost: {_pg_error(pgconn)}")
+                        raise SourceUnreachable(f"replication connection lost: {_pg_error(pgconn)}")
         except psycopg.Error as exc:
             self.streaming = False
-            raise SourceError(f"replication connection lost: {one_line(exc)}") from None
+            raise SourceUnreachable(f"replication connection lost: {one_line(exc)}") from None
 
     def read_decoded(self, buf: list[Any], most: int, limit: int, size: int,
                      decoder: Decoder) -> tuple[int, Frame | None | Full]:
@@ -220,7 +220,7 @@ class WalSender:
                                                    most, limit, size)
         except psycopg.Error as exc:
             self.streaming = False
-            raise SourceError(f"replication connection lost: {one_line(exc)}") from None
+            raise SourceUnreachable(f"replication connection lost: {one_line(exc)}") from None
         if top > self._received:
             self._received = top
         if taken:
@@ -255,9 +255,9 @@ class WalSender:
         try:
             ok = self.pgconn.put_copy_data(msg) == 1 and self._flush_out()
         except psycopg.Error as exc:
-            raise SourceError(f"cannot send a status update to the source: {one_line(exc)}") from None
+            raise SourceUnreachable(f"cannot send a status update to the source: {one_line(exc)}") from None
         if not ok:
-            raise SourceError(f"cannot send a status update to the source: {one_line(_pg_error(self.pgconn))}")
+            raise SourceUnreachable(f"cannot send a status update to the source: {one_line(_pg_error(self.pgconn))}")
         self._last_status = time.monotonic()
         self._dirty = False
 
@@ -299,7 +299,7 @@ class WalSender:
             self._finish_copy()
         except psycopg.Error as exc:
             self.streaming = False
-            raise SourceError(f"replication connection lost while stopping: {one_line(exc)}") from None
+            raise SourceUnreachable(f"replication connection lost while stopping: {one_line(exc)}") from None
 
     def _finish_copy(self) -> None:
         pgconn = self.pgconn

@@ -7,20 +7,23 @@ only check or read the target (``applier.admin``) or copy into it (``applier.mig
 Invariants:
 - A target that cannot be reached is one line. The engine's target raises ``ApplyError`` naming "cannot
   connect to the target" (the runner retries it as a lost connection); a plain connection raises
-  ``ConfigError`` naming ``target.url`` (its password redacted).
+  ``ConnectError`` naming ``target.url`` (its password redacted; a SQLite file that cannot be opened: why, said of
+  its directory).
 - Nothing here imports SQLAlchemy or alembic (``applier.targets.url`` parses the URL): the apply commands'
   start-up stays fast.
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
+from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from applier.config import Config, ConfigError, redact_dsn
-from applier.text import one_line
+from applier.config import Config, ConnectError
+from applier.text import one_line, redact_dsn, redact_text
 
 # What a plain SQLite connection waits for a lock held by another process (the engine's target waits as long).
 SQLITE_TIMEOUT = 60
@@ -50,8 +53,27 @@ def open(cfg: Config, *, plain: bool = False, applying: bool = True, autocommit:
                                    isolation_level=None if autocommit else "DEFERRED")
         return psycopg.connect(location(cfg), autocommit=autocommit, connect_timeout=cfg.source["connect_timeout"])
     except (psycopg.Error, sqlite3.Error) as exc:
-        raise ConfigError(f"{cfg.where('target', 'url')}: cannot open the target "
-                          f"({redact_dsn(t['url'])}): {one_line(exc)[:300]}") from None
+        why = redact_text(one_line(exc))[:300]
+        if isinstance(exc, sqlite3.Error):
+            why = sqlite_open_problem(location(cfg)) or why
+        raise ConnectError(f"{cfg.where('target', 'url')}: cannot open the target ({redact_dsn(t['url'])}): {why}") \
+            from None
+
+
+def sqlite_open_problem(path: str) -> str | None:
+    """Why SQLite cannot open (or create) the database file ``path``, said of its directory, or None if that is
+    not it (sqlite3 says only "unable to open database file")."""
+    file = Path(path)
+    folder = file.parent.resolve()
+    if not folder.is_dir():
+        return f"the directory {folder} does not exist"
+    if not file.exists() and not os.access(folder, os.W_OK | os.X_OK):
+        return f"the directory {folder} is not writable (SQLite creates {file.name} in it)"
+    if file.exists() and not os.access(file, os.R_OK | os.W_OK):
+        return f"the file {file.resolve()} is not readable and writable"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the directory {folder} is not writable (SQLite keeps its journal beside {file.name})"
+    return None
 
 
 def location(cfg: Config) -> str:

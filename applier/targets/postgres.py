@@ -77,7 +77,7 @@ from psycopg.generators import send as psycopg_send
 
 from applier._cmodule import rowpath
 from applier.decoder.messages import BINARY, NULL, Relation, TupleData, Type, pg_timestamp
-from applier.errors import ApplyError, Conflicted, MissingTable
+from applier.errors import ApplyError, Conflicted, MissingTable, TargetUnreachable
 from applier.lsn import LSN
 from applier.progress.store import PG_SQL
 from applier.rows import one_row
@@ -313,7 +313,7 @@ class PostgresTarget(TargetBase):
         try:
             self._conn = psycopg.connect(libpq_dsn(url), autocommit=True)
         except psycopg.Error as exc:
-            raise ApplyError(f"cannot connect to the target: {one_line(exc)}") from None
+            raise TargetUnreachable(f"cannot connect to the target: {one_line(exc)}") from None
         self._psycopg_threshold = self._conn.prepare_threshold
         self._own = True  # applier prepares the statements of the session, not psycopg (``_psycopg_prepares``)
         self._conn.prepare_threshold = None

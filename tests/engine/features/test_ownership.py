@@ -183,7 +183,7 @@ def test_status_exits_non_zero_when_the_slot_is_missing(cli_rig: Rig) -> None:
     assert ok.returncode == 0 and "lag_bytes: 0" in ok.stdout and "running: -" in ok.stdout, ok.stdout + ok.stderr
     rig.src("SELECT pg_drop_replication_slot(%s)", [rig.slot])
     gone = run_cli("status", "--json", "-c", str(rig.config_file()))
-    assert gone.returncode == 2 and json.loads(gone.stdout)["slot_exists"] is False
+    assert gone.returncode == 6 and json.loads(gone.stdout)["slot_exists"] is False  # 6: the slot is gone
     assert gone.stderr.strip().count("\n") == 0 and f"slot '{rig.slot}' does not exist" in gone.stderr, gone.stderr
 
 
