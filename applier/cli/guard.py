@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 from applier.config import Config, ConfigError, load_config
 from applier.decoder import DecodeError
-from applier.errors import ApplyError, InUseError
+from applier.errors import ApplyError, InUseError, SlotLost
 from applier.logs import TextFormatter, use_format
 from applier.source.base import SourceError
 
@@ -64,7 +64,7 @@ def run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Call a library function, turning known errors into one line and exit 2 (and, with -v, the traceback)."""
     try:
         return fn(*args, **kwargs)
-    except (ConfigError, SourceError, DecodeError, UserError, ApplyError, InUseError) as exc:
+    except (ConfigError, SourceError, DecodeError, UserError, ApplyError, InUseError, SlotLost) as exc:
         logging.getLogger("applier.cli").debug("the command failed:", exc_info=exc)
         fail(str(exc))
     except KeyboardInterrupt:

@@ -122,20 +122,24 @@ def apply(catchup: bool, config: Path | None = None, dsn: str | None = None, slo
 
         served = Metrics()
         served.serve(*listen, cfg.where("metrics", "listen"))
-    check_source(cfg)
-    check_target(cfg)
     stop = threading.Event()
-    if not catchup:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+    if not catchup:  # SIGHUP as SIGTERM: stop after the transaction in hand, with the summary
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: stop.set())
-    tune_gc()
     # catchup on a terminal: a bar instead of progress lines (the runner logs lines otherwise)
     bar = Bar() if catchup and cfg.apply["heartbeat_interval"] > 0 and sys.stderr.isatty() else None
     runner = Runner(cfg, catchup=catchup, stop=stop,
                     heartbeat=Heartbeat(Bar.EVERY, bar.show) if bar is not None else None, metrics=served)
+    def checks() -> None:
+        check_source(cfg)
+        check_target(cfg)
+
     complete = False
     try:
-        summary = runner.run()
+        summary = runner.summary  # stopped while `run` waited for the databases: nothing applied
+        if runner.preflight(checks):
+            tune_gc()
+            summary = runner.run()
         complete = True
     finally:
         if bar is not None:
