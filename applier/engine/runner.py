@@ -580,11 +580,14 @@ class Runner:
 
 
 def reachable(cfg: Config) -> bool:
-    """Whether both databases of ``cfg`` accept a connection now (a SQLite target always does)."""
+    """Whether both databases of ``cfg`` can be reached now (a SQLite target always can): a server that refuses a
+    connection for what it is asked (a missing database, a wrong password) is reached all the same, one that
+    cannot be connected to, or is starting or shutting down, is not."""
     dsns = [cfg.source["dsn"]] + ([opener.location(cfg)] if cfg.target_dialect != "sqlite" else [])
     for dsn in dsns:
         try:
             psycopg.connect(dsn, connect_timeout=cfg.source["connect_timeout"]).close()
-        except psycopg.OperationalError:
-            return False
+        except psycopg.OperationalError as exc:
+            if exc.sqlstate is None or exc.sqlstate.startswith(("08", "57P")):
+                return False
     return True

@@ -333,13 +333,13 @@ class WalSender:
 
 def slot_lost(slot: str, sqlstate: bytes | None, message: str, detail: bytes | None) -> SlotLost | None:
     """The SlotLost of a walsender's refusal of START_REPLICATION, or None for another refusal: undefined_object
-    (42704) "replication slot … does not exist", or an invalidated slot, "can no longer get changes from
-    replication slot" (PostgreSQL 15-18, 55000) / "can no longer access replication slot" (18), whose detail
-    says why ("This slot has been invalidated because …")."""
+    (42704) "replication slot … does not exist", or an invalidated slot (55000): "cannot read from logical
+    replication slot" (PostgreSQL 15), "can no longer get changes from replication slot" (16, 17), "can no longer
+    access replication slot" (18), with a detail that says why ("This slot has been invalidated because …")."""
+    why = one_line((detail or b"").decode(errors="replace")).rstrip(".")
     if sqlstate == b"42704" and "does not exist" in message:
         return SlotLost(slot, "does not exist on the source (dropped)")
-    if sqlstate in (b"55000", b"42704") and "can no longer" in message:
-        why = one_line((detail or b"").decode(errors="replace")).rstrip(".")
+    if sqlstate in (b"55000", b"42704") and ("invalidated" in why or "can no longer" in message):
         return SlotLost(slot, f"was invalidated on the source ({why or message})")
     return None
 
