@@ -31,6 +31,10 @@ from applier.targets.base import utc_now
 from applier.text import one_line
 
 
+class SlotMissing(ConfigError):
+    """The configured slot does not exist on the source (``check_source``)."""
+
+
 def source_connect(cfg: Config) -> psycopg.Connection[Any]:
     """An autocommit connection to the source; ConfigError naming the DSN if it fails."""
     try:
@@ -58,7 +62,7 @@ def check_source(cfg: Config, need_slot: bool = True) -> dict[str, Any]:
             "FROM pg_replication_slots WHERE slot_name = %s", [cfg.source["slot"]]).fetchone()
         facts["slot"] = row
         if row is None and need_slot:
-            raise ConfigError(f"{cfg.where('source', 'slot')}: replication slot {cfg.source['slot']!r} does not exist "
+            raise SlotMissing(f"{cfg.where('source', 'slot')}: replication slot {cfg.source['slot']!r} does not exist "
                               f"on the source (run `applier init`)")
         if row is not None:
             if row[0] != "pgoutput" or row[1] != "logical":

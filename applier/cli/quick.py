@@ -41,6 +41,7 @@ from applier.cli.guard import (
     run_guarded,
     setup_logging,
 )
+from applier.config import ConfigError
 
 COMMANDS = ("catchup", "run")
 # option name -> the apply function's parameter
@@ -109,7 +110,7 @@ def apply(catchup: bool, config: Path | None = None, dsn: str | None = None, slo
     """``applier catchup`` (``catchup``) or ``applier run``: check, serve the metrics (if on), apply, print the
     summary line."""
     # here, not at the top: start-up time (`applier --help` and the other commands do not load the engine)
-    from applier.admin import check_source, check_target
+    from applier.admin import SlotMissing, check_source, check_target, read_progress
     from applier.engine.heartbeat import Bar, Heartbeat
     from applier.engine.runner import Runner
 
@@ -131,7 +132,17 @@ def apply(catchup: bool, config: Path | None = None, dsn: str | None = None, slo
     runner = Runner(cfg, catchup=catchup, stop=stop,
                     heartbeat=Heartbeat(Bar.EVERY, bar.show) if bar is not None else None, metrics=served)
     def checks() -> None:
-        check_source(cfg)
+        try:
+            check_source(cfg)
+        except SlotMissing as missing:  # a slot the target applied from is lost, not to be made: SlotLost says so
+            try:
+                check_target(cfg)
+                applied = read_progress(cfg).lsn
+            except ConfigError:
+                raise missing from None
+            if not applied:
+                raise
+            check_source(cfg, need_slot=False)
         check_target(cfg)
 
     complete = False

@@ -26,9 +26,10 @@ from applier.errors import ConflictStopped, InUseError, ProgressMoved, SlotLost
 from applier.inspect import stream_options
 from applier.lsn import LSN
 from applier.metrics import Metrics
+from applier.migrate.sync import sync
 from applier.source.walsender import WalSender
 from applier.targets import opener
-from tests.engine.features.conftest import Rig, applier_argv
+from tests.engine.features.conftest import Rig, applier_argv, run_cli
 from tests.plugins.cli import clean_env
 from tests.plugins.clusters import ClusterPool, scratch_db
 
@@ -125,6 +126,10 @@ def test_a_dropped_slot_stops_run_and_catchup_naming_it(rig: Rig) -> None:
     with pytest.raises(SlotLost, match=f"slot '{rig.slot}' does not exist"):
         rig.catchup()
     assert status(rig.cfg())["last_error"].startswith(f"replication slot '{rig.slot}' does not exist")
+    r = run_cli("catchup", "-c", str(rig.config_file()))  # the command: one line, non-zero
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("applier: error:")]
+    assert r.returncode != 0 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith(f"applier: error: replication slot '{rig.slot}' does not exist"), lines
     assert _count(rig) == 100
 
 
@@ -177,6 +182,10 @@ def test_init_after_a_lost_slot_refuses_unless_new_slot_which_status_remembers(r
     assert why is not None and str(applied) in why and "applier sync --force" in why
     init(rig.cfg())  # a second init keeps the mark: nothing was copied
     assert status(rig.cfg())["recopy_needed"] == why
+    if rig.kind == "sqlite":  # a completed copy clears it (SQLite: no Spark needed)
+        sync(rig.cfg(), force=True)
+        assert status(rig.cfg())["recopy_needed"] is None
+        assert rig.tgt("SELECT v FROM t WHERE id = 101") == [("lost",)]
 
 
 # -- two writers, the claim --------------------------------------------------------------------------
