@@ -146,8 +146,9 @@ def init(cfg: Config, new_slot: bool = False) -> list[str]:
 
     A slot the progress row has applied from that is gone or invalidated is refused (SlotLost naming the gap):
     a new slot starts at the source's position now, and the changes since the applied position would never
-    reach the replica. ``new_slot``: make it anyway (an invalidated one is dropped first), and record on the
-    progress row that the replica needs a re-copy (``applier status`` says so until ``applier sync`` completes)."""
+    reach the replica. ``new_slot``: make it anyway (an invalidated one is dropped first), move the progress row to
+    its start (the appliers follow from there) and record on it that the replica needs a re-copy (``applier
+    status`` says so until ``applier sync`` completes)."""
     done = []
     facts = check_source(cfg, need_slot=False)
     check_target(cfg, need_init=False)
@@ -183,7 +184,7 @@ def init(cfg: Config, new_slot: bool = False) -> list[str]:
                    f"again at {info.consistent_point} on {utc_now()}: the source's changes in between are not on the "
                    f"replica. Copy the tables again: `applier sync --force`")
             with target_db(cfg) as conn:
-                conn.execute(_progress_sql(cfg).set_recopy, [cfg.apply["name"], why])
+                conn.execute(_progress_sql(cfg).set_recopy, [cfg.apply["name"], str(info.consistent_point), why])
             done.append(f"re-copy needed: {why}")
     else:
         done.append(f"slot {slot!r}: exists (confirmed up to {facts['slot'][3]})")

@@ -41,7 +41,7 @@ class ProgressSQL(NamedTuple):
     select: str
     upsert: str  # a copy's (``applier sync``): sets the position whatever it was, clears ``recopy_needed``
     advance: str  # the engine's: moves the position only from the one read (compare-and-set; see ``_sql``)
-    set_recopy: str  # (name, why): the replica needs a re-copy (``applier init --new-slot``)
+    set_recopy: str  # (name, lsn, why): follow from ``lsn``, the replica needs a re-copy (``applier init --new-slot``)
     set_skip: str
     record_error: str
     clear_skip: str
@@ -78,8 +78,8 @@ def _sql(ph: str, has_sync_tables: str) -> ProgressSQL:
         # process moved the position since (a row that did not exist is inserted; one inserted meanwhile
         # conflicts, and its position is compared as any)
         advance=_upsert(ph, where=f" WHERE applier_progress.lsn = {ph}"),
-        set_recopy=(f"INSERT INTO applier_progress (name, lsn, recopy_needed) VALUES ({ph}, '0/0', {ph}) "
-                    f"ON CONFLICT (name) DO UPDATE SET recopy_needed = excluded.recopy_needed"),
+        set_recopy=(f"INSERT INTO applier_progress (name, lsn, recopy_needed) VALUES ({ph}, {ph}, {ph}) "
+                    f"ON CONFLICT (name) DO UPDATE SET lsn = excluded.lsn, recopy_needed = excluded.recopy_needed"),
         # (name, error, at): the row may not exist yet (nothing applied)
         record_error=(f"INSERT INTO applier_progress (name, lsn, last_error, last_error_at) "
                       f"VALUES ({ph}, '0/0', {ph}, {ph}) ON CONFLICT (name) DO UPDATE SET "

@@ -181,11 +181,14 @@ def test_init_after_a_lost_slot_refuses_unless_new_slot_which_status_remembers(r
     why = status(rig.cfg())["recopy_needed"]
     assert why is not None and str(applied) in why and "applier sync --force" in why
     init(rig.cfg())  # a second init keeps the mark: nothing was copied
+    rig.src("INSERT INTO t VALUES (102, 'after')")
+    rig.catchup()  # the replica follows from the new slot, the gap (101) stays until a copy
+    assert rig.tgt("SELECT id FROM t WHERE id > 100") == [(102,)]
     assert status(rig.cfg())["recopy_needed"] == why
     if rig.kind == "sqlite":  # a completed copy clears it (SQLite: no Spark needed)
         sync(rig.cfg(), force=True)
         assert status(rig.cfg())["recopy_needed"] is None
-        assert rig.tgt("SELECT v FROM t WHERE id = 101") == [("lost",)]
+        assert rig.tgt("SELECT id, v FROM t WHERE id > 100 ORDER BY id") == [(101, "lost"), (102, "after")]
 
 
 # -- two writers, the claim --------------------------------------------------------------------------
