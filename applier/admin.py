@@ -192,12 +192,19 @@ def init(cfg: Config, new_slot: bool = False) -> list[str]:
 
 
 def _lost_slot(cfg: Config, progress: Progress) -> SlotLost | None:
-    """The SlotLost of the slot the progress row has applied from (None: nothing applied, another slot's progress,
-    or the slot is there and streams)."""
+    """The SlotLost of the slot the progress row has applied from (None: nothing applied, another slot's or another
+    cluster's progress (the appliers refuse those), or the slot is there and streams)."""
     slot = cfg.source["slot"]
     if not progress.lsn or progress.slot not in (None, slot):
         return None
     with source_connect(cfg) as conn:
+        if progress.source_system is not None:
+            try:
+                system = one_row(conn.execute("SELECT system_identifier::text FROM pg_control_system()"))[0]
+            except psycopg.Error:  # a role that may not read it: taken as the same cluster
+                system = progress.source_system
+            if system != progress.source_system:
+                return None
         try:
             slot_state(slot, conn.execute(SLOT_STATE, [slot]).fetchone(), progress.lsn)
         except SlotLost as exc:
