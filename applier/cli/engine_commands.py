@@ -73,7 +73,7 @@ def catchup(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, 
 @app.command()
 def run(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publication: PubOpt = None,
         target: TargetOpt = None, metrics: MetricsOpt = None, log_format: LogFormatOpt = None) -> None:
-    """Follow the source until SIGTERM/SIGINT (the daemon); then finish or roll back and exit 0.
+    """Follow the source until SIGTERM/SIGINT/SIGHUP (the daemon); then finish or roll back and exit 0.
 
     Examples:
 

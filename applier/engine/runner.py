@@ -159,8 +159,6 @@ def open_source(cfg: Config, progress: Progress, wrap: Callable[[Source], Source
     return reader
 
 
-
-
 def check_progress_owner(cfg: Config, progress: Progress, system: str | None, confirmed: LSN | None) -> None:
     """The recorded position belongs to this source cluster and this slot, and the slot has not gone past it;
     a ConfigError (no retry) if not.

@@ -14,7 +14,10 @@ Invariants:
   can run further commands;
 - a connection streams once: PostgreSQL (15 to 18 at least) does not reset its
   end-of-streaming state for a second START_REPLICATION … LOGICAL, whose
-  stream then ends at once, so ``start`` refuses a second time.
+  stream then ends at once, so ``start`` refuses a second time;
+- a slot that is gone or invalidated is a ``SlotLost`` (``applier.errors``), never a
+  connection problem: from the walsender's refusal of START_REPLICATION (``slot_lost``) or
+  from the catalog beforehand (``SLOT_STATE``, ``slot_state``).
 """
 
 from __future__ import annotations
