@@ -258,26 +258,30 @@ def test_lag_grows_during_an_outage_and_the_databases_are_probed(rig: Rig, caplo
     assert status(rig.cfg())["slot_retained_bytes"] >= 0
 
 
-def test_run_waits_for_a_source_that_is_down_at_start(pg_clusters: ClusterPool, tmp_path: Any) -> None:
-    """The finding: `run` started while the source restarted exited 2; now it waits with backoff, and catchup
-    fails at once (``Unreachable``)."""
+@pytest.mark.parametrize("down", ["source", "target"])
+def test_run_waits_for_a_database_that_is_down_at_start(pg_clusters: ClusterPool, tmp_path: Any, down: str) -> None:
+    """The finding: `run` started while the source or the target restarted exited 2; now it waits with backoff,
+    and catchup fails at once (``Unreachable``)."""
     install = find_install()
-    cluster = pg_clusters.get(install, "restarting")
-    with scratch_db(cluster, "src") as source:
-        rig = Rig(source, "sqlite", None, tmp_path)
+    cluster = pg_clusters.get(install, "restarting")  # the one that goes down: source or target
+    other = pg_clusters.get(install, "source" if down == "target" else "target")
+    with scratch_db(cluster, "down") as gone, scratch_db(other, "up") as up:
+        rig = Rig(gone, "sqlite", None, tmp_path) if down == "source" else Rig(up, "postgresql", gone, tmp_path)
         _table(rig)
         cluster.kill()  # as a crash: start() recovers it with its data
         try:
             cfg = rig.cfg(apply_retry_initial=0.5)
-            with pytest.raises(Unreachable, match="cannot connect to the source"):
-                Runner(cfg, catchup=True).preflight(lambda: check_source(cfg) and None)
-            stop = threading.Event()
-            runner = Runner(cfg, catchup=False, stop=stop)
-            ready: list[bool] = []
 
             def checks() -> None:
                 check_source(cfg)
                 check_target(cfg)
+
+            with pytest.raises(Unreachable, match="cannot connect to the source" if down == "source"
+                               else "cannot open the target"):
+                Runner(cfg, catchup=True).preflight(checks)
+            stop = threading.Event()
+            runner = Runner(cfg, catchup=False, stop=stop)
+            ready: list[bool] = []
 
             def daemon() -> None:
                 ready.append(runner.preflight(checks))
@@ -290,7 +294,7 @@ def test_run_waits_for_a_source_that_is_down_at_start(pg_clusters: ClusterPool, 
         finally:
             cluster.start()
         try:
-            _wait_for(lambda: _count(rig) == 100, "run to apply once the source is back")
+            _wait_for(lambda: _count(rig) == 100, f"run to apply once the {down} is back")
         finally:
             stop.set()
             thread.join(60)
