@@ -94,7 +94,8 @@ class Metrics:
         Gauge("applier_applied_lsn", "Source WAL position applied and recorded on the target, as a number",
               registry=r).set_function(lambda: self._positions()[1])
         Gauge("applier_lag_bytes", "Source WAL position received (sent by the walsender, so decoded: lag inside "
-              "the source's decoding is not seen) minus applied; 0 when everything received is applied",
+              "the source's decoding is not seen) minus applied; 0 when everything received is applied; during an "
+              "outage, the source's current WAL position (the last received while it is down) minus applied",
               registry=r).set_function(lambda: self._lag()[0])
         Gauge("applier_lag_seconds", "Now minus the source commit time of the oldest transaction received and not "
               "yet applied (a streamed one: when its first change was received); 0 when everything received is "
