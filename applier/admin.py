@@ -20,13 +20,19 @@ import psycopg
 from applier.config import Config, ConfigError, ConnectError, parse_age
 from applier.decoder.messages import Begin, StreamCommit, StreamStart, StreamStop, pg_timestamp
 from applier.decoder.pgoutput import decode_message
+from applier.errors import SlotLost
 from applier.lsn import LSN
 from applier.progress.store import HEAD_REVISION, PG_SQL, SQLITE_SQL, VERSION_TABLE, Progress, prune_conflicts
 from applier.rows import one_row
 from applier.source.base import SourceError, StreamOptions
-from applier.source.walsender import WalSender
+from applier.source.walsender import SLOT_STATE, WalSender, slot_state
 from applier.targets import opener
+from applier.targets.base import utc_now
 from applier.text import one_line, redact_dsn, redact_text
+
+
+class SlotMissing(ConfigError):
+    """The configured slot does not exist on the source (``check_source``)."""
 
 
 def source_connect(cfg: Config) -> psycopg.Connection[Any]:
@@ -76,7 +82,7 @@ def check_slot(cfg: Config, conn: psycopg.Connection[Any], need_slot: bool = Tru
         "SELECT plugin, slot_type, two_phase, confirmed_flush_lsn::text, database = current_database() "
         "FROM pg_replication_slots WHERE slot_name = %s", [cfg.source["slot"]]).fetchone()
     if row is None and need_slot:
-        raise ConfigError(f"{cfg.where('source', 'slot')}: replication slot {cfg.source['slot']!r} does not exist "
+        raise SlotMissing(f"{cfg.where('source', 'slot')}: replication slot {cfg.source['slot']!r} does not exist "
                           f"on the source (run `applier init`)")
     if row is not None:
         if row[0] != "pgoutput" or row[1] != "logical":
@@ -160,8 +166,14 @@ def _conflicts_writable(cfg: Config, conn: Any) -> bool:
     ).fetchone()[0])
 
 
-def init(cfg: Config) -> list[str]:
-    """Migrate the control tables and create the slot if missing; returns what was done, a line each."""
+def init(cfg: Config, new_slot: bool = False) -> list[str]:
+    """Migrate the control tables and create the slot if missing; returns what was done, a line each.
+
+    A slot the progress row has applied from that is gone or invalidated is refused (SlotLost naming the gap):
+    a new slot starts at the source's position now, and the changes since the applied position would never
+    reach the replica. ``new_slot``: make it anyway (an invalidated one is dropped first), move the progress row to
+    its start (the appliers follow from there) and record on it that the replica needs a re-copy (``applier
+    status`` says so until ``applier sync`` completes)."""
     done = []
     facts = check_source(cfg, need_slot=False)
     check_target(cfg, need_init=False)
@@ -172,18 +184,57 @@ def init(cfg: Config) -> list[str]:
     before, after = migrate(cfg.target["url"])
     done.append(f"control tables: {'created at' if before is None else 'upgraded from ' + before + ' to'} {after}"
                 if before != after else f"control tables: already at {after}")
-    if facts["slot"] is None:
+    slot = cfg.source["slot"]
+    progress = read_progress(cfg)
+    lost = _lost_slot(cfg, progress)
+    if lost is not None and not new_slot:
+        with source_connect(cfg) as conn:
+            now = one_row(conn.execute("SELECT pg_current_wal_lsn()::text"))[0]
+        raise SlotLost(slot, f"{lost.what}; a new slot would start at the source's position now ({now}), so the "
+                             f"changes between {progress.lsn} and it would never reach the replica", str(progress.lsn))
+    if facts["slot"] is None or lost is not None:
         ws = WalSender(cfg.source["dsn"], connect_timeout=cfg.source["connect_timeout"])
         try:
-            info = ws.create_slot(cfg.source["slot"], two_phase=cfg.source["two_phase"])
+            if lost is not None and facts["slot"] is not None:  # invalidated: nothing can stream from it again
+                ws.drop_slot(slot)
+                done.append(f"slot {slot!r}: dropped (it {lost.what})")
+            info = ws.create_slot(slot, two_phase=cfg.source["two_phase"])
         except SourceError as exc:
             raise ConfigError(f"{cfg.where('source', 'slot')}: {exc}") from None
         finally:
             ws.close()
-        done.append(f"slot {cfg.source['slot']!r}: created at {info.consistent_point}")
+        done.append(f"slot {slot!r}: created at {info.consistent_point}")
+        if lost is not None:
+            why = (f"slot {slot!r} {lost.what} with the target at {progress.lsn}; `applier init --new-slot` made it "
+                   f"again at {info.consistent_point} on {utc_now()}: the source's changes in between are not on the "
+                   f"replica. Copy the tables again: `applier sync --force`")
+            with target_db(cfg) as conn:
+                conn.execute(_progress_sql(cfg).set_recopy, [cfg.apply["name"], str(info.consistent_point), why])
+            done.append(f"re-copy needed: {why}")
     else:
-        done.append(f"slot {cfg.source['slot']!r}: exists (confirmed up to {facts['slot'][3]})")
+        done.append(f"slot {slot!r}: exists (confirmed up to {facts['slot'][3]})")
     return done
+
+
+def _lost_slot(cfg: Config, progress: Progress) -> SlotLost | None:
+    """The SlotLost of the slot the progress row has applied from (None: nothing applied, another slot's or another
+    cluster's progress (the appliers refuse those), or the slot is there and streams)."""
+    slot = cfg.source["slot"]
+    if not progress.lsn or progress.slot not in (None, slot):
+        return None
+    with source_connect(cfg) as conn:
+        if progress.source_system is not None:
+            try:
+                system = one_row(conn.execute("SELECT system_identifier::text FROM pg_control_system()"))[0]
+            except psycopg.Error:  # a role that may not read it: taken as the same cluster
+                system = progress.source_system
+            if system != progress.source_system:
+                return None
+        try:
+            slot_state(slot, conn.execute(SLOT_STATE, [slot]).fetchone(), progress.lsn)
+        except SlotLost as exc:
+            return exc
+    return None
 
 
 def check_prepared_allowed(cfg: Config) -> None:
@@ -241,6 +292,10 @@ def status(cfg: Config) -> dict[str, Any]:
       yet applied (the first pending transaction's commit time, read without consuming the slot;
       while an applier streams, the walsender's own flush lag);
     - ``running``: who holds the target's progress row now (applier.targets.claim), or null;
+    - ``slot_retained_bytes``: the WAL the slot holds back on the source (``pg_current_wal_lsn() -
+      restart_lsn``, what fills its disk), with its ``slot_wal_status`` (``lost``: invalidated);
+    - ``recopy_needed``: why the replica needs a re-copy (``applier init --new-slot`` after a lost slot), until
+      ``applier sync`` completes one;
     - the last error and when, prepared transactions waiting, a pending skip.
     ``slot_exists`` False is what the CLI turns into a non-zero exit; a source that cannot be reached leaves the
     source's fields out, ``slot_exists`` None, and says why in ``error``.
@@ -261,17 +316,18 @@ def status(cfg: Config) -> dict[str, Any]:
     with source or nullcontext() as conn:
         row = None if conn is None else conn.execute(
             "SELECT s.confirmed_flush_lsn::text, s.restart_lsn::text, s.active, s.active_pid, "
-            "pg_current_wal_lsn()::text, r.sent_lsn::text, extract(epoch FROM r.flush_lag)::float8 "
+            "pg_current_wal_lsn()::text, r.sent_lsn::text, extract(epoch FROM r.flush_lag)::float8, "
+            "(pg_current_wal_lsn() - s.restart_lsn)::bigint, s.wal_status "
             "FROM pg_replication_slots s LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid "
             "WHERE s.slot_name = %s", [cfg.source["slot"]]).fetchone()
         if row is None or conn is None:
             out["slot_exists"] = None if conn is None else False
         else:
-            confirmed, restart, active, active_pid, current, sent, flush_lag = row
+            confirmed, restart, active, active_pid, current, sent, flush_lag, retained, wal_status = row
             applied = progress.lsn if progress.lsn else LSN.parse(confirmed or "0/0")
             out.update(applied_lsn=str(applied), slot_exists=True, slot_confirmed_lsn=confirmed,
                        slot_restart_lsn=restart, slot_active=active, slot_active_pid=active_pid,
-                       source_wal_lsn=current)
+                       slot_wal_status=wal_status, slot_retained_bytes=retained, source_wal_lsn=current)
             if active:  # streaming: the walsender knows what it sent and how late the confirmations are
                 behind = sent is not None and LSN.parse(sent) > applied
                 out["lag_bytes"] = max(0, LSN.parse(current) - applied) if behind else 0
@@ -287,6 +343,7 @@ def status(cfg: Config) -> dict[str, Any]:
     out["last_error_at"] = progress.last_error_at
     out["skip_lsn"] = None if progress.skip_lsn is None else str(progress.skip_lsn)
     out["prepared_waiting"] = list_prepared(cfg)
+    out["recopy_needed"] = progress.recopy_needed
     with target_db(cfg) as conn:
         out["conflicts"] = {str(k): int(n) for k, n in conn.execute(_progress_sql(cfg).count_conflicts,
                                                                      [cfg.apply["name"]]).fetchall()}

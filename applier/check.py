@@ -31,12 +31,12 @@ from applier.admin import (
 )
 from applier.config import Config, ConfigError
 from applier.engine.runner import check_progress_owner
-from applier.errors import InUseError
+from applier.errors import InUseError, SlotLost
 from applier.lsn import LSN
 from applier.migrate.schema import check_pg_table, check_sqlite_table, read_source_tables
 from applier.rows import one_row
 from applier.source.base import SourceError
-from applier.source.walsender import WalSender, session_dsn
+from applier.source.walsender import SLOT_STATE, WalSender, session_dsn, slot_state
 from applier.targets import opener
 from applier.targets.claim import refusal, target_holder
 from applier.targets.naming import quoted_name, shown_name, target_table
@@ -44,7 +44,7 @@ from applier.text import one_line, redact_dsn
 
 # What a check may fail with: each is one line naming what is wrong (a database error is wrapped into a
 # ConfigError naming the check).
-_FAILURES = (ConfigError, SourceError, InUseError, psycopg.Error, sqlite3.Error)
+_FAILURES = (ConfigError, SourceError, InUseError, SlotLost, psycopg.Error, sqlite3.Error)
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Checks:
         try:
             self.results.append(Result(name, "ok", check()))
         except _FAILURES as exc:
-            error = exc if isinstance(exc, (ConfigError, SourceError, InUseError)) \
+            error = exc if isinstance(exc, (ConfigError, SourceError, InUseError, SlotLost)) \
                 else ConfigError(f"{name}: {one_line(exc)[:300]}")
             self.results.append(Result(name, "fail", str(error), error))
 
@@ -133,16 +133,12 @@ def _conn(c: Checks) -> psycopg.Connection[Any]:
 
 
 def _slot_state(cfg: Config, conn: psycopg.Connection[Any]) -> str:
-    """The slot is not invalidated (its WAL removed; PostgreSQL 17+: any ``invalidation_reason``) and no other
-    process streams from it."""
+    """The slot is not invalidated (SlotLost, as the runner says it: ``slot_state``) and no other process streams
+    from it."""
     slot = cfg.source["slot"]
-    reason = "invalidation_reason" if conn.info.server_version >= 170000 else "NULL::text"
-    active_pid, wal_status, invalidated = one_row(conn.execute(
-        f"SELECT active_pid, wal_status, {reason} FROM pg_replication_slots WHERE slot_name = %s", [slot]))
-    if wal_status == "lost" or invalidated is not None:
-        raise ConfigError(f"{cfg.where('source', 'slot')}: slot {slot!r} is invalidated ("
-                          + (f"invalidation_reason {invalidated!r}" if invalidated else "wal_status 'lost'")
-                          + "): the changes it held are gone; the replica needs a new slot and a new copy")
+    slot_state(slot, conn.execute(SLOT_STATE, [slot]).fetchone(), None)
+    active_pid, wal_status = one_row(conn.execute(
+        "SELECT active_pid, wal_status FROM pg_replication_slots WHERE slot_name = %s", [slot]))
     if active_pid is not None:
         raise InUseError(f"{cfg.where('source', 'slot')}: slot {slot!r} is in use by process {active_pid} on the "
                          f"source (another applier or consumer streams from it)")

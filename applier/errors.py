@@ -43,11 +43,6 @@ class TargetUnreachable(ApplyError, Unreachable):
     """The engine's target cannot be connected to (the runner retries it as a lost connection)."""
 
 
-class SlotGone(RuntimeError):
-    """The replication slot is missing or invalidated on the source: what it held is lost to the replica, which
-    needs a re-copy; the message names the slot and what happened to it."""
-
-
 class MissingTable(ApplyError):
     """The target table of a source relation does not exist (the message names both and the LSN; ``table`` is
     the target table's name as people read it)."""
@@ -68,3 +63,39 @@ class TableWait(Exception):  # noqa: N818 - not an error: the change waits
         super().__init__(message)
         self.changed = changed
         self.dead = dead
+
+
+class ConflictStopped(FinalError):
+    """A conflict whose policy is ``error`` (``applier.engine.conflicts``): the apply stops at the change; ``conflict``
+    (PostgreSQL 18's name) and ``table`` (the target table) are what ``applier_conflicts_total`` counts it by."""
+
+    def __init__(self, message: str, conflict: str, table: str) -> None:
+        super().__init__(message)
+        self.conflict = conflict
+        self.table = table
+
+
+class ProgressMoved(FinalError):
+    """The progress row's position is no longer the one this session read: another process advanced it (two
+    appliers past the claim). The commit that found it is rolled back; the session ends without committing."""
+
+
+class SlotLost(RuntimeError):
+    """The replication slot is gone (dropped) or invalidated (its WAL removed, PostgreSQL 17+'s
+    ``invalidation_reason``): the source's changes after the slot's position can no longer be streamed, and
+    nothing automatic brings them back. Not a connection problem: ``run`` stops, ``catchup`` fails, no retry.
+    ``slot``, ``what`` (what happened to it) and ``applied`` (the target's position, when known) make the line."""
+
+    def __init__(self, slot: str, what: str, applied: str | None = None) -> None:
+        self.slot = slot
+        self.what = what
+        self.applied = applied
+        where = (f"the target has applied up to {applied}, and the source's changes after it can no longer be "
+                 f"streamed" if applied is not None else "the source's changes it held can no longer be streamed")
+        super().__init__(
+            f"replication slot {slot!r} {what}: {where}. The replica needs a re-copy: `applier sync --force` (a new "
+            f"slot and a fresh copy), or `applier init --new-slot` to follow from now and copy again later")
+
+    def at(self, applied: str) -> SlotLost:
+        """The same, naming the target's applied position."""
+        return SlotLost(self.slot, self.what, applied)

@@ -30,7 +30,15 @@ holds nothing: no transaction, group, batch or stream in hand, and every transac
 is committed). Otherwise the bytes are received minus applied, and the seconds are now minus the
 source commit time of the oldest transaction received and not yet applied (for a streamed one
 still coming in, or applied from its spool: when its first change was received). Between
-sessions after a failure the last positions stand and the seconds keep growing.
+sessions after a failure (an outage) the applied position stands, the seconds keep growing, and
+the bytes are the source's current WAL position (``Probe``; the last one received while the
+source cannot be reached) minus the applied position, so the lag grows while the writers do.
+
+``Probe`` (``probe``: the runner hands over where the databases are) asks them, when scraped and at
+most every ``PROBE_EVERY`` seconds, on connections of its own: whether each accepts a connection
+(``applier_source_reachable``, ``applier_target_reachable``), the source's current WAL position
+and the WAL the slot holds back (``pg_current_wal_lsn() - restart_lsn``:
+``applier_slot_retained_bytes``, what fills the source's disk).
 
 The LSN gauges are floats, exact up to 2**53 (8 PiB of WAL). prometheus_client also exports a
 ``_created`` series (the time it started) for every counter and histogram.
@@ -42,10 +50,12 @@ kind: never keys or values, so their number is bounded by the schema.
 from __future__ import annotations
 
 import errno
+import math
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import psycopg
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from applier import __version__
@@ -56,7 +66,9 @@ if TYPE_CHECKING:
     from applier.engine.apply import ApplyEngine
     from applier.source.chunks import ChunkReader
 
-ERROR_KINDS = ("apply", "connection", "slot_in_use", "spool_full")
+ERROR_KINDS = ("apply", "connection", "slot_in_use", "spool_full", "slot_lost")
+PROBE_EVERY = 5.0  # seconds a probe of the databases (``Probe``) is reused for scrapes
+PROBE_TIMEOUT = 2  # seconds a probe waits for a connection
 GROUP_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 
 
@@ -74,6 +86,7 @@ class Metrics:
         self._since: float | None = None  # the last session's ``pending_since`` (unix seconds)
         self._behind = False
         self._waiting = 0.0
+        self.probe_of: Probe | None = None  # the databases, asked when scraped (``probe``)
 
         Gauge("applier_received_lsn", "Furthest source WAL position received: what the walsender sent (the WAL end "
               "of XLogData and keepalives, the transaction in hand), as a number", registry=r).set_function(
@@ -81,7 +94,8 @@ class Metrics:
         Gauge("applier_applied_lsn", "Source WAL position applied and recorded on the target, as a number",
               registry=r).set_function(lambda: self._positions()[1])
         Gauge("applier_lag_bytes", "Source WAL position received (sent by the walsender, so decoded: lag inside "
-              "the source's decoding is not seen) minus applied; 0 when everything received is applied",
+              "the source's decoding is not seen) minus applied; 0 when everything received is applied; during an "
+              "outage, the source's current WAL position (the last received while it is down) minus applied",
               registry=r).set_function(lambda: self._lag()[0])
         Gauge("applier_lag_seconds", "Now minus the source commit time of the oldest transaction received and not "
               "yet applied (a streamed one: when its first change was received); 0 when everything received is "
@@ -106,6 +120,13 @@ class Metrics:
               "COMMIT/ROLLBACK PREPARED", registry=r).set_function(self._prepared)
         Gauge("applier_build_info", "applier's version and row path (compiled or pure)", ["version", "row_path"],
               registry=r).labels(__version__, IMPLEMENTATION).set(1)
+        Gauge("applier_source_reachable", "1 when the source accepts a connection, else 0 (asked when scraped, at "
+              "most every 5 s)", registry=r).set_function(lambda: self._probed()[2])
+        Gauge("applier_target_reachable", "1 when the target accepts a connection, else 0 (asked when scraped, at "
+              "most every 5 s)", registry=r).set_function(lambda: self._probed()[3])
+        Gauge("applier_slot_retained_bytes", "WAL the replication slot holds back on the source (pg_current_wal_lsn() "
+              "- restart_lsn); NaN while unknown (the source unreachable, no slot)",
+              registry=r).set_function(lambda: self._probed()[1])
         for kind in ERROR_KINDS:  # each kind shows from the start, at 0
             self.errors.labels(kind)
 
@@ -121,7 +142,9 @@ class Metrics:
             raise ConfigError(f"{where}: cannot serve metrics on {host}:{port}: {why}") from None
 
     def close(self) -> None:
-        """Stop answering scrapes."""
+        """Stop answering scrapes (and asking the databases)."""
+        if self.probe_of is not None:
+            self.probe_of.close()
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
@@ -157,6 +180,14 @@ class Metrics:
         for (op, table), n in changes.items():
             self.changes.labels(op.lower(), table).inc(n)
 
+    def probe(self, source_dsn: str, slot: str, target_dsn: str | None) -> None:
+        """Ask these databases when scraped (``Probe``); ``target_dsn`` None: a SQLite target."""
+        self.probe_of = Probe(source_dsn, slot, target_dsn)
+
+    def conflict_stopped(self, kind: str, table: str) -> None:
+        """A conflict whose policy is ``error`` stopped the apply (no transaction commits it, but it counts)."""
+        self.conflicts.labels(kind, table).inc()
+
     def failed(self, kind: str) -> None:
         """A session ended on an error of ``kind`` (one of ``ERROR_KINDS``)."""
         self.errors.labels(kind).inc()
@@ -190,8 +221,16 @@ class Metrics:
         received, applied, behind = self._positions()
         if not behind:
             return 0.0, 0.0
+        if self._engine is None:  # between sessions: the source's WAL goes on
+            current = self._probed()[0]
+            received = max(received, int(current)) if not math.isnan(current) else received
         since = self._pending()
         return float(max(0, received - applied)), max(0.0, time.time() - since) if since is not None else 0.0
+
+    def _probed(self) -> tuple[float, float, float, float]:
+        """(source WAL position, slot retained bytes, source reachable, target reachable); NaN: unknown."""
+        nan = math.nan
+        return self.probe_of.read() if self.probe_of is not None else (nan, nan, nan, nan)
 
     def _pending(self) -> float | None:
         """When the oldest transaction received and not applied was committed at the source, or its first
@@ -211,3 +250,54 @@ class Metrics:
         if engine is None or engine.prepared_waiting is None:
             return self._waiting
         return float(engine.prepared_waiting)
+
+
+class Probe:
+    """What only the databases know, asked on connections of its own, at most every ``PROBE_EVERY`` seconds (the
+    answer is kept between): see the module header."""
+
+    def __init__(self, source_dsn: str, slot: str, target_dsn: str | None) -> None:
+        self.source_dsn = source_dsn
+        self.slot = slot
+        self.target_dsn = target_dsn
+        self._at = -math.inf
+        self._last: tuple[float, float, float, float] = (math.nan, math.nan, math.nan, math.nan)
+        self._conns: dict[str, Any] = {}
+
+    def read(self) -> tuple[float, float, float, float]:
+        """(source WAL position, slot retained bytes, source reachable 1/0, target reachable 1/0; NaN: unknown)."""
+        now = time.monotonic()
+        if now - self._at < PROBE_EVERY:
+            return self._last
+        self._at = now
+        wal, retained = math.nan, math.nan
+        row = self._ask(self.source_dsn, "SELECT pg_current_wal_lsn() - '0/0'::pg_lsn, pg_current_wal_lsn() - "
+                        "(SELECT restart_lsn FROM pg_replication_slots WHERE slot_name = %s)", [self.slot])
+        if row is not None:
+            wal = float(row[0])
+            retained = float(row[1]) if row[1] is not None else math.nan
+        source_up = 1.0 if row is not None else 0.0
+        target_up = 1.0 if self.target_dsn is None or self._ask(self.target_dsn, "SELECT 1") is not None else 0.0
+        self._last = (wal, retained, source_up, target_up)
+        return self._last
+
+    def _ask(self, dsn: str, sql: str, params: list[Any] | None = None) -> tuple[Any, ...] | None:
+        """One row of ``sql`` on the kept connection to ``dsn`` (made again if lost); None if it cannot be had."""
+        conn = self._conns.get(dsn)
+        try:
+            if conn is None or conn.closed:
+                conn = self._conns[dsn] = psycopg.connect(dsn, autocommit=True, connect_timeout=PROBE_TIMEOUT)
+                conn.execute(f"SET statement_timeout = {PROBE_TIMEOUT * 1000}")
+            row: tuple[Any, ...] | None = conn.execute(sql, params).fetchone()
+            return row
+        except psycopg.Error:
+            if conn is not None:
+                conn.close()
+            self._conns.pop(dsn, None)
+            return None
+
+    def close(self) -> None:
+        """Close its connections."""
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()

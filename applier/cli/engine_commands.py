@@ -34,8 +34,14 @@ log = logging.getLogger("applier")
 
 @app.command()
 def init(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publication: PubOpt = None,
-         target: TargetOpt = None) -> None:
+         target: TargetOpt = None,
+         new_slot: Annotated[bool, typer.Option("--new-slot", help="The slot the target applied from is gone or "
+                                                "invalidated: make a new one anyway, and record that the replica "
+                                                "needs a re-copy (`applier sync`).")] = False) -> None:
     """Bring the target's control tables to the newest revision and create the slot if missing (idempotent).
+
+    A slot the target has applied from that is gone or invalidated is refused, naming the gap (exit non-zero),
+    unless --new-slot.
 
     Examples:
 
@@ -47,7 +53,7 @@ def init(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, pub
     from applier.admin import init as do_init
 
     def go() -> None:
-        for line in do_init(make_config(config, dsn, slot, publication, target)):
+        for line in do_init(make_config(config, dsn, slot, publication, target), new_slot=new_slot):
             typer.echo(line)
 
     run_guarded(go)
@@ -76,7 +82,8 @@ def catchup(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, 
 @app.command()
 def run(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publication: PubOpt = None,
         target: TargetOpt = None, metrics: MetricsOpt = None, log_format: LogFormatOpt = None) -> None:
-    """Follow the source until SIGTERM/SIGINT (the daemon); then finish or roll back and exit 0 (130 after SIGINT).
+    """Follow the source until SIGTERM/SIGINT/SIGHUP (the daemon); then finish or roll back and exit 0 (130 after
+    SIGINT).
 
     Examples:
 

@@ -25,7 +25,7 @@ import psycopg
 from applier.config import Config, ConfigError, load_config
 from applier.decoder import DecodeError
 from applier.engine.spool import SpoolFull
-from applier.errors import ApplyError, InUseError, SlotGone, Unreachable
+from applier.errors import ApplyError, InUseError, ProgressMoved, SlotLost, Unreachable
 from applier.logs import TextFormatter, use_format
 from applier.source.base import SourceError
 from applier.text import one_line, redact_text
@@ -60,7 +60,7 @@ EXIT_MEANINGS = (
 # error class -> exit code; the first class an error is an instance of decides (the specific before the general:
 # SlotInUseError is a SourceError and an InUseError, ConnectError a ConfigError)
 EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
-    (SlotGone, SLOT_GONE),
+    (SlotLost, SLOT_GONE),
     (InUseError, REFUSED),
     (Unreachable, CONNECTION),
     (ConfigError, USAGE),
@@ -68,6 +68,7 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (DecodeError, USAGE),
     (SourceError, USAGE),  # what the source refused or sent (a missing slot, a bad recording); its loss: Unreachable
     (SpoolFull, USAGE),  # no room in apply.work_dir (named): not a change the target refused
+    (ProgressMoved, REFUSED),  # another applier advanced the progress row (two past the claim)
     (ApplyError, APPLY),
     # a driver's error that reached the command unwrapped (a catch-up that ran out of connection retries)
     (psycopg.OperationalError, CONNECTION),

@@ -43,6 +43,7 @@ from applier.cli.guard import (
     run_guarded,
     setup_logging,
 )
+from applier.config import ConfigError
 from applier.lsn import LSN
 
 COMMANDS = ("catchup", "run")
@@ -114,7 +115,7 @@ def apply(catchup: bool, config: Path | None = None, dsn: str | None = None, slo
     summary line. ``until`` (catchup only, typer's way in): apply the transactions committed at or before this
     LSN and stop."""
     # here, not at the top: start-up time (`applier --help` and the other commands do not load the engine)
-    from applier.admin import check_source, check_target
+    from applier.admin import SlotMissing, check_source, check_target, read_progress
     from applier.engine.heartbeat import Bar, Heartbeat
     from applier.engine.runner import Runner
 
@@ -131,26 +132,40 @@ def apply(catchup: bool, config: Path | None = None, dsn: str | None = None, slo
 
         served = Metrics()
         served.serve(*listen, cfg.where("metrics", "listen"))
-    check_source(cfg)
-    check_target(cfg)
     stop = threading.Event()
     stopped_by: list[int] = []  # the signal that stopped `run`
-    if not catchup:
+    if not catchup:  # SIGHUP as SIGTERM: stop after the transaction in hand, with the summary
         def stopping(signum: int, _frame: object) -> None:
             stopped_by.append(signum)
             stop.set()
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, stopping)
-    tune_gc()
     # catchup on a terminal: a bar instead of progress lines (the runner logs lines otherwise)
     bar = Bar() if catchup and cfg.apply["heartbeat_interval"] > 0 and sys.stderr.isatty() else None
     runner = Runner(cfg, catchup=catchup, stop=stop,
                     heartbeat=Heartbeat(Bar.EVERY, bar.show) if bar is not None else None, metrics=served,
                     until=end)
+    def checks() -> None:
+        try:
+            check_source(cfg)
+        except SlotMissing as missing:  # a slot the target applied from is lost, not to be made: SlotLost says so
+            try:
+                check_target(cfg)
+                applied = read_progress(cfg).lsn
+            except ConfigError:
+                raise missing from None
+            if not applied:
+                raise
+            check_source(cfg, need_slot=False)
+        check_target(cfg)
+
     complete = False
     try:
-        summary = runner.run()
+        summary = runner.summary  # stopped while `run` waited for the databases: nothing applied
+        if runner.preflight(checks):
+            tune_gc()
+            summary = runner.run()
         complete = True
     finally:
         if bar is not None:

@@ -36,7 +36,7 @@ from typing import Any
 
 from applier.config import CONFLICT_TYPES, SCHEMA
 from applier.decoder.messages import PG_EPOCH_UNIX, UNCHANGED_TOAST, TupleData
-from applier.errors import FinalError
+from applier.errors import ConflictStopped, FinalError
 from applier.lsn import LSN
 from applier.targets.base import Binding, LocalRow, Target, source_name, utc_now
 from applier.text import one_line
@@ -183,9 +183,9 @@ class Resolver:
         policy = self.policies[kind]
         if policy == "error":
             why = f"{one_line(exc)}; " if exc is not None else ""
-            raise FinalError(self._line(kind, op, b, t, idx, change, f"{why}conflicts.{kind} = \"error\" stops "
-                                        f"here: change the target row, or set conflicts.{kind} to skip, keep_local "
-                                        f"or apply_remote"))
+            raise ConflictStopped(self._line(kind, op, b, t, idx, change, f"{why}conflicts.{kind} = \"error\" "
+                                             f"stops here: change the target row, or set conflicts.{kind} to skip, "
+                                             f"keep_local or apply_remote"), kind, b.table)
         return policy
 
     def _unreplaceable(self, kind: str, op: str, b: Binding, t: TupleData, idx: tuple[int, ...], change: Change,

@@ -6,9 +6,19 @@ something fails. Whatever fails, the open target transaction is rolled back
 and the next session starts again from the target's recorded position, so a
 retry can neither lose nor repeat a transaction.
 
-- Connection failures (source or target) are retried with exponential backoff.
-  The backoff (and ``catchup``'s count of retries) starts over once a session has
-  applied something: each outage is waited out on its own.
+- Connection failures (source or target) are retried with exponential backoff,
+  ``run``'s at start-up too (``preflight``: a database that is restarting when the daemon
+  starts is waited for as one lost later is); ``catchup`` fails at once if one cannot be
+  reached at start (``ConnectError``). The backoff (and ``catchup``'s count of retries)
+  starts over once a session has applied something: each outage is waited out on its own.
+  The first session logs one start line (source, slot, target, position, row path); the
+  first after an outage one line with the outage's length.
+- A slot that is gone or invalidated (``SlotLost``) is no connection problem: nothing
+  brings its changes back, so the run ends at once (``run`` too), naming the slot, what
+  happened to it and the applied position.
+- The claim (``applier.targets.claim``) belongs to the process: a ``ProcessClaim`` taken by
+  the first session, kept through the retries (taken again before a session applies if it
+  was lost with its connection), given up when the run ends.
 - A full ``apply.work_dir`` (a streamed transaction's spool): ``run`` retries with
   backoff, since room may come back; ``catchup`` stops with the message.
 - A conflict (``Conflicted``, ``applier.engine.conflicts``) is no failure: the session ends and the next one
@@ -50,11 +60,12 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from applier.config import Config, ConfigError, parse_age
+from applier._cmodule import IMPLEMENTATION
+from applier.config import Config, ConfigError, ConnectError, parse_age
 from applier.engine.apply import ApplyEngine
 from applier.engine.heartbeat import CATCHUP_EVERY, Heartbeat
 from applier.engine.spool import SpoolFull
-from applier.errors import ApplyError, Conflicted, FinalError, TableWait
+from applier.errors import ApplyError, Conflicted, ConflictStopped, FinalError, SlotLost, TableWait
 from applier.inspect import current_wal_insert_lsn, stream_options
 from applier.lsn import LSN
 from applier.progress.store import Progress, prune_conflicts
@@ -62,9 +73,10 @@ from applier.rows import one_row
 from applier.source.base import SlotInUseError, Source, SourceError
 from applier.source.chunks import ChunkReader
 from applier.source.sql import SqlSlotSource
-from applier.source.walsender import WalSender, session_dsn
+from applier.source.walsender import SLOT_STATE, WalSender, session_dsn, slot_state
 from applier.targets import opener
-from applier.text import one_line, quote_literal
+from applier.targets.claim import ProcessClaim
+from applier.text import one_line, quote_literal, redact_dsn
 
 if TYPE_CHECKING:
     from applier.metrics import Metrics
@@ -121,8 +133,8 @@ def open_source(cfg: Config, progress: Progress, wrap: Callable[[Source], Source
     if s["sql_interface"]:
         src = sql = SqlSlotSource(s["dsn"], s["slot"], stream_options(cfg))
         try:
-            row = sql.conn.execute(SLOT_CONFIRMED, [s["slot"]]).fetchone()
-            check_progress_owner(cfg, progress, None, LSN.parse(row[0]) if row and row[0] else None)
+            check_progress_owner(cfg, progress, None, slot_state(s["slot"], sql.conn.execute(SLOT_STATE, [s["slot"]])
+                                                                .fetchone(), progress.lsn))
             if s["binary"]:
                 money = money_of_probe(one_row(sql.conn.execute(MONEY_PROBE)))
         except BaseException:
@@ -133,20 +145,20 @@ def open_source(cfg: Config, progress: Progress, wrap: Callable[[Source], Source
                              connect_timeout=s["connect_timeout"])
         try:
             system = ws.identify_system()["systemid"]
-            rows = ws.command(SLOT_CONFIRMED.replace("%s", quote_literal(s["slot"])))
-            check_progress_owner(cfg, progress, system, LSN.parse(rows[0][0]) if rows and rows[0][0] else None)
+            rows = ws.command(SLOT_STATE.replace("%s", quote_literal(s["slot"])))
+            check_progress_owner(cfg, progress, system, slot_state(s["slot"], rows[0] if rows else None, progress.lsn))
             if s["binary"]:
                 money = money_of_probe(ws.command(MONEY_PROBE)[0])
             ws.start(s["slot"], progress.lsn, stream_options(cfg))
+        except SlotLost as exc:  # the walsender's refusal (a slot dropped or invalidated since it was looked at)
+            ws.close()
+            raise exc.at(str(progress.lsn)) from None
         except BaseException:
             ws.close()
             raise
     reader = ChunkReader(wrap(src) if wrap is not None else src, system_id=system)
     reader.money_text = money
     return reader
-
-
-SLOT_CONFIRMED = "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s"
 
 
 def check_progress_owner(cfg: Config, progress: Progress, system: str | None, confirmed: LSN | None) -> None:
@@ -232,6 +244,8 @@ def is_transient(exc: BaseException) -> bool:
 
 def error_kind(exc: BaseException) -> str:
     """What ended a session, as the metrics count it (``applier.metrics.ERROR_KINDS``)."""
+    if isinstance(exc, SlotLost):
+        return "slot_lost"
     if isinstance(exc, SlotInUseError):
         return "slot_in_use"
     if isinstance(exc, SpoolFull):
@@ -269,9 +283,42 @@ class Runner:
         self.ended_careful = False  # whether the last session was still in careful mode when it ended
         self.waiting = ""  # why the last session waited for a table (logged once per reason)
         self.pruned_at = 0.0  # when applier_conflicts was last trimmed (``_prune``)
+        self.claim = ProcessClaim(cfg.target_dialect, opener.location(cfg), cfg.apply["name"], self.command,
+                                  cfg.source["connect_timeout"])
+        self.down_since: float | None = None  # when the outage in hand began (a connection lost or never made)
+        self.announced = False  # whether the start line was logged
+        if metrics is not None:
+            metrics.probe(cfg.source["dsn"], cfg.source["slot"],
+                          opener.location(cfg) if cfg.target_dialect != "sqlite" else None)
+
+    def preflight(self, checks: Callable[[], None]) -> bool:
+        """Run the start-up ``checks`` (ConfigError if one fails); a database that cannot be reached is an
+        ``ConnectError`` for ``catchup`` and, for ``run``, waited for with the backoff of a lost connection.
+        False: stopped while waiting."""
+        delay = self.cfg.apply["retry_initial"]
+        while True:
+            try:
+                checks()
+                return True
+            except ConfigError as exc:
+                if reachable(self.cfg):
+                    raise
+                if self.catchup:
+                    raise ConnectError(str(exc)) from None
+                self.down_since = self.down_since or time.monotonic()
+                log.warning("%s; retrying in %.1fs", exc, delay)
+            if self.stop.wait(delay):
+                return False
+            delay = min(delay * 2, self.cfg.apply["retry_max"])
 
     def run(self) -> Summary:
         """Apply until stopped (daemon) or caught up (catchup); returns the summary."""
+        try:
+            return self._run()
+        finally:
+            self.claim.release()
+
+    def _run(self) -> Summary:
         started = time.monotonic()
         if self.catchup and self.until is not None:
             self.goal = self.summary.goal = self.until
@@ -292,6 +339,11 @@ class Runner:
                 if self.stop.is_set():
                     break
                 continue
+            except SlotLost as exc:  # nothing brings it back: no retry, whatever the command
+                if self.metrics is not None:
+                    self.metrics.failed("slot_lost")
+                self.summary.errors.append(str(exc))
+                raise
             except (ApplyError, SourceError, psycopg.Error, sqlite3.Error) as exc:
                 msg = one_line(exc)
                 where = {"lsn": self.fail_lsn} if self.fail_lsn else {}  # log fields (applier.logs)
@@ -302,6 +354,8 @@ class Runner:
                     continue
                 if self.metrics is not None:
                     self.metrics.failed(error_kind(exc))
+                    if isinstance(exc, ConflictStopped):  # a conflict all the same (its policy stops the apply)
+                        self.metrics.conflict_stopped(exc.conflict, exc.table)
                 if applied_before is not None and self.summary.applied is not None \
                         and self.summary.applied > applied_before:  # the session applied some: a new outage
                     delay, failures = self.cfg.apply["retry_initial"], 0
@@ -315,6 +369,7 @@ class Runner:
                     log.warning("%s; retrying in %.1fs", msg, delay, extra=where)
                 elif is_transient(exc):
                     failures += 1
+                    self.down_since = self.down_since or time.monotonic()
                     if self.max_connect_retries is not None and failures > self.max_connect_retries:
                         raise
                     log.warning("connection problem, retrying in %.1fs: %s", delay, msg, extra=where)
@@ -345,13 +400,14 @@ class Runner:
         if self.sessions and self.metrics is not None:
             self.metrics.reconnected()
         self.sessions += 1
+        self.claim.hold()  # before anything is read or applied: one applier per progress row (kept through retries)
         target = opener.open(cfg)
         engine: ApplyEngine | None = None
         source: ChunkReader | None = None
         failure: BaseException | None = None
         wait: TableWait | None = None
         try:
-            target.claim(self.command)  # before anything is read or applied: one applier per progress row
+            target.claim(self.command, held=True)
             self._prune(target)
             progress = target.read_progress()
             engine = ApplyEngine(
@@ -364,6 +420,7 @@ class Runner:
             if self.metrics is not None:
                 engine.prepared_waiting = prepared_count(target)
                 self.metrics.watch(engine, source)
+            self._connected(progress.lsn)
             target.source_system = source.system_id
             target.money_text = source.money_text
             target.slot = cfg.source["slot"]
@@ -371,7 +428,7 @@ class Runner:
                 self.summary.applied = progress.lsn
                 return
             self._loop(engine, source, target, careful, self.fail_lsn)
-        except (ApplyError, SourceError, psycopg.Error, sqlite3.Error) as exc:
+        except (ApplyError, SourceError, SlotLost, psycopg.Error, sqlite3.Error) as exc:
             failure = exc
             raise
         except TableWait as exc:
@@ -384,6 +441,18 @@ class Runner:
                     self._wait_for_table(wait)
                 finally:
                     target.close()
+
+    def _connected(self, position: LSN) -> None:
+        """A session reached the source: the start line (the first session), or how long the outage lasted."""
+        if not self.announced:
+            self.announced = True
+            s = self.cfg.source
+            log.info("applier %s: source %s, slot %r, target %s, from %s, %s row path", self.command,
+                     redact_dsn(s["dsn"]), s["slot"], redact_dsn(self.cfg.target["url"]), position, IMPLEMENTATION)
+        if self.down_since is not None:
+            log.info("connected again after an outage of %.1fs; applying from %s", time.monotonic() - self.down_since,
+                     position)
+            self.down_since = None
 
     def _prune(self, target: Any) -> None:
         """Trim applier_conflicts to ``conflicts.prune_after`` (at each session's start, then hourly between
@@ -537,3 +606,17 @@ class Runner:
             engine.abort_group()
         else:
             engine.flush_group()
+
+
+def reachable(cfg: Config) -> bool:
+    """Whether both databases of ``cfg`` can be reached now (a SQLite target always can): a server that refuses a
+    connection for what it is asked (a missing database, a wrong password) is reached all the same, one that
+    cannot be connected to, or is starting or shutting down, is not."""
+    dsns = [cfg.source["dsn"]] + ([opener.location(cfg)] if cfg.target_dialect != "sqlite" else [])
+    for dsn in dsns:
+        try:
+            psycopg.connect(dsn, connect_timeout=cfg.source["connect_timeout"]).close()
+        except psycopg.OperationalError as exc:
+            if exc.sqlstate is None or exc.sqlstate.startswith(("08", "57P")):
+                return False
+    return True

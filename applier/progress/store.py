@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 from applier.lsn import LSN
 
 # The newest alembic revision of the control tables (tests check it against migrations/).
-HEAD_REVISION = "0004"
+HEAD_REVISION = "0005"
 VERSION_TABLE = "applier_alembic_version"
 # Every control table at HEAD_REVISION, alembic's last (``applier drop --control-tables`` drops them in this order);
 # each but the last has the ``name`` column of apply.name.
@@ -18,8 +18,9 @@ CONTROL_TABLES = ("applier_conflicts", "applier_sync_tables", "applier_sync_part
 
 class Progress(NamedTuple):
     """What the target has applied: end LSN of the last source transaction, a pending skip, the source's
-    system identifier (IDENTIFY_SYSTEM) and the slot the LSN belongs to (None: not recorded yet), and
-    the last error an applier met (one line) with its time (ISO 8601, UTC)."""
+    system identifier (IDENTIFY_SYSTEM) and the slot the LSN belongs to (None: not recorded yet), the last
+    error an applier met (one line) with its time (ISO 8601, UTC), and why the replica needs a re-copy
+    (``applier init --new-slot`` after a lost slot; cleared when ``applier sync`` completes), or None."""
 
     lsn: LSN
     commit_time: int | None
@@ -28,6 +29,7 @@ class Progress(NamedTuple):
     slot: str | None = None
     last_error: str | None = None
     last_error_at: str | None = None
+    recopy_needed: str | None = None
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...] | None) -> Progress:
@@ -41,7 +43,9 @@ class ProgressSQL(NamedTuple):
     """The statements for one parameter style."""
 
     select: str
-    upsert: str
+    upsert: str  # a copy's (``applier sync``): sets the position whatever it was, clears ``recopy_needed``
+    advance: str  # the engine's: moves the position only from the one read (compare-and-set; see ``_sql``)
+    set_recopy: str  # (name, lsn, why): follow from ``lsn``, the replica needs a re-copy (``applier init --new-slot``)
     set_skip: str
     record_error: str
     clear_skip: str
@@ -59,17 +63,27 @@ class ProgressSQL(NamedTuple):
     latest_conflicts: str  # (name, limit) -> the newest rows, newest first
 
 
+def _upsert(ph: str, also: str = "", where: str = "") -> str:
+    """The progress row of (name, lsn, commit_time, source_system, slot) written (a NULL system or slot keeps the
+    one recorded); ``also``: more SET items; ``where``: the condition an existing row must meet to be updated."""
+    return (f"INSERT INTO applier_progress (name, lsn, commit_time, source_system, slot, updated_at) "
+            f"VALUES ({ph}, {ph}, {ph}, {ph}, {ph}, CURRENT_TIMESTAMP) "
+            f"ON CONFLICT (name) DO UPDATE SET lsn = excluded.lsn, commit_time = excluded.commit_time, "
+            f"source_system = coalesce(excluded.source_system, applier_progress.source_system), "
+            f"slot = coalesce(excluded.slot, applier_progress.slot), updated_at = excluded.updated_at{also}{where}")
+
+
 def _sql(ph: str, has_sync_tables: str) -> ProgressSQL:
-    now = "CURRENT_TIMESTAMP"
     return ProgressSQL(
-        select=(f"SELECT lsn, commit_time, skip_lsn, source_system, slot, last_error, last_error_at "
+        select=(f"SELECT lsn, commit_time, skip_lsn, source_system, slot, last_error, last_error_at, recopy_needed "
                 f"FROM applier_progress WHERE name = {ph}"),
-        # (name, lsn, commit_time, source_system, slot): a NULL system or slot keeps the one recorded
-        upsert=(f"INSERT INTO applier_progress (name, lsn, commit_time, source_system, slot, updated_at) "
-                f"VALUES ({ph}, {ph}, {ph}, {ph}, {ph}, {now}) "
-                f"ON CONFLICT (name) DO UPDATE SET lsn = excluded.lsn, commit_time = excluded.commit_time, "
-                f"source_system = coalesce(excluded.source_system, applier_progress.source_system), "
-                f"slot = coalesce(excluded.slot, applier_progress.slot), updated_at = excluded.updated_at"),
+        upsert=_upsert(ph, ", recopy_needed = NULL"),
+        # (name, lsn, commit_time, source_system, slot, the position read): one row written, or none when another
+        # process moved the position since (a row that did not exist is inserted; one inserted meanwhile
+        # conflicts, and its position is compared as any)
+        advance=_upsert(ph, where=f" WHERE applier_progress.lsn = {ph}"),
+        set_recopy=(f"INSERT INTO applier_progress (name, lsn, recopy_needed) VALUES ({ph}, {ph}, {ph}) "
+                    f"ON CONFLICT (name) DO UPDATE SET lsn = excluded.lsn, recopy_needed = excluded.recopy_needed"),
         # (name, error, at): the row may not exist yet (nothing applied)
         record_error=(f"INSERT INTO applier_progress (name, lsn, last_error, last_error_at) "
                       f"VALUES ({ph}, '0/0', {ph}, {ph}) ON CONFLICT (name) DO UPDATE SET "

@@ -14,7 +14,10 @@ Invariants:
   can run further commands;
 - a connection streams once: PostgreSQL (15 to 18 at least) does not reset its
   end-of-streaming state for a second START_REPLICATION … LOGICAL, whose
-  stream then ends at once, so ``start`` refuses a second time.
+  stream then ends at once, so ``start`` refuses a second time;
+- a slot that is gone or invalidated is a ``SlotLost`` (``applier.errors``), never a
+  connection problem: from the walsender's refusal of START_REPLICATION (``slot_lost``) or
+  from the catalog beforehand (``SLOT_STATE``, ``slot_state``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from applier._cmodule import rowpath
 from applier.decoder.framing import Frame, encode_standby_status, read_frame
 from applier.decoder.messages import Keepalive, PgOutputMessage, XLogData
 from applier.decoder.pgoutput import DecodeError, Decoder
+from applier.errors import SlotLost
 from applier.lsn import LSN
 from applier.source.base import FULL, Full, SlotInfo, SourceError, SourceUnreachable, StreamOptions, slot_in_use
 from applier.text import one_line, quote_ident, quote_literal
@@ -153,8 +157,12 @@ class WalSender:
         res = self._exec(sql)
         if res.status != pq.ExecStatus.COPY_BOTH:
             msg = one_line((res.error_message or b"").decode(errors="replace"))
-            if res.error_field(pq.DiagnosticField.SQLSTATE) == b"55006":  # object_in_use: "… is active for PID n"
+            state = res.error_field(pq.DiagnosticField.SQLSTATE)
+            if state == b"55006":  # object_in_use: "… is active for PID n"
                 raise slot_in_use(slot, msg)
+            lost = slot_lost(slot, state, msg, res.error_field(pq.DiagnosticField.MESSAGE_DETAIL))
+            if lost is not None:
+                raise lost
             raise SourceError(f"source refused START_REPLICATION on slot {slot!r}: {msg}")
         self.streaming = True
         self._started = True
@@ -324,6 +332,38 @@ class WalSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def slot_lost(slot: str, sqlstate: bytes | None, message: str, detail: bytes | None) -> SlotLost | None:
+    """The SlotLost of a walsender's refusal of START_REPLICATION, or None for another refusal: undefined_object
+    (42704) "replication slot … does not exist", or an invalidated slot (55000): "cannot read from logical
+    replication slot" (PostgreSQL 15), "can no longer get changes from replication slot" (16, 17), "can no longer
+    access replication slot" (18), with a detail that says why ("This slot has been invalidated because …")."""
+    why = one_line((detail or b"").decode(errors="replace")).rstrip(".")
+    if sqlstate == b"42704" and "does not exist" in message:
+        return SlotLost(slot, "does not exist on the source (dropped)")
+    if sqlstate in (b"55000", b"42704") and ("invalidated" in why or "can no longer" in message):
+        return SlotLost(slot, f"was invalidated on the source ({why or message})")
+    return None
+
+
+# the slot's position and whether it was invalidated: wal_status 'lost' (its WAL removed), PostgreSQL 17+'s
+# invalidation_reason, 16's conflicting (columns a version lacks read as NULL through to_jsonb)
+SLOT_STATE = ("SELECT confirmed_flush_lsn::text, wal_status, to_jsonb(s) ->> 'invalidation_reason', "
+              "to_jsonb(s) ->> 'conflicting' FROM pg_replication_slots s WHERE slot_name = %s")
+
+
+def slot_state(slot: str, row: Any, applied: LSN | None) -> LSN | None:
+    """The slot's confirmed position from its ``SLOT_STATE`` row (None: none yet); SlotLost naming ``applied`` (when
+    known) if the slot does not exist or was invalidated."""
+    if row is None:
+        raise SlotLost(slot, "does not exist on the source (dropped)", None if applied is None else str(applied))
+    confirmed, wal_status, reason, conflicting = row
+    if reason or wal_status == "lost" or conflicting in (True, "true"):
+        why = reason or ("conflict with recovery" if conflicting in (True, "true") else "wal_removed")
+        raise SlotLost(slot, f"was invalidated on the source ({why}: wal_status {wal_status or 'lost'})",
+                       None if applied is None else str(applied))
+    return LSN.parse(confirmed) if confirmed else None
 
 
 def _pg_error(pgconn: pq.abc.PGconn) -> str:

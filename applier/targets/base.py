@@ -45,7 +45,7 @@ from typing import Any, NamedTuple, Protocol
 
 from applier._cmodule import rowpath
 from applier.decoder.messages import NULL, UNCHANGED_TOAST, Relation, TupleData, Type
-from applier.errors import ApplyError, Conflicted, FinalError
+from applier.errors import ApplyError, Conflicted, FinalError, ProgressMoved
 from applier.lsn import LSN
 from applier.progress.store import Progress, ProgressSQL
 from applier.text import one_line, quote_ident
@@ -450,7 +450,8 @@ class Target(Protocol):
     not found, so the batch is applied again row by row, where they are told apart.
 
     The claim: ``claim(command)`` holds the target's progress row for this session (InUseError naming
-    the holder if another has it) until ``close``; ``holder()`` says who holds it.
+    the holder if another has it) until ``close``; ``claim(command, held=True)``: this process holds it
+    already (``applier.targets.claim.ProcessClaim``); ``holder()`` says who holds it.
 
     Prepared transactions (two-phase, under ``prepared_gid(name, xid)``): ``native_prepare`` says how
     the target keeps one. True (PostgreSQL with max_prepared_transactions > 0 and two_phase_mode =
@@ -510,7 +511,7 @@ class Target(Protocol):
     def delete_rowids(self, b: Binding, rowids: Sequence[tuple[Any, ...]]) -> None: ...
     def overwrite(self, b: Binding, rowid: tuple[Any, ...], new: TupleData) -> None: ...
     def record_conflict(self, row: Sequence[Any]) -> None: ...
-    def claim(self, command: str) -> None: ...
+    def claim(self, command: str, held: bool = False) -> None: ...
     def holder(self, name: str | None = None) -> str | None: ...
     def close(self) -> None: ...
 
@@ -780,17 +781,41 @@ class TargetBase:
         row = cur.fetchone()
         return None if row is None else (str(row[0]), LSN.parse(row[1]) if row[1] else None)
 
+    # The compare-and-set of the progress row (``ProgressSQL.advance``): the position as this session read it or
+    # last committed it, and the one written in the open transaction (it becomes the first when that commits).
+    _read_lsn = "0/0"
+    _next_lsn: str | None = None
+
     def read_progress(self) -> Progress:
-        """The applied position recorded on the target (LSN 0/0 if none)."""
+        """The applied position recorded on the target (LSN 0/0 if none); the session's writes advance from it."""
         cur = self.conn.cursor()
         cur.execute(self.sql.select, [self.name])
-        return Progress.from_row(cur.fetchone())
+        row = cur.fetchone()
+        self._read_lsn, self._next_lsn = (row[0] if row is not None else "0/0"), None
+        return Progress.from_row(row)
 
     def write_progress(self, lsn: LSN, commit_time: int | None, clear_skip: bool = False) -> None:
-        """Record ``lsn`` as applied, in the open transaction."""
-        self.cur.execute(self.sql.upsert, [self.name, str(lsn), commit_time, self.source_system, self.slot])
+        """Record ``lsn`` as applied, in the open transaction, if the row is still where this session read it;
+        ProgressMoved if another process moved it (the caller rolls back)."""
+        read = self._next_lsn or self._read_lsn
+        self.cur.execute(self.sql.advance, [self.name, str(lsn), commit_time, self.source_system, self.slot, read])
+        if self.cur.rowcount != 1:
+            raise self.progress_moved(read)
+        self._next_lsn = str(lsn)
         if clear_skip:
             self.cur.execute(self.sql.clear_skip, [self.name])
+
+    def progress_committed(self, committed: bool) -> None:
+        """The open transaction ended (``committed`` or rolled back): what it wrote is the position read now."""
+        if committed and self._next_lsn is not None:
+            self._read_lsn = self._next_lsn
+        self._next_lsn = None
+
+    def progress_moved(self, read: str) -> ProgressMoved:
+        """The error of a progress row another process moved since this session read it at ``read``."""
+        return ProgressMoved(f"the progress row of apply.name {self.name!r} is no longer at {read}, where this "
+                             f"session read it: another process applied to this target meanwhile (two appliers past "
+                             f"the claim); this session's commit is rolled back and it stops")
 
     def record_error(self, message: str) -> None:
         """Keep ``message`` as the last error, with the time, in a transaction of its own (none may be open)."""

@@ -15,6 +15,13 @@ applies anything, with one line naming the holder.
   releases it when the process ends, however it ends.
 
 Only *looking* (``holder``) never takes the claim.
+
+A process that applies in many sessions (``applier.engine.runner``: a session ends at each lost
+connection and the next starts after a backoff) holds the claim as a ``ProcessClaim``: on a
+PostgreSQL target on a connection of its own, kept through the retries and taken again before a
+session applies if it was lost; on a SQLite target the lock file, kept open. A newcomer is refused
+while the process retries, and ``applier status`` names it. The session's target is then told the
+claim is held (``claim(command, held=True)``) rather than taking it on its own connection.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ import time
 import weakref
 from pathlib import Path
 from typing import Any
+
+import psycopg
 
 from applier.errors import InUseError
 from applier.targets.base import utc_now
@@ -216,3 +225,51 @@ def copy_claim_name(name: str, schema: str, table: str) -> str:
 def _unshared(db_path: str) -> bool:
     """An in-memory SQLite database (or a URI one): no other process can reach it."""
     return db_path == ":memory:" or db_path.startswith("file:")
+
+
+class ProcessClaim:
+    """The claim of progress row ``name`` held by this process across its sessions; see the module header."""
+
+    def __init__(self, dialect: str, location: str, name: str, command: str, connect_timeout: int = 10) -> None:
+        self.dialect = dialect
+        self.location = location  # the libpq conninfo of a PostgreSQL target, the SQLite database's path
+        self.name = name
+        self.command = command
+        self.connect_timeout = connect_timeout
+        self._conn: Any = None
+        self._file: FileClaim | None = None
+        self._held = False
+
+    def hold(self) -> None:
+        """Hold the claim now: keep it if it is still held, take it (again) if not. InUseError naming the holder if
+        another process has it; a psycopg error if the target cannot be reached (the runner retries)."""
+        if self.dialect == "sqlite":
+            if not self._held:
+                self._file = claim_target("sqlite", None, self.location, self.name, self.command)
+                self._held = True
+            return
+        if self._conn is not None and not self._conn.closed:
+            try:
+                self._conn.execute("SELECT 1")  # the lock lives as long as this session: is it still there?
+                return
+            except psycopg.Error:
+                self._conn.close()
+        self._conn = None
+        conn = psycopg.connect(self.location, autocommit=True, connect_timeout=self.connect_timeout)
+        try:
+            pg_claim(conn, self.name, self.command)
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+
+    def release(self) -> None:
+        """Give the claim up."""
+        if self._file is not None:
+            self._file.release()
+            self._file = None
+        if self._conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._conn.close()
+            self._conn = None
+        self._held = False

@@ -251,11 +251,17 @@ PIPELINE_DEPTH = 512
 PREPARED_MAX = 500
 
 # what a commit sends besides COMMIT (``PostgresTarget.commit``), prepared as the changes are (text mode)
-_UPSERT = _numbered(PG_SQL.upsert)
+# The progress write, a compare-and-set (``ProgressSQL.advance``): a row another process moved since this session
+# read it is not written, and the statement fails with this text (as ``_counted``'s), so the COMMIT after it in the
+# pipeline does not run either.
+_MOVED_MARK = "applier-progress-moved"
+_ADVANCE = f"WITH p AS ({PG_SQL.advance} RETURNING 1) SELECT (SELECT CASE WHEN count(*) = 1 THEN '0/0' " \
+           f"ELSE '{_MOVED_MARK}' END FROM p)::pg_lsn"
+_UPSERT = _numbered(_ADVANCE)
 _CLEAR_SKIP = _numbered(PG_SQL.clear_skip)
-# the progress upsert and the origin's position in one statement (a WITH query's INSERT runs whether read or not)
+# the progress write and the origin's position in one statement
 _ORIGIN_SETUP = b"SELECT pg_replication_origin_xact_setup($1, $2)"
-_UPSERT_ORIGIN = _numbered(f"WITH p AS ({PG_SQL.upsert}) SELECT pg_replication_origin_xact_setup(%s, %s)")
+_UPSERT_ORIGIN = _numbered(f"{_ADVANCE}, pg_replication_origin_xact_setup(%s, %s)")
 _WAL_POSITIONS = "SELECT pg_current_wal_insert_lsn()::text, pg_current_wal_flush_lsn()::text"
 
 
@@ -704,8 +710,10 @@ class PostgresTarget(TargetBase):
         """Record ``lsn`` as applied in the open transaction. The statements are kept and sent by ``commit``,
         ahead of COMMIT in the same transaction, so progress and rows still commit together or not at all."""
         enc = self._conn.info.encoding
+        self._next_lsn = str(lsn)
         self._progress = ([None if v is None else str(v).encode(enc)
-                           for v in (self.name, lsn, commit_time, self.source_system, self.slot)], clear_skip)
+                           for v in (self.name, lsn, commit_time, self.source_system, self.slot, self._read_lsn)],
+                          clear_skip)
 
     def commit(self, source_lsn: LSN, commit_time: int | None = None) -> None:
         """Commit; the commit is the newest not yet placed in the target's WAL (``durable_lsn``).
@@ -734,8 +742,14 @@ class PostgresTarget(TargetBase):
         if origin is not None:
             self._send(_ORIGIN_SETUP, origin, "COMMIT", None, -1, source_lsn, flush=False)
         self._send(b"COMMIT", (), "COMMIT", None, -1, source_lsn, flush=False, prepare=False)
-        self._sync()
+        try:
+            self._sync()
+        except psycopg.Error as exc:
+            if progress is not None and _MOVED_MARK in str(exc):
+                raise self.progress_moved(self._read_lsn) from None
+            raise
         self.in_txn = False
+        self.progress_committed(True)
         if self.sync == "off":
             self._unplaced = source_lsn
         else:
@@ -750,6 +764,7 @@ class PostgresTarget(TargetBase):
         if self._inflight:
             with contextlib.suppress(psycopg.Error):
                 self._sync(check=False)
+        self.progress_committed(False)
         if self._conn.closed:
             return
         self.cur.execute("ROLLBACK")
@@ -942,11 +957,13 @@ class PostgresTarget(TargetBase):
 
     # -- the claim (applier.targets.claim) ----------------------------------------------
 
-    def claim(self, command: str) -> None:
+    def claim(self, command: str, held: bool = False) -> None:
         """Hold this progress row for this session (an advisory lock); InUseError naming the holder if taken.
+        ``held``: this process holds it already, on a connection of its own (``claim.ProcessClaim``).
 
         A stale holder's session also held the replication origin: set up here once it is gone."""
-        claim_target("postgresql", self.conn, "", self.name, command)
+        if not held:
+            claim_target("postgresql", self.conn, "", self.name, command)
         if self.use_origin and not self.has_origin:
             self.has_origin = self._setup_origin()
             self._detect_origin()

@@ -147,6 +147,7 @@ class SqliteTarget(TargetBase):
         """Commit (durable on return)."""
         self.cur.execute("COMMIT")
         self.in_txn = False
+        self.progress_committed(True)
         self._durable = LSN(max(self._durable, source_lsn))
 
     def rollback(self) -> None:
@@ -154,6 +155,7 @@ class SqliteTarget(TargetBase):
         if self.conn.in_transaction:
             self.cur.execute("ROLLBACK")
         self.in_txn = False
+        self.progress_committed(False)
 
     def durable_lsn(self) -> LSN:
         """The highest source LSN whose commit is on disk."""
@@ -184,9 +186,11 @@ class SqliteTarget(TargetBase):
 
     # -- the claim (applier.targets.claim) ----------------------------------------------
 
-    def claim(self, command: str) -> None:
-        """Hold this progress row while this target is open (a lock file); InUseError naming the holder if taken."""
-        self._claim = claim_target("sqlite", None, self.path, self.name, command)
+    def claim(self, command: str, held: bool = False) -> None:
+        """Hold this progress row while this target is open (a lock file); InUseError naming the holder if taken.
+        ``held``: this process holds it already (``claim.ProcessClaim``)."""
+        if not held:
+            self._claim = claim_target("sqlite", None, self.path, self.name, command)
 
     def holder(self, name: str | None = None) -> str | None:
         """Who applies to this progress row now (None: nobody); ``name``: who holds that claim key instead

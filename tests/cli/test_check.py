@@ -108,7 +108,7 @@ def test_a_running_applier_fails_slot_state_and_claim(rig: Rig) -> None:
     finally:
         daemon.terminate()
         daemon.communicate(timeout=60)
-    assert r.returncode != 0
+    assert r.returncode == 5
     assert failed(r) == {"slot state", "claim"}, r.stdout
     assert "applier run (pid " in r.stdout
 
@@ -123,7 +123,7 @@ def replica_wal_source(pg_clusters: ClusterPool) -> Iterator[ScratchDb]:
 def test_wal_level_replica_fails(replica_wal_source: ScratchDb, tmp_path: Path) -> None:
     rig = Rig.make(replica_wal_source, None, tmp_path)
     r = rig.applier("check")
-    assert r.returncode != 0
+    assert r.returncode == 2
     assert "fail  wal_level: source: wal_level is 'replica'" in r.stdout, r.stdout
     assert {"wal_level", "slot", "target"} <= failed(r)
     assert rig.slots() == set() and rig.target_tables() == set()
@@ -146,6 +146,7 @@ def test_an_invalidated_slot_fails_slot_state(small_wal_keep_source: ScratchDb, 
     rig.src("CHECKPOINT")
     assert rig.src("SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s", [SLOT]) == [("lost",)]
     r = rig.applier("check")
-    assert r.returncode != 0
+    assert r.returncode == 6
     assert "slot state" in failed(r), r.stdout
+    assert f"slot '{SLOT}' was invalidated on the source" in r.stdout, r.stdout
     assert f"slot '{SLOT}' is invalidated" in r.stdout
