@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from applier.cli.guard import exit_code, fail
 from applier.cli.root import ConfigOpt, DsnOpt, PubOpt, SlotOpt, TargetOpt, app, make_config, run_guarded
 from applier.config import ConfigError
 
@@ -41,7 +42,7 @@ def check(config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, pu
         if failed:
             first = next(r.error for r in failed if r.error is not None)
             names = ", ".join(f"{r.name} ({r.state})" for r in failed)
-            raise type(first)(f"{len(failed)} of {len(results) + 1} checks did not pass: {names}")
+            fail(f"{len(failed)} of {len(results) + 1} checks did not pass: {names}", exit_code(first))
 
     run_guarded(go)
 
