@@ -36,9 +36,13 @@ class SlotMissing(ConfigError):
 
 
 def source_connect(cfg: Config) -> psycopg.Connection[Any]:
-    """An autocommit connection to the source; ConfigError naming the DSN if it fails."""
+    """An autocommit connection to the source; ConnectError naming the DSN if it fails (a ConfigError if libpq cannot
+    read the DSN: an unknown keyword, a missing '=')."""
     try:
         return psycopg.connect(cfg.source["dsn"], autocommit=True, connect_timeout=cfg.source["connect_timeout"])
+    except psycopg.ProgrammingError as exc:  # the DSN itself, which no retry mends
+        raise ConfigError(f"{cfg.where('source', 'dsn')}: libpq cannot read the DSN "
+                          f"({redact_dsn(cfg.source['dsn'])}): {redact_text(one_line(exc))}") from None
     except psycopg.Error as exc:
         raise ConnectError(f"{cfg.where('source', 'dsn')}: cannot connect to the source "
                            f"({redact_dsn(cfg.source['dsn'])}): {redact_text(one_line(exc))}") from None

@@ -619,4 +619,6 @@ def reachable(cfg: Config) -> bool:
         except psycopg.OperationalError as exc:
             if exc.sqlstate is None or exc.sqlstate.startswith(("08", "57P")):
                 return False
+        except psycopg.Error:  # a DSN libpq cannot read: a configuration error, which waiting does not mend
+            continue
     return True

@@ -39,6 +39,19 @@ def run(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> 
                           env={**clean_env(), **(env or {})}, stdin=subprocess.DEVNULL)
 
 
+def run_a_while(*args: str, env: dict[str, str] | None = None, seconds: float = 4) -> subprocess.CompletedProcess[str]:
+    """``run`` with ``args`` (a daemon, which may wait for a database): stopped by SIGTERM after ``seconds`` if it
+    is still running; what it printed."""
+    proc = subprocess.Popen([applier_script(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**clean_env(), **(env or {})}, stdin=subprocess.DEVNULL)
+    try:
+        out, err = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def one_error_line(r: subprocess.CompletedProcess[str]) -> str:
     """The single ``applier: error:`` line a failed command printed (its last line), with no traceback anywhere."""
     assert "Traceback" not in r.stderr + r.stdout, r.stderr
@@ -110,14 +123,17 @@ def test_no_password_is_printed_by_any_command_in_any_dsn_form(world: World) -> 
         runs.append(("target-env", [*command, "-c", str(world.config("pw-target-env"))],
                      {"APPLIER_TARGET_URL": f"postgres://app:{SECRET}@127.0.0.1:{port}/app"}))
     with ThreadPoolExecutor(max_workers=3) as pool:
-        results = list(pool.map(lambda r: run(*r[1], env=r[2]), runs))
+        results = list(pool.map(lambda r: run_a_while(*r[1], env=r[2]) if "run" in r[1] else run(*r[1], env=r[2]),
+                                runs))
     leaked = [(form, args, r.stdout + r.stderr) for (form, args, _), r in zip(runs, results, strict=True)
               if SECRET in r.stdout + r.stderr]
     assert not leaked, leaked[:3]
-    failed = [(form, args, r.returncode) for (form, args, _), r in zip(runs, results, strict=True) if r.returncode == 0]
-    assert not failed  # every one met its error path
+    # every one met its error path: `run` waits for a source it cannot reach, saying so, until stopped
+    failed = [(form, args, r.returncode) for (form, args, _), r in zip(runs, results, strict=True)
+              if r.returncode == 0 and not ("run" in args and "retrying in" in r.stderr)]
+    assert not failed, failed
     typo = [r.stderr for (form, args, _), r in zip(runs, results, strict=True) if form == "typo"]
-    assert any("cannot connect to the source (host=*** port=*** dbname=*** passwd=***)" in err for err in typo), typo
+    assert any("libpq cannot read the DSN (host=*** port=*** dbname=*** passwd=***)" in err for err in typo), typo
 
 
 # -- exit codes -----------------------------------------------------------------------------------------------------
@@ -139,6 +155,13 @@ def test_exit_codes_by_kind(world: World) -> None:
         r = run(command, "-c", str(bad))
         assert r.returncode == 2, (command, r.stderr)
         assert "apply.retry_initial" in one_error_line(r)
+
+    # 2: a DSN libpq cannot read is configuration, never waited for (`run` waits only for a database)
+    unreadable = world.config("codes-unreadable", {"dsn": f"host=127.0.0.1 dbname=app passwd={SECRET}"})
+    for command in ("catchup", "run"):
+        r = run(command, "-c", str(unreadable), timeout=60)
+        assert r.returncode == 2, (command, r.stderr)
+        assert "source.dsn: libpq cannot read the DSN" in one_error_line(r) and SECRET not in r.stderr
 
     # 3: a database cannot be reached
     no_source = world.config("codes-no-source", {"dsn": f"host=127.0.0.1 port={port} dbname=app password={SECRET}"},
