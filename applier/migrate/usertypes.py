@@ -64,14 +64,9 @@ class SourceType:
     used_by: list[tuple[str, str]] = field(default_factory=list)  # (table, column)
 
     @property
-    def key(self) -> Key:
-        """Its key among the objects read (``Key``)."""
-        return (self.kind if self.kind in ("function", "collation") else "type", self.oid)
-
-    @property
     def noun(self) -> str:
-        """'type', 'function' or 'collation' (for people)."""
-        return self.key[0]
+        """'type', 'function' or 'collation' (for people; the first part of its ``Key``)."""
+        return self.kind if self.kind in ("function", "collation") else "type"
 
     @property
     def qualified(self) -> str:
@@ -420,18 +415,12 @@ def plan_types(conn: psycopg.Connection[Any], types: list[SourceType]) -> tuple[
     problems: list[str] = []
     missing: list[str] = []
     for t in types:
-        if t.kind in ("function", "collation"):
-            have = None
-            exists = _exists(conn, t)
-        else:
-            have = target_type(conn, t.schema, t.name)
-            exists = have is not None
-        if have is not None:
+        if t.noun == "type" and (have := target_type(conn, t.schema, t.name)) is not None:
             diff = differences(t, have) if t.kind != "base" else []
             if diff:
                 problems.append(f"type {t.qualified} exists on the target with another definition: "
                                 + "; ".join(diff))
-        elif exists:
+        elif t.noun != "type" and _exists(conn, t):
             continue
         elif t.reason:
             users = ", ".join(f"{table} column {column}" for table, column in t.used_by)
