@@ -17,7 +17,8 @@ Created on PostgreSQL: the published columns with the source's types
 defaults that are constants (no function call, operator, variable or
 sub-query; ``nextval`` and ``now()`` are left out), the primary key, the
 unique index used as replica identity (and the replica identity setting).
-User-defined types (enums, domains, …) must already exist on the target.
+The user-defined types, functions and collations they need are created first
+(``applier.migrate.usertypes``), or named, all in one refusal, when they cannot be.
 
 Created on SQLite: every published column with the declared type of the apply
 engine's documented mapping (``applier.targets.values``: INTEGER, REAL, TEXT,
@@ -86,7 +87,7 @@ class SourceColumn:
     type_schema: str
     not_null: bool
     default: str | None  # the default when it is a constant, else None
-    collation: str | None  # a collation other than the type's default
+    collation: str | None  # a collation other than the type's default, quoted and schema-qualified
     attnum: int = 0  # its position in the source table
     identity: str = ""  # 'a': GENERATED ALWAYS AS IDENTITY, 'd': BY DEFAULT, '': not an identity column
     generated: str = ""  # 's': GENERATED ALWAYS AS (expression) STORED, 'v': VIRTUAL (18+), '': not generated
@@ -226,7 +227,8 @@ def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
          default_coll, attnum, identity, generated, reads) in conn.execute(
             "SELECT a.attname, a.atttypid::int, a.atttypmod, format_type(a.atttypid, a.atttypmod), "
             "format_type(a.atttypid, NULL), tn.nspname, a.attnotnull, d.adbin::text, "
-            "pg_get_expr(d.adbin, d.adrelid), co.collname, a.attcollation = t.typcollation, a.attnum, "
+            "pg_get_expr(d.adbin, d.adrelid), CASE WHEN co.oid IS NOT NULL THEN format('%%I.%%I', cn.nspname, co.collname) END, "
+            "a.attcollation = t.typcollation, a.attnum, "
             "a.attidentity::text, a.attgenerated::text, "
             "array(SELECT r.attname FROM pg_depend x JOIN pg_attribute r ON r.attrelid = x.refobjid "
             "      AND r.attnum = x.refobjsubid WHERE x.classid = 'pg_attrdef'::regclass AND x.objid = d.oid "
@@ -235,6 +237,7 @@ def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
             "JOIN pg_namespace tn ON tn.oid = t.typnamespace "
             "LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum "
             "LEFT JOIN pg_collation co ON co.oid = a.attcollation "
+            "LEFT JOIN pg_namespace cn ON cn.oid = co.collnamespace "
             "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped "
             "ORDER BY a.attnum", [oid]):
         if generated and sends_generated and published is not None and attname in published:
@@ -344,7 +347,7 @@ def pg_create_statements(table: SourceTable, schema: str | None, name: str, sequ
     for c in sorted(table.columns + table.generated, key=lambda c: c.attnum):
         s = f"{quote_ident(c.name)} {c.type_sql}"
         if c.collation:
-            s += f" COLLATE {quote_ident(c.collation)}"
+            s += f" COLLATE {c.collation}"
         seq = uses.get((table.schema, table.name, c.name))
         if c.generated:
             virtual = c.generated == "v" and version >= 180000
@@ -467,7 +470,7 @@ def prepare_pg_tables(conn: psycopg.Connection[Any], tables: list[SourceTable], 
             out.existing.append(shown)
             problems += [f"target table {shown} (source {t.qualified}), {p}" for p in found]
     shown_of = {t.qualified: target_table_name(t, "postgresql", table_map)[0] for t in missing}
-    types = source_types(source, [(shown_of[t.qualified], c.name, c.type_oid)
+    types = source_types(source, [(shown_of[t.qualified], c.name, c.type_oid, (t.oid, c.attnum, bool(c.generated)))
                                   for t in missing for c in t.columns + t.generated])
     type_sql, type_problems = plan_types(conn, types)
     problems += type_problems

@@ -603,7 +603,7 @@ def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, r
                     name, run, table.qualified, joining=(table.schema, table.name) if joining else None,
                     weight=max(1.0, table.size_pages / max(1, table.pages)))
     if target.dialect != "sqlite" and table.columns:
-        plan.binary = binary_safe(poll, target.conn, qtarget, [(c.name, c.type_oid) for c in table.columns])
+        plan.binary = binary_safe(target.conn, qtarget, [(c.name, c.type_oid) for c in table.columns])
     nranges = plan.partitions
     reporter.start(label, table.estimated_rows)
     started = time.monotonic()

@@ -28,7 +28,10 @@ whose elements are text-like goes as its array literal (binary arrays carry the
 source's element OID, which the target's ``array_recv`` rejects); any other value
 goes in binary with OID 0, so the server reads it with the target column's own
 receive function (composites and ranges of built-in types, domains, extension
-types with binary I/O).
+types with binary I/O). The built-in types whose binary input refuses some of
+their own binary output (``BINARY_REJECTED``: an empty tsquery, an empty
+int2vector or oidvector) go as their text (``TEXT_OF``), and never by COPY's
+binary format (``binary_copy_safe``, which ``applier sync``'s copy uses too).
 
 SQLite target — the value must be exactly what text mode stores (see
 ``applier.targets.values``): columns of type int2/int4/int8/oid, float4/float8,
@@ -50,7 +53,7 @@ session how it prints money (``MONEY_PROBE``, on the replication connection
 itself) and ``money_text`` prints every value the same way.
 
 What cannot be read, and the way out: for SQLite, a built-in type with no
-converter here (tsvector, tsquery, the reg* types, …; money when the source
+converter here (tsvector, the reg* types, …; money when the source
 could not be asked) is an ``ApplyError``
 at bind time naming the type, table and column; a user type whose binary value
 is not text-like (composite, range, extension types) is one at apply time. For
@@ -80,6 +83,14 @@ from applier.targets.values import BOOL, BYTEA, FIRST_USER_OID, FLOAT4, FLOAT8, 
 
 # Built-in types without a send function: pgoutput sends them as text even in binary mode.
 TEXT_SENT = frozenset({1033, 3642})  # aclitem, gtsvector
+# Built-in types whose binary input rejects some of their own binary output: an empty tsquery ("malformed tsquery:
+# operand not found"), an empty int2vector or oidvector (sent as an array of no dimension, which their receive
+# functions refuse), on PostgreSQL 15 and 18 (tests/spark/test_type_edges.py round-trips every built-in type's edge
+# values). Their values go to a PostgreSQL target as text (``binary_copy_safe``, ``binary_loader``).
+BINARY_REJECTED = frozenset({3615, 22, 30})  # tsquery, int2vector, oidvector
+# Built-in types whose binary form is the OID of a catalog object (a relation, a type, a function ...), which
+# differs between servers.
+CATALOG_OID = frozenset({24, 2202, 2203, 2204, 2205, 2206, 3734, 3769, 4089, 4096, 4191})  # the reg* types
 
 
 # -- PostgreSQL target: pass the binary value through ----------------------------------
@@ -134,6 +145,7 @@ _U32 = struct.Struct(">I")
 _I64 = struct.Struct(">q")
 _U64 = struct.Struct(">Q")
 _F64 = struct.Struct(">d")
+_I16 = struct.Struct(">h")
 _I64_I32 = struct.Struct(">qi")
 _I64_I32_I32 = struct.Struct(">qii")
 _ARRAY_HEAD = struct.Struct(">iiI")
@@ -508,6 +520,53 @@ def _uint64_text(v: bytes) -> str:
     return str(_U64.unpack(v)[0])
 
 
+_TSQ_PRIORITY = {1: 4, 2: 2, 3: 1, 4: 3}  # NOT, AND, OR, PHRASE (tsearch_op_priority)
+_TSQ_WEIGHTS = ((8, "A"), (4, "B"), (2, "C"), (1, "D"))
+
+
+def _tsquery_text(v: bytes) -> str:
+    """A binary tsquery (``tsquerysend``: the item count, then the items in prefix order, an operator before its
+    right and then its left operand) as ``tsqueryout`` prints it (its ``infix``)."""
+    (count,) = _I32.unpack_from(v)
+    if count == 0:
+        return ""
+    items: list[tuple[int, Any, Any]] = []  # (1, weight, (prefix, operand)) or (2, operator, distance)
+    pos = 4
+    for _ in range(count):
+        kind = v[pos]
+        if kind == 1:
+            end = v.index(b"\x00", pos + 3)
+            items.append((1, v[pos + 1], (v[pos + 2], v[pos + 3:end].decode())))
+            pos = end + 1
+        else:
+            oper = v[pos + 1]
+            distance = _I16.unpack_from(v, pos + 2)[0] if oper == 4 else 0
+            items.append((2, oper, distance))
+            pos += 4 if oper == 4 else 2
+    at = 0
+
+    def infix(parent: int, right_phrase: bool) -> str:
+        nonlocal at
+        kind, a, b = items[at]
+        at += 1
+        if kind == 1:
+            prefix, operand = b
+            text: str = "'" + operand.replace("\\", "\\\\").replace("'", "''") + "'"
+            if a or prefix:
+                text += ":" + ("*" if prefix else "") + "".join(w for bit, w in _TSQ_WEIGHTS if a & bit)
+            return text
+        priority = _TSQ_PRIORITY[a]
+        if a == 1:
+            inner = "!" + infix(priority, False)
+            return f"( {inner} )" if priority < parent else inner
+        right = infix(priority, a == 4)
+        left = infix(priority, False)
+        op = {2: " & ", 3: " | "}.get(a) or (" <-> " if b == 1 else f" <{b}> ")
+        inner = left + op + right
+        return f"( {inner} )" if priority < parent or (a == 4 and right_phrase) else inner
+    return infix(0, False)
+
+
 def _bool_text(v: bytes) -> str:
     return "t" if v != b"\x00" else "f"
 
@@ -659,7 +718,7 @@ TEXT_OF: dict[int, Callable[[bytes], str]] = {
     1560: _bits_text, 1562: _bits_text,
     600: _point_text, 601: _lseg_text, 602: _path_text, 603: _box_text, 604: _polygon_text, 628: _line_text,
     718: _circle_text,
-    3220: _lsn_text, 27: _tid_text, 2970: _snapshot_text, 5038: _snapshot_text,
+    3220: _lsn_text, 27: _tid_text, 3615: _tsquery_text, 2970: _snapshot_text, 5038: _snapshot_text,
     1033: _decode, 3642: _decode,  # no send function: they come as text
 }
 TEXT_OF[22] = _vector_text(TEXT_OF[21])
@@ -704,6 +763,19 @@ SQLITE_NATIVE: dict[int, Converter] = {
     FLOAT4: _sqlite_float4, FLOAT8: _sqlite_float8(_psycopg_load(FLOAT8)),
     BOOL: _sqlite_bool, BYTEA: bytes,
 }
+
+
+def binary_copy_safe(type_oid: int) -> bool:
+    """Whether values of type ``type_oid`` may go into a PostgreSQL target in COPY's binary format (the one place that
+    decides, for ``applier sync``'s copy and the stream's COPY): a built-in type (its OID the same on every server)
+    with a send function (not ``TEXT_SENT``), whose binary input takes all of its binary output (not
+    ``BINARY_REJECTED``) and whose binary form names no catalog object by OID (not ``CATALOG_OID``); for an array,
+    the same of its element type. A user type's OID differs between servers (and arrays and composites of one carry
+    it in their binary form): never."""
+    if type_oid >= FIRST_USER_OID:
+        return False
+    return not any(oid in TEXT_SENT or oid in BINARY_REJECTED or oid in CATALOG_OID
+                   for oid in (type_oid, ARRAY_ELEMENT.get(type_oid, type_oid)))
 
 
 # -- user-defined types ------------------------------------------------------------------------
@@ -842,6 +914,8 @@ def binary_loader(type_oid: int, types: Mapping[int, Type], dialect: str, rel: R
             return _UserType(name, where, postgres=True)
         if base in TEXT_SENT:
             return _decode
+        if base in BINARY_REJECTED or ARRAY_ELEMENT.get(base) in BINARY_REJECTED:
+            return TEXT_OF[base]  # the target's binary input could refuse it: as text
         return partial(PgBinary, base)
     if dialect != "sqlite":
         raise ValueError(f"unknown target dialect {dialect!r}")
@@ -876,8 +950,8 @@ def value_texts(rel: Relation, types: Mapping[int, Type]) -> list[Callable[[byte
 
 
 __all__ = [
-    "ARRAY_ELEMENT", "FIRST_USER_OID", "PgBinary", "PgBinaryDumper", "SQLITE_NATIVE", "TEXT_OF", "TEXT_SENT",
-    "MONEY_PROBE", "binary_converters", "binary_loader", "float8_text", "money_of_probe", "money_text", "register_pg_binary", "value_text", "value_texts",
+    "ARRAY_ELEMENT", "BINARY_REJECTED", "CATALOG_OID", "FIRST_USER_OID", "PgBinary", "PgBinaryDumper", "SQLITE_NATIVE", "TEXT_OF", "TEXT_SENT",
+    "MONEY_PROBE", "binary_converters", "binary_copy_safe", "binary_loader", "float8_text", "money_of_probe", "money_text", "register_pg_binary", "value_text", "value_texts",
 ]
 
 

@@ -620,9 +620,8 @@ class PostgresTarget(TargetBase):
             self._psycopg_prepares()
             # here, not at the top: start-up time (text mode never loads the binary converters)
             from applier.targets.binary import (
-                FIRST_USER_OID,
-                TEXT_SENT,
                 binary_converters,
+                binary_copy_safe,
                 register_pg_binary,
                 value_texts,
             )
@@ -635,7 +634,7 @@ class PostgresTarget(TargetBase):
             b.show = value_texts(rel, types)
             # COPY's binary field is pgoutput's: a value read by the same type's receive function
             b.copy_binary = bool(rel.columns) and all(
-                c.type_oid < FIRST_USER_OID and c.type_oid not in TEXT_SENT and tcols[c.name][6] == c.type_oid
+                binary_copy_safe(c.type_oid) and tcols[c.name][6] == c.type_oid
                 for c in rel.columns)
         b.pg_types = tuple(tcols[c.name][0] for c in rel.columns)
         # a set-based batch's values of a column travel as an array of its type without modifier (the

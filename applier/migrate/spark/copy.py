@@ -26,11 +26,12 @@ back instead of writing into a table that a newer run has emptied.
   recorded ones). A COPY per partition would cost a pipeline drain each (the target finishing the data in
   flight while the source waits, ~17 ms a partition on the development machine: bench/README.md, sync), so
   more partitions than streams would be slower than one. Spark only sees the small ``PartDone`` records.
-  Binary format when ``binary_safe`` (every column's type a
-  built-in one with binary I/O that does not name catalog objects by OID, and the same type on the
-  target: a binary ``regclass`` is the source's OID of a relation, and arrays and composites of user
-  types carry the source's type OIDs, which differ on the target and which servers without
-  PostgreSQL's later leniency reject), text otherwise (both ends with the pinned date, interval and
+  Binary format when ``binary_safe`` (every column's type
+  ``applier.targets.binary.binary_copy_safe``: a built-in one with binary I/O whose binary input takes all of its
+  binary output, that does not name catalog objects by OID; and the same type on the target: a binary
+  ``regclass`` is the source's OID of a relation, an empty tsquery's binary form is refused by tsquery's binary
+  input, and arrays and composites of user types carry the source's type OIDs, which differ on the target and
+  which servers without PostgreSQL's later leniency reject), text otherwise (both ends with the pinned date, interval and
   time zone settings). Binary is the faster (bench/README.md, sync).
   ``synchronous_commit = off`` (``applier.migrate.sync`` makes everything durable with its last commit),
   ``session_replication_role = replica`` when the role may (no triggers, no foreign-key checks, as for
@@ -74,6 +75,7 @@ from applier.decoder.messages import Column, Relation
 from applier.errors import ApplyError
 from applier.migrate.spark.session import copy_streams
 from applier.migrate.spark.source import pg_in_snapshot, pinned_dsn, range_query, read_pg_range
+from applier.targets.binary import binary_copy_safe
 from applier.targets.values import sqlite_text_converters
 from applier.text import one_line
 
@@ -86,13 +88,6 @@ COPY_CHUNK = 1 << 20  # bytes of COPY data handed to the PostgreSQL target at a 
 # COPY, one target transaction): 1 GiB, about 10 s of copying on the development machine; a failed group is copied
 # again whole
 GROUP_PAGES = 1 << 17
-# Built-in types have OIDs below 10000 (FirstGenbkiObjectId), the same on every server; information_schema's
-# domains (10000-16383) are made by initdb and may differ. These built-in types' binary form is an OID of a
-# catalog object (a table, a type, a function ...), which differs between servers: always text.
-BUILTIN_OID_LIMIT = 10000
-CATALOG_OID_TYPES = ("regclass", "regcollation", "regconfig", "regdictionary", "regnamespace", "regoper",
-                     "regoperator", "regproc", "regprocedure", "regrole", "regtype")
-
 
 class CopyError(ApplyError):
     """A table could not be copied; the message names the table and the cause."""
@@ -151,20 +146,11 @@ def partitions_for(dialect: str, pages: int, partitions: int) -> int:
     return max(partitions, -(-pages // SQLITE_PART_PAGES))
 
 
-def binary_safe(source: psycopg.Connection[Any], target: psycopg.Connection[Any], qtarget: str,
-                columns: list[tuple[str, int]]) -> bool:
+def binary_safe(target: psycopg.Connection[Any], qtarget: str, columns: list[tuple[str, int]]) -> bool:
     """Whether a table's (name, source type OID) columns can be copied in COPY's binary format into the
-    PostgreSQL target table ``qtarget``: every type built in (below ``BUILTIN_OID_LIMIT``), with binary send
-    and receive functions, not one of (or an array of) ``CATALOG_OID_TYPES``, and each target column of the
-    same type."""
-    oids = sorted({oid for _, oid in columns})
-    if not oids or any(oid >= BUILTIN_OID_LIMIT for oid in oids):
-        return False
-    fine = {r[0] for r in source.execute(
-        "SELECT t.oid::int FROM pg_type t LEFT JOIN pg_type e ON e.oid = t.typelem AND t.typcategory = 'A' "
-        "WHERE t.oid = ANY(%s) AND t.typsend <> 0 AND t.typreceive <> 0 "
-        "AND NOT coalesce(e.typname, t.typname) = ANY(%s)", [oids, list(CATALOG_OID_TYPES)])}
-    if fine != set(oids):
+    PostgreSQL target table ``qtarget``: every type ``binary_copy_safe`` (a built-in one whose binary form the
+    target reads back as it was), and each target column of the same type."""
+    if not columns or not all(binary_copy_safe(oid) for _, oid in columns):
         return False
     on_target = dict(target.execute(
         "SELECT attname, atttypid::int FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attnum > 0 "
