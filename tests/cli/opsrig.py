@@ -8,6 +8,7 @@ subprocess: what a user types, what a user reads.
 from __future__ import annotations
 
 import subprocess
+import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,15 @@ class Rig(TargetSide):
         """``applier ARGS -c CONFIG`` in the background."""
         return subprocess.Popen([applier_script(), *args, "-c", str(self.config)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=clean_env(), stdin=subprocess.DEVNULL)
+
+    def start_daemon(self) -> subprocess.Popen[str]:
+        """``applier run`` in the background, returned once it streams from the slot (the slot is active)."""
+        daemon = self.start("run")
+        deadline = time.monotonic() + 60
+        while not self.src("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s AND active", [SLOT]):
+            assert daemon.poll() is None and time.monotonic() < deadline, daemon.communicate()
+            time.sleep(0.2)
+        return daemon
 
     def src(self, query: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
         """One statement on the source; its rows."""

@@ -168,6 +168,18 @@ class Rig(TargetSide):
         """The applied position recorded on the target."""
         return read_progress(self.cfg()).lsn
 
+    def published_table(self, rows: int = 100) -> None:
+        """Table ``t`` (id, v) on both sides, published, the target initialised, then ``rows`` rows inserted on the
+        source (not applied yet)."""
+        self.both("CREATE TABLE t (id int PRIMARY KEY, v text)")
+        self.publish("t")
+        self.init()
+        self.src(f"INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, {rows}) g")
+
+    def target_rows(self) -> int:
+        """Rows of table ``t`` on the target."""
+        return int(self.tgt("SELECT count(*) FROM t")[0][0])
+
     def slot_confirmed(self) -> LSN:
         """The slot's confirmed_flush_lsn."""
         return LSN.parse(self.src("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",

@@ -34,17 +34,6 @@ from tests.plugins.cli import clean_env
 from tests.plugins.clusters import ClusterPool, scratch_db
 
 
-def _table(rig: Rig, rows: int = 100) -> None:
-    rig.both("CREATE TABLE t (id int PRIMARY KEY, v text)")
-    rig.publish("t")
-    rig.init()
-    rig.src(f"INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, {rows}) g")
-
-
-def _count(rig: Rig) -> int:
-    return int(rig.tgt("SELECT count(*) FROM t")[0][0])
-
-
 def _wait_for(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -107,10 +96,10 @@ def _drop_slot(rig: Rig) -> None:
 def test_a_dropped_slot_stops_run_and_catchup_naming_it(rig: Rig) -> None:
     """The finding: a dropped slot gave "connection problem, retrying" forever. Now one line naming the slot, what
     happened to it, the applied position and what to do; run stops, catchup fails; a metric counts it."""
-    _table(rig)
+    rig.published_table()
     metrics = Metrics()
     with _daemon(rig.cfg(apply_retry_initial=0.2), metrics) as d:
-        _wait_for(lambda: _count(rig) == 100, "the daemon to apply")
+        _wait_for(lambda: rig.target_rows() == 100, "the daemon to apply")
         applied = rig.progress_lsn()
         _drop_slot(rig)
         rig.src("INSERT INTO t VALUES (101, 'after')")
@@ -130,7 +119,7 @@ def test_a_dropped_slot_stops_run_and_catchup_naming_it(rig: Rig) -> None:
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("applier: error:")]
     assert r.returncode == 6 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert lines[0].startswith(f"applier: error: replication slot '{rig.slot}' does not exist"), lines
-    assert _count(rig) == 100
+    assert rig.target_rows() == 100
 
 
 @pytest.mark.parametrize("target_kind", ["sqlite"])
@@ -141,7 +130,7 @@ def test_an_invalidated_slot_is_named_as_such(pg_clusters: ClusterPool, pg_insta
     cluster = pg_clusters.get(pg_install, "small-wal", settings={"max_slot_wal_keep_size": "1MB"})
     with scratch_db(cluster, "src") as source:
         rig = Rig(source, target_kind, None, tmp_path)
-        _table(rig)
+        rig.published_table()
         rig.catchup()
         for _ in range(20):  # WAL past what the slot may keep, removed at a checkpoint
             if rig.src("SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s", [rig.slot])[0][0] == "lost":
@@ -164,7 +153,7 @@ def test_an_invalidated_slot_is_named_as_such(pg_clusters: ClusterPool, pg_insta
 
 def test_init_after_a_lost_slot_refuses_unless_new_slot_which_status_remembers(rig: Rig) -> None:
     """The finding: init made a new slot and exited 0, silently losing the changes in between."""
-    _table(rig)
+    rig.published_table()
     rig.catchup()
     applied = rig.progress_lsn()
     _drop_slot(rig)
@@ -195,7 +184,7 @@ def test_init_after_a_lost_slot_refuses_unless_new_slot_which_status_remembers(r
 
 def test_two_sessions_past_the_claim_cannot_both_advance_the_progress(rig: Rig) -> None:
     """The compare-and-set: a session whose progress row was moved by another commits nothing."""
-    _table(rig)
+    rig.published_table()
     rig.catchup()
     at = rig.progress_lsn()
     first, second = opener.open(rig.cfg()), opener.open(rig.cfg())
@@ -220,9 +209,9 @@ def test_two_sessions_past_the_claim_cannot_both_advance_the_progress(rig: Rig) 
 
 def test_the_claim_is_held_through_retries(rig: Rig) -> None:
     """The finding: while `run` waited to retry, status showed nobody and a second applier ran beside it."""
-    _table(rig)
+    rig.published_table()
     with _daemon(rig.cfg(apply_retry_initial=8.0)):
-        _wait_for(lambda: _count(rig) == 100, "the daemon to apply")
+        _wait_for(lambda: rig.target_rows() == 100, "the daemon to apply")
         _kill_walsender(rig)
         time.sleep(1.0)  # the session has ended; the daemon waits 8 s before the next
         assert (status(rig.cfg())["running"] or "").startswith("applier run (pid")
@@ -236,11 +225,11 @@ def test_lag_grows_during_an_outage_and_the_databases_are_probed(rig: Rig, caplo
     """The finding: lag froze at its last value while the source went on; now the source's WAL position is read
     between sessions, with reachability gauges and the WAL the slot retains. The outage's end is logged with
     its length, the start with one line."""
-    _table(rig)
+    rig.published_table()
     metrics = Metrics()
     caplog.set_level(logging.INFO, logger="applier.runner")
     with _daemon(rig.cfg(apply_retry_initial=6.0), metrics):
-        _wait_for(lambda: _count(rig) == 100, "the daemon to apply")
+        _wait_for(lambda: rig.target_rows() == 100, "the daemon to apply")
         _kill_walsender(rig)
         time.sleep(0.5)
         rig.src("INSERT INTO t SELECT g, repeat('y', 200) FROM generate_series(101, 2000) g")
@@ -250,7 +239,7 @@ def test_lag_grows_during_an_outage_and_the_databases_are_probed(rig: Rig, caplo
         assert metrics.registry.get_sample_value("applier_target_reachable") == 1
         retained = metrics.registry.get_sample_value("applier_slot_retained_bytes")
         assert retained is not None and retained > 0
-        _wait_for(lambda: _count(rig) == 2000, "the daemon to apply after the outage")
+        _wait_for(lambda: rig.target_rows() == 2000, "the daemon to apply after the outage")
     started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("applier run: source ")]
     assert len(started) == 1 and f"slot '{rig.slot}'" in started[0] and "row path" in started[0]
     assert "password" not in started[0]
@@ -267,7 +256,7 @@ def test_run_waits_for_a_database_that_is_down_at_start(pg_clusters: ClusterPool
     other = pg_clusters.get(install, "source" if down == "target" else "target")
     with scratch_db(cluster, "down") as gone, scratch_db(other, "up") as up:
         rig = Rig(gone, "sqlite", None, tmp_path) if down == "source" else Rig(up, "postgresql", gone, tmp_path)
-        _table(rig)
+        rig.published_table()
         cluster.kill()  # as a crash: start() recovers it with its data
         try:
             cfg = rig.cfg(apply_retry_initial=0.5)
@@ -294,7 +283,7 @@ def test_run_waits_for_a_database_that_is_down_at_start(pg_clusters: ClusterPool
         finally:
             cluster.start()
         try:
-            _wait_for(lambda: _count(rig) == 100, f"run to apply once the {down} is back")
+            _wait_for(lambda: rig.target_rows() == 100, f"run to apply once the {down} is back")
         finally:
             stop.set()
             thread.join(60)
@@ -304,7 +293,7 @@ def test_run_waits_for_a_database_that_is_down_at_start(pg_clusters: ClusterPool
 # -- small items ---------------------------------------------------------------------------------------
 
 def test_a_conflict_stopped_by_the_error_policy_is_counted(rig: Rig) -> None:
-    _table(rig, rows=0)
+    rig.published_table(0)
     rig.tgt_script("INSERT INTO t VALUES (1, 'local')")
     rig.src("INSERT INTO t VALUES (1, 'remote')")
     metrics = Metrics()
@@ -318,11 +307,11 @@ def test_a_conflict_stopped_by_the_error_policy_is_counted(rig: Rig) -> None:
 @pytest.mark.parametrize("target_kind", ["sqlite"])
 def test_sighup_stops_run_with_its_summary(cli_rig: Rig) -> None:
     rig = cli_rig
-    _table(rig)
+    rig.published_table()
     daemon = subprocess.Popen([*applier_argv(), "run", "-c", str(rig.config_file())], env=clean_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(lambda: rig.sqlite_path.exists() and _count(rig) == 100, "run to apply")
+        _wait_for(lambda: rig.sqlite_path.exists() and rig.target_rows() == 100, "run to apply")
     finally:
         daemon.send_signal(signal.SIGHUP)
         out, err = daemon.communicate(timeout=60)

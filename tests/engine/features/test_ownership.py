@@ -30,17 +30,6 @@ from tests.engine.features.conftest import Rig, applier_argv, run_cli
 from tests.plugins.cli import clean_env
 
 
-def _table(rig: Rig, rows: int = 100) -> None:
-    rig.both("CREATE TABLE t (id int PRIMARY KEY, v text)")
-    rig.publish("t")
-    rig.init()
-    rig.src(f"INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, {rows}) g")
-
-
-def _count(rig: Rig) -> int:
-    return rig.tgt("SELECT count(*) FROM t")[0][0]
-
-
 def _wait_for(cond, what: str, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not cond():
@@ -69,32 +58,32 @@ def _daemon(rig: Rig) -> Iterator[None]:
 
 def test_a_second_applier_on_one_progress_row_is_refused_before_applying(rig: Rig) -> None:
     """The finding: two appliers (same apply.name and target, different slots) both applied every row."""
-    _table(rig)
+    rig.published_table()
     other = _second_slot(rig)
     with _daemon(rig):
-        _wait_for(lambda: _count(rig) == 100, "the daemon to apply the first rows")
+        _wait_for(lambda: rig.target_rows() == 100, "the daemon to apply the first rows")
         with pytest.raises(InUseError) as refused:
             Runner(rig.cfg(source_slot=other), catchup=True).run()
         assert "applier run (pid" in str(refused.value) and "apply.name 'applier'" in str(refused.value)
         rig.src("INSERT INTO t SELECT g, 'w' FROM generate_series(101, 150) g")
-        _wait_for(lambda: _count(rig) == 150, "the daemon to apply the later rows")
-    assert _count(rig) == 150 and rig.tgt("SELECT count(DISTINCT id) FROM t")[0][0] == 150
+        _wait_for(lambda: rig.target_rows() == 150, "the daemon to apply the later rows")
+    assert rig.target_rows() == 150 and rig.tgt("SELECT count(DISTINCT id) FROM t")[0][0] == 150
     # the daemon is gone, but the progress row follows the first slot: the other slot is refused too
     with pytest.raises(ConfigError, match=f"follows slot '{rig.slot}', not '{other}'"):
         Runner(rig.cfg(source_slot=other), catchup=True).run()
-    assert _count(rig) == 150
+    assert rig.target_rows() == 150
 
 
 @pytest.mark.parametrize("target_kind", ["postgresql", "sqlite"])
 def test_second_process_is_refused_with_one_line_naming_the_first(cli_rig: Rig) -> None:
     """Two `applier` processes: the second exits non-zero naming the first (its pid); nothing is doubled."""
     rig = cli_rig
-    _table(rig)
+    rig.published_table()
     other = _second_slot(rig)
     first = subprocess.Popen([*applier_argv(), "run", "-c", str(rig.config_file(apply_group_commit_delay=0.0))],
                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(lambda: _count(rig) == 100, "the first applier to apply")
+        _wait_for(lambda: rig.target_rows() == 100, "the first applier to apply")
         second = run_cli("catchup", "-c", str(rig.config_file("other.toml", source_slot=other)))
         assert second.returncode != 0
         lines = [ln for ln in second.stderr.splitlines() if ln.startswith("applier: error:")]
@@ -103,7 +92,7 @@ def test_second_process_is_refused_with_one_line_naming_the_first(cli_rig: Rig) 
         info = json.loads(run_cli("status", "--json", "-c", str(rig.config_file())).stdout)
         assert f"applier run (pid {first.pid} on " in info["running"]
         rig.src("INSERT INTO t SELECT g, 'w' FROM generate_series(101, 120) g")
-        _wait_for(lambda: _count(rig) == 120, "the first applier to apply the later rows")
+        _wait_for(lambda: rig.target_rows() == 120, "the first applier to apply the later rows")
     finally:
         first.send_signal(signal.SIGTERM)
         out, err = first.communicate(timeout=60)
@@ -115,9 +104,9 @@ def test_second_process_is_refused_with_one_line_naming_the_first(cli_rig: Rig) 
 
 def test_a_slot_in_use_is_named_with_its_pid_catchup_ends_and_run_waits(rig: Rig) -> None:
     """Another consumer streams from the slot: catchup exits with the PID, run waits saying so."""
-    _table(rig)
+    rig.published_table()
     with _daemon(rig):
-        _wait_for(lambda: _count(rig) == 100, "the daemon to apply")
+        _wait_for(lambda: rig.target_rows() == 100, "the daemon to apply")
         pid = rig.src("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", [rig.slot])[0][0]
         # another replica (its own apply.name, so the target's claim does not stop it) on the same slot
         catchup = run_cli("catchup", "-c", str(rig.config_file("b.toml", apply_name="b")))
@@ -134,7 +123,7 @@ def test_a_slot_in_use_is_named_with_its_pid_catchup_ends_and_run_waits(rig: Rig
         _, err = waiting.communicate(timeout=60)
         assert waiting.returncode == 0, err
         assert "is in use: active for PID" in err and "waiting" in err and "connection problem" not in err
-    assert _count(rig) == 100
+    assert rig.target_rows() == 100
 
 
 def test_status_after_init_behind_and_caught_up(rig: Rig) -> None:
@@ -188,7 +177,7 @@ def test_status_exits_non_zero_when_the_slot_is_missing(cli_rig: Rig) -> None:
 
 
 def test_skip_refuses_a_transaction_already_applied(rig: Rig) -> None:
-    _table(rig, 3)
+    rig.published_table(3)
     rig.catchup()
     applied = rig.progress_lsn()
     with pytest.raises(ConfigError, match=f"already at {applied}"):
@@ -199,7 +188,7 @@ def test_skip_refuses_a_transaction_already_applied(rig: Rig) -> None:
 @pytest.mark.parametrize("target_kind", ["postgresql"])
 def test_a_claim_left_by_a_killed_applier_is_taken_over(rig: Rig) -> None:
     """A killed applier's target backend may hold the advisory lock a while: a restart on this host takes over."""
-    _table(rig, 10)
+    rig.published_table(10)
     dead = subprocess.Popen(["true"])
     dead.wait()
     assert rig.target is not None
@@ -209,7 +198,7 @@ def test_a_claim_left_by_a_killed_applier_is_taken_over(rig: Rig) -> None:
                       [f"applier run (pid {dead.pid} on {socket.gethostname()})"])
         stale.execute("SELECT pg_advisory_lock(%s)", [pg_lock_key("applier")])
         rig.catchup()
-        assert _count(rig) == 10
+        assert rig.target_rows() == 10
         with pytest.raises(psycopg.OperationalError):  # its backend was terminated
             stale.execute("SELECT 1")
     finally:
@@ -218,7 +207,7 @@ def test_a_claim_left_by_a_killed_applier_is_taken_over(rig: Rig) -> None:
 
 def test_a_slot_made_again_past_the_target_is_refused(rig: Rig) -> None:
     """A slot recreated under its name starts after what the target holds: the gap would be lost silently."""
-    _table(rig, 5)
+    rig.published_table(5)
     rig.catchup()
     applied = rig.progress_lsn()
     rig.src("SELECT pg_drop_replication_slot(%s)", [rig.slot])
@@ -227,21 +216,21 @@ def test_a_slot_made_again_past_the_target_is_refused(rig: Rig) -> None:
     for sql_interface in (False, True):
         with pytest.raises(ConfigError, match=f"confirmed up to .* past the target's progress for 'applier' at {applied}"):
             Runner(rig.cfg(source_sql_interface=sql_interface), catchup=True).run()
-    assert _count(rig) == 5
+    assert rig.target_rows() == 5
 
 
 @pytest.mark.parametrize("target_kind", ["postgresql"])
 def test_a_connection_this_process_lost_does_not_lock_it_out(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     """Our own earlier session (dropped on the client side, its backend still there) is stale, long host names too."""
     monkeypatch.setattr(claim.socket, "gethostname", lambda: "ip-10-0-12-34.eu-west-1.compute.internal.example")
-    _table(rig, 4)
+    rig.published_table(4)
     assert rig.target is not None
     lost = psycopg.connect(rig.target.dsn, autocommit=True)
     try:
         lost.execute("SELECT set_config('application_name', %s, false)", [claim.who_am_i("run", 63)])
         lost.execute("SELECT pg_advisory_lock(%s)", [pg_lock_key("applier")])
         rig.catchup()
-        assert _count(rig) == 4
+        assert rig.target_rows() == 4
         with pytest.raises(psycopg.OperationalError):
             lost.execute("SELECT 1")
     finally:
