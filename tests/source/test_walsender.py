@@ -20,6 +20,7 @@ import pytest
 
 from applier.decoder import Decoder, Keepalive, XLogData
 from applier.decoder.messages import Begin, Commit, Insert, PgOutputMessage, Relation
+from applier.errors import SlotLost
 from applier.lsn import LSN
 from applier.source.base import SourceError, StreamOptions
 from applier.source.chunks import ChunkReader
@@ -308,8 +309,9 @@ def test_lost_connection_is_a_one_line_source_error(db, ws):
 # -- failures -----------------------------------------------------------------------
 
 
-def test_unknown_slot_is_a_source_error_naming_it(db, ws):
-    with pytest.raises(SourceError, match="no_such_slot") as exc:
+def test_unknown_slot_is_a_lost_slot_naming_it(db, ws):
+    """A slot the walsender does not know is not a connection problem: SlotLost, one line naming it."""
+    with pytest.raises(SlotLost, match="replication slot 'no_such_slot' does not exist on the source") as exc:
         ws.start("no_such_slot", LSN(0), OPTS)
     assert "\n" not in str(exc.value)
     assert not ws.streaming
