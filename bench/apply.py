@@ -337,7 +337,7 @@ class Bench:
 
     def _limit(self, slot: str, w: Workload, end: Any) -> dict[str, Any]:
         cfg = load_config(None, {"source.dsn": self.src.dsn(DB), "source.publications": [w.publication],
-                                 "target.url": "sqlite://"}, env={})
+                                 "target.url": "sqlite:///stream-options-only.db"}, env={})
         pairs = stream_options(cfg).as_pairs(self.version_num)  # exactly what applier asks for
         secs = C.time_pg_recvlogical(self.src, DB, slot, pairs, end, self.args.timeout)
         confirmed = C.slot_confirmed(self.src, slot)
@@ -771,7 +771,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         src.create_database(DB)
         meta["server_version_num"] = C.server_version_num(src)
-        meta["proto_version"] = stream_options(load_config(None, {"source.dsn": "x", "target.url": "sqlite://"},
+        meta["proto_version"] = stream_options(load_config(None, {"source.dsn": "x", "target.url": "sqlite:///stream-options-only.db"},
                                                            env={})).resolved_proto(meta["server_version_num"])
         meta["settings"] = {**C.DURABLE_SETTINGS, "source.logical_decoding_work_mem": args.work_mem}
         with tempfile.TemporaryDirectory(prefix="applier-bench-apply-") as tmp:
