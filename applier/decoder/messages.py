@@ -208,6 +208,20 @@ PgOutputMessage = (
     Begin | Message | Commit | Origin | Relation | Type | Insert | Update | Delete | Truncate | StreamStart | StreamStop | StreamCommit | StreamAbort | BeginPrepare | Prepare | CommitPrepared | RollbackPrepared | StreamPrepare
 )
 
+# The field holding the LSN of the record that decides a transaction (its commit, prepare or rollback), for each
+# message that opens or ends one (``decided_at``).
+_DECIDED_AT: dict[type, str] = {Begin: "final_lsn", BeginPrepare: "prepare_lsn", Prepare: "prepare_lsn",
+                                StreamPrepare: "prepare_lsn", CommitPrepared: "commit_lsn",
+                                StreamCommit: "commit_lsn", RollbackPrepared: "rollback_end_lsn"}
+
+
+def decided_at(msg: object) -> LSN | None:
+    """The LSN of the commit, prepare or rollback record of the transaction that ``msg`` opens or ends (None: a
+    message of another kind)."""
+    field = _DECIDED_AT.get(type(msg))
+    return None if field is None else getattr(msg, field)
+
+
 # Messages that carry the subtransaction xid inside Stream Start … Stream Stop.
 STREAMED_XID_MESSAGES = frozenset(b"MRYIUDT")
 

@@ -42,7 +42,7 @@ Metrics (``applier.metrics``, when on): the runner hands each session's engine a
 Catch-up goal: the source's ``pg_current_wal_insert_lsn()`` when the command
 starts, or ``until`` (``catchup --until``, pg_recvlogical's ``--endpos``: a position past the
 source's WAL is waited for, streaming). With ``until``, a transaction whose commit (or prepare)
-is past it is not applied: the session stops at its first message (``past_until``). It is reached when a commit ends at or past it, or a keepalive's WAL end
+is past it is not applied: the session stops at its first message (``decided_at``). It is reached when a commit ends at or past it, or a keepalive's WAL end
 passes it (transactions with nothing published are never sent). The insert
 position can sit just past a page header no record will ever end in; a WAL end
 at that page's start counts as reached too.
@@ -62,6 +62,7 @@ import psycopg
 
 from applier._cmodule import IMPLEMENTATION
 from applier.config import Config, ConfigError, ConnectError, parse_age
+from applier.decoder.messages import decided_at
 from applier.engine.apply import ApplyEngine
 from applier.engine.heartbeat import CATCHUP_EVERY, Heartbeat
 from applier.engine.spool import SpoolFull
@@ -212,18 +213,6 @@ _TRANSIENT_STATES = frozenset({
     "57P05", "25P03",  # the server ended an idle session, one idle in transaction (14+): a lost connection
     "40001", "40P01", "55P03",  # serialization_failure, deadlock_detected, lock_not_available (lock_timeout)
 })
-
-# the field of each message that opens or ends a transaction holding the LSN that ``catchup --until`` compares
-_POSITION_OF = {b"B": "final_lsn", b"b": "prepare_lsn", b"P": "prepare_lsn", b"p": "prepare_lsn",
-                b"K": "commit_lsn", b"c": "commit_lsn", b"r": "rollback_end_lsn"}
-
-
-def past_until(msg: Any, kind: int, until: LSN) -> bool:
-    """True when ``msg`` (its first byte ``kind``) starts or ends a transaction whose commit, prepare or rollback
-    record lies past ``until``: nothing of it is applied (``catchup --until``)."""
-    field = _POSITION_OF.get(bytes((kind,)))
-    return field is not None and getattr(msg, field) > until
-
 
 def is_transient(exc: BaseException) -> bool:
     """A lost connection or a busy database, rather than a change the target refuses: a PostgreSQL error by its
@@ -571,7 +560,7 @@ class Runner:
             for frame, msg in chunk:
                 if msg is not None:
                     payload = frame.payload  # type: ignore[union-attr] # a message comes only in XLogData
-                    if until is not None and past_until(msg, payload[0], until):
+                    if until is not None and (decided := decided_at(msg)) is not None and decided > until:
                         done = True
                         break
                     handle(msg, payload)
