@@ -19,6 +19,13 @@ decides the same (PostgreSQL targets; SQLite's declared types only pick an affin
 - any other difference (a narrowing, another typmod that rounds or truncates, another type): REFUSE, a
   ``FinalError`` naming table, column, both types and the LSN: the target would change values, so the operator
   decides.
+
+Whatever ``schema_changes`` says, a PostgreSQL target refuses a built-in source type sent into a column of
+another kind (``pg_type.typcategory``) that parses text, as ``text`` into ``integer`` or ``boolean`` into ``date``
+(``kinds_clash``): each value would be read as a literal of a type the source never checked it against, so the
+first that does not parse would stop the apply mid-stream. Refused when the table is bound, before any row. A
+target column of the string kind (any value has a text form) or the user-defined kind (json, jsonb, uuid, xml:
+a deliberate parse) is kept, as PostgreSQL's own subscriber keeps every pair.
 """
 
 from __future__ import annotations
@@ -46,6 +53,18 @@ ADD_COLUMNS_HINT = "; add it to the target table, or set apply.schema_changes = 
 # what a refusal says the engine follows
 WIDENINGS = ("smallint → integer → bigint, varchar(n) → varchar(m > n) or text, "
              "numeric(p,s) → numeric(p' ≥ p, s)")
+
+
+# pg_type.typcategory of the target column types any source type is sent into as it is: string (every value has
+# a text form) and user-defined (json, jsonb, uuid, xml: a target chosen to parse what the source kept as text)
+_TAKES_ANY_KIND = frozenset("SU")
+
+
+def kinds_clash(source_category: str, target_category: str) -> bool:
+    """Whether a source column of type category ``source_category`` sent into a target column of
+    ``target_category`` (pg_type.typcategory: 'S' string, 'N' numeric, 'D' date/time…) is refused in every mode
+    (see the module header)."""
+    return source_category != target_category and target_category not in _TAKES_ANY_KIND
 
 
 class Verdict(enum.Enum):

@@ -77,7 +77,7 @@ from psycopg.generators import send as psycopg_send
 
 from applier._cmodule import rowpath
 from applier.decoder.messages import BINARY, NULL, Relation, TupleData, Type, pg_timestamp
-from applier.errors import ApplyError, Conflicted, MissingTable, TargetUnreachable
+from applier.errors import ApplyError, Conflicted, FinalError, MissingTable, TargetUnreachable
 from applier.lsn import LSN
 from applier.progress.store import PG_SQL
 from applier.rows import one_row
@@ -92,7 +92,7 @@ from applier.targets.base import (
     source_name,
 )
 from applier.targets.claim import claim_target, target_holder
-from applier.targets.follow import ADD_COLUMNS_HINT, column_changes, rewrites
+from applier.targets.follow import ADD_COLUMNS_HINT, column_changes, kinds_clash, rewrites
 from applier.targets.naming import target_table
 from applier.targets.url import parse_target_url
 from applier.targets.values import FIRST_USER_OID
@@ -565,6 +565,27 @@ class PostgresTarget(TargetBase):
         stuck = [name for name, col in have.items() if name not in sent and col[4]]
         self.run_schema_changes(rel, shown, changes, stuck, lsn, no_ddl)
 
+    def _refuse_kind_clashes(self, rel: Relation, tcols: dict[str, tuple[str, int]], shown: str, lsn: LSN) -> None:
+        """FinalError naming table, column, both types and the LSN for a built-in source type sent into a target
+        column of another kind (``applier.targets.follow.kinds_clash``), given each target column's (type as
+        shown, type OID); a round trip only when a built-in source type is not the target column's."""
+        differ = [c for c in rel.columns if c.type_oid < FIRST_USER_OID and c.type_oid != tcols[c.name][1]]
+        if not differ:
+            return
+        rows = self.conn.execute(
+            "SELECT format_type(s.oid, u.m), s.typcategory, t.typcategory "
+            "FROM unnest(%s::oid[], %s::int4[], %s::oid[]) WITH ORDINALITY AS u(o, m, tt, i) "
+            "LEFT JOIN pg_type s ON s.oid = u.o LEFT JOIN pg_type t ON t.oid = u.tt ORDER BY u.i",
+            [[c.type_oid for c in differ], [c.type_modifier for c in differ],
+             [tcols[c.name][1] for c in differ]]).fetchall()
+        for c, (sent, kind, kind_there) in zip(differ, rows, strict=True):
+            if kind is not None and kind_there is not None and kinds_clash(kind, kind_there):
+                raise FinalError(
+                    f"column {c.name!r} of source table {source_name(rel)} is {sent} at LSN {lsn}, and target table "
+                    f"{shown} has it as {tcols[c.name][0]}: each value would be parsed as another kind of type, and "
+                    f"the first that does not parse would stop the apply; make the target column {sent} (or text), "
+                    f"then run again")
+
     def _type_names(self, rel: Relation, types: dict[int, Type]) -> dict[str, str | None]:
         """Each sent column's type in SQL, in one round trip: format_type on this server (a built-in type, with its
         typmod), or the Type message's name (None: no Type message came for the user type)."""
@@ -610,6 +631,7 @@ class PostgresTarget(TargetBase):
                                  f"but source table {source_name(rel)} sends its values (at LSN {lsn}); publish "
                                  f"without generated columns (publish_generated_columns = none) or make the "
                                  f"target column a plain one")
+        self._refuse_kind_clashes(rel, {c: (t[0], t[6]) for c, t in tcols.items()}, shown, lsn)
         text_compare = [tcols[c.name][1] in _NO_EQUALITY for c in rel.columns]
         uniques = self.conn.execute(
             "SELECT (SELECT array_agg(a.attname) FROM pg_attribute a WHERE a.attrelid = i.indrelid "
