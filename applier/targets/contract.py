@@ -23,7 +23,7 @@ Invariants every target keeps, whatever the role:
 - Nobody reaches past the contract to a target's connection or SQL: a need the contract does not name is a
   method added here first.
 - ``Failures`` (``applier.targets.opener.failures``): a target kind names what its driver raises and which of it
-  passes by itself; the runner asks it, and never sorts a driver's errors by type or text itself.
+  passes by itself; the runner asks it instead of sorting a session's driver errors by type or text itself.
 """
 
 from __future__ import annotations
