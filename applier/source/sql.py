@@ -124,7 +124,7 @@ class SqlSlotSource:
         try:
             return self.conn.execute(sql, params).fetchall()
         except psycopg.Error as exc:
-            raise SourceError(f"source query failed: {one_line(exc)}") from None
+            raise SourceError(f"cannot query the source: {one_line(exc)}") from None
 
     def close(self) -> None:
         """Close the connection."""
