@@ -1,4 +1,5 @@
-"""What every target shares: relation bindings and the SQL they build.
+"""What every target shares: relation bindings and the SQL they build, and ``TargetBase`` (the control tables,
+row location, the conflict primitives). The contract a target keeps is ``applier.targets.contract``'s.
 
 A ``Binding`` ties one source relation (a Relation message) to one target table:
 the column mapping, one value converter per column, and the statements built

@@ -48,12 +48,13 @@ class RowWriter(Protocol):
       order given, each change touching exactly the table it names (``Binding.qonly``: never an inheritance
       child's rows). ``update_rows`` / ``delete_rows`` return how many rows they did not find (a conflict:
       ``applier.engine.conflicts``).
-    - Work in flight: an insert may leave a COPY open and, with ``pipeline(True)`` (the engine outside careful
-      mode), BEGIN and any change's statements may be sent without waiting for their results. They are settled
-      before the connection is next used for anything else and at the latest by ``Transactions.commit``, which
+    - Work in flight (PostgreSQL): an insert may leave a COPY open and a batch's set-based UPDATE/DELETE may be
+      sent without waiting for its result; with ``pipeline(True)`` (the engine outside careful mode) so may
+      BEGIN and any change's statements. They are settled before the connection is next used for anything else
+      (``truncate``, ``bind``, a COPY into another table…) and at the latest by ``Transactions.commit``, which
       commits only if none failed: a row the server rejects fails a later call of the same transaction, named
-      as the work it failed (operation, table, transactions), and rows not found raise ``Conflicted`` when
-      the result is read. ``settle`` settles them now, so that what comes next is not taken for what failed;
+      as the work it failed (operation, table, transactions), and rows not found raise ``Conflicted`` when the
+      result is read. ``settle`` settles them now, so that what comes next is not taken for what failed;
       ``Transactions.rollback`` abandons them. With ``pipeline(False)`` (careful mode: the resolver needs each
       answer at once) every change's failure and count come back from its own call.
     - ``reorder_tables``: changes to different tables may be applied out of source order (neither triggers nor
