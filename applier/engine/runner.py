@@ -160,9 +160,7 @@ def open_source(cfg: Config, progress: Progress, wrap: Callable[[Source], Source
         except BaseException:
             ws.close()
             raise
-    reader = ChunkReader(wrap(src) if wrap is not None else src, system_id=system)
-    reader.money_text = money
-    return reader
+    return ChunkReader(wrap(src) if wrap is not None else src, system_id=system, money_text=money)
 
 
 def check_progress_owner(cfg: Config, progress: Progress, system: str | None, confirmed: LSN | None) -> None:
