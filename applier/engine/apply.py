@@ -70,8 +70,9 @@ from applier.engine.relation import RawMessage, RelationMap
 from applier.engine.spool import Spool, SpoolSet, records
 from applier.errors import ApplyError, Conflicted, FinalError, MissingTable, TableWait
 from applier.lsn import LSN
-from applier.targets.base import Binding, Join, Target, describe_values, not_found, source_name
+from applier.targets.base import Binding, Join, describe_values, not_found, source_name
 from applier.targets.claim import copy_claim_name
+from applier.targets.contract import Target
 from applier.text import one_line, shell_command
 
 
@@ -227,7 +228,7 @@ class ApplyEngine:
         self.careful = careful
         self.group_delay = 0.0 if careful else group_delay
         self.batch_rows = 1 if careful else BATCH_ROWS
-        self.target.pipelined = not careful  # the resolver needs each statement's answer at once
+        self.target.pipeline(not careful)  # the resolver needs each statement's answer at once
 
     @property
     def quiet(self) -> bool:

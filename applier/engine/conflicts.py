@@ -5,7 +5,7 @@ local row on a unique index), ``update_exists`` (an update's new values collide 
 ``multiple_unique_conflicts`` (with two or more local rows, through different unique indexes), ``update_missing``
 / ``delete_missing`` (the row is not there), ``update_origin_differs`` / ``delete_origin_differs`` (the row was
 last changed on the target by someone else than applier: PostgreSQL targets with ``track_commit_timestamp = on``
-only, ``Target.detects_origin``). ``conflicts.<type>`` picks a policy: ``error`` (stop, naming the row),
+only, ``ConflictProbe.detects_origin``). ``conflicts.<type>`` picks a policy: ``error`` (stop, naming the row),
 ``skip`` and ``keep_local`` (the local row stays as it is, the remote change is dropped), ``apply_remote`` (the
 remote change wins: an insert overwrites the local row; an update of a missing row inserts it; the local rows an
 insert or update collides with are deleted first), and for the *_origin_differs types ``last_update_wins`` (the
@@ -32,13 +32,14 @@ import datetime as dt
 import json
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from applier.config import CONFLICT_TYPES, SCHEMA
 from applier.decoder.messages import PG_EPOCH_UNIX, UNCHANGED_TOAST, TupleData
 from applier.errors import ConflictStopped, FinalError
 from applier.lsn import LSN
-from applier.targets.base import Binding, LocalRow, Target, source_name, utc_now
+from applier.targets.base import Binding, LocalRow, source_name, utc_now
+from applier.targets.contract import ConflictProbe, RowWriter
 from applier.text import one_line
 
 log = logging.getLogger("applier.conflicts")
@@ -60,11 +61,15 @@ class Change:
         self.commit_time = commit_time  # µs since 2000-01-01 (pgoutput's), None: not known
 
 
+class Resolvable(RowWriter, ConflictProbe, Protocol):
+    """What the resolver asks of the target: its rows and their conflicts."""
+
+
 class Resolver:
     """Applies one change at a time with its conflicts resolved (see the module header). ``tally`` counts the
     recorded conflicts by (type, target table) for the metrics (the engine's, emptied at each commit)."""
 
-    def __init__(self, target: Target, name: str, policies: Mapping[str, str],
+    def __init__(self, target: Resolvable, name: str, policies: Mapping[str, str],
                  tally: dict[tuple[str, str], int]) -> None:
         self.target = target
         self.name = name

@@ -24,14 +24,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 from applier.decoder.messages import Relation, Type
 from applier.engine.spool import record
 from applier.errors import ApplyError
 from applier.lsn import LSN
-from applier.targets.base import Binding, Target
+from applier.targets.base import Binding
+from applier.targets.contract import ControlStore, RowWriter, SchemaFollower
 
 RawMessage = tuple[bool, bytes]  # (in a stream block, the message's bytes): one spool record
+
+
+class Binder(RowWriter, SchemaFollower, ControlStore, Protocol):
+    """What the map asks of the target: ``bind``, ``follow`` and the join row of a table (``table_join``)."""
 
 
 class RelationMap:
@@ -39,7 +45,7 @@ class RelationMap:
 
     __slots__ = ("target", "binary", "follow", "relations", "types", "bindings", "gated", "meta_raw")
 
-    def __init__(self, target: Target, binary: bool = False, follow: bool = False) -> None:
+    def __init__(self, target: Binder, binary: bool = False, follow: bool = False) -> None:
         self.target = target
         self.binary = binary
         self.follow = follow  # make the target table fit each Relation message before binding it

@@ -12,7 +12,10 @@ retry can neither lose nor repeat a transaction.
   reached at start (``ConnectError``). The backoff (and ``catchup``'s count of retries)
   starts over once a session has applied something: each outage is waited out on its own.
   The first session logs one start line (source, slot, target, position, row path); the
-  first after an outage one line with the outage's length.
+  first after an outage one line with the outage's length. Which failure is a connection failure the
+  side it came from says (``applier.source.base.is_transient``; the target's ``Failures``, its driver's
+  errors by SQLSTATE or kind), and a database that cannot be reached (``Unreachable``) is one.
+  A session uses its target through the contract alone (``applier.targets.contract.Target``).
 - A slot that is gone or invalidated (``SlotLost``) is no connection problem: nothing
   brings its changes back, so the run ends at once (``run`` too), naming the slot, what
   happened to it and the applied position.
@@ -51,7 +54,6 @@ at that page's start counts as reached too.
 from __future__ import annotations
 
 import logging
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -66,17 +68,18 @@ from applier.decoder.messages import decided_at
 from applier.engine.apply import ApplyEngine
 from applier.engine.heartbeat import CATCHUP_EVERY, Heartbeat
 from applier.engine.spool import SpoolFull
-from applier.errors import ApplyError, Conflicted, ConflictStopped, FinalError, SlotLost, TableWait
+from applier.errors import ApplyError, Conflicted, ConflictStopped, FinalError, SlotLost, TableWait, Unreachable
 from applier.inspect import current_wal_insert_lsn, stream_options
 from applier.lsn import LSN
-from applier.progress.store import Progress, prune_conflicts
-from applier.rows import one_row
+from applier.progress.store import Progress
 from applier.source.base import SlotInUseError, Source, SourceError
+from applier.source.base import is_transient as source_transient
 from applier.source.chunks import ChunkReader
 from applier.source.sql import SqlSlotSource
 from applier.source.walsender import SLOT_STATE, WalSender, session_dsn, slot_state
 from applier.targets import opener
 from applier.targets.claim import ProcessClaim
+from applier.targets.contract import ControlStore, Target, TwoPhase
 from applier.text import one_line, quote_literal, redact_dsn
 
 if TYPE_CHECKING:
@@ -134,10 +137,10 @@ def open_source(cfg: Config, progress: Progress, wrap: Callable[[Source], Source
     if s["sql_interface"]:
         src = sql = SqlSlotSource(s["dsn"], s["slot"], stream_options(cfg))
         try:
-            check_progress_owner(cfg, progress, None, slot_state(s["slot"], sql.conn.execute(SLOT_STATE, [s["slot"]])
-                                                                .fetchone(), progress.lsn))
+            rows = sql.query(SLOT_STATE, [s["slot"]])
+            check_progress_owner(cfg, progress, None, slot_state(s["slot"], rows[0] if rows else None, progress.lsn))
             if s["binary"]:
-                money = money_of_probe(one_row(sql.conn.execute(MONEY_PROBE)))
+                money = money_of_probe(sql.query(MONEY_PROBE)[0])
         except BaseException:
             sql.close()
             raise
@@ -157,9 +160,7 @@ def open_source(cfg: Config, progress: Progress, wrap: Callable[[Source], Source
         except BaseException:
             ws.close()
             raise
-    reader = ChunkReader(wrap(src) if wrap is not None else src, system_id=system)
-    reader.money_text = money
-    return reader
+    return ChunkReader(wrap(src) if wrap is not None else src, system_id=system, money_text=money)
 
 
 def check_progress_owner(cfg: Config, progress: Progress, system: str | None, confirmed: LSN | None) -> None:
@@ -204,45 +205,7 @@ def goal_reached(position: int, goal: int) -> bool:
     return offset in _PAGE_HEADERS and position >= goal - offset
 
 
-# SQLSTATEs of a server error that passes by itself (a connection lost or ended, a server shutting down or
-# starting, resources short, a serialization failure or deadlock, a lock not available); any other a server sends
-# is about what is applied (55000 object_not_in_prerequisite_state: a table that will not change by itself)
-_TRANSIENT_CLASSES = ("08", "53")
-_TRANSIENT_STATES = frozenset({
-    "57P01", "57P02", "57P03",  # admin_shutdown, crash_shutdown, cannot_connect_now
-    "57P05", "25P03",  # the server ended an idle session, one idle in transaction (14+): a lost connection
-    "40001", "40P01", "55P03",  # serialization_failure, deadlock_detected, lock_not_available (lock_timeout)
-})
-
-def is_transient(exc: BaseException) -> bool:
-    """A lost connection or a busy database, rather than a change the target refuses: a PostgreSQL error by its
-    SQLSTATE (``_TRANSIENT_STATES``), one without (the client lost the connection) by its class."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, SourceError):
-            return True
-        if isinstance(seen, psycopg.Error) and seen.sqlstate:
-            return seen.sqlstate.startswith(_TRANSIENT_CLASSES) or seen.sqlstate in _TRANSIENT_STATES
-        if isinstance(seen, (psycopg.OperationalError, psycopg.InterfaceError)):
-            return True
-        if isinstance(seen, sqlite3.OperationalError) and "locked" in str(seen):
-            return True
-        seen = seen.__cause__
-    return "cannot connect to the target" in str(exc)
-
-
-def error_kind(exc: BaseException) -> str:
-    """What ended a session, as the metrics count it (``applier.metrics.ERROR_KINDS``)."""
-    if isinstance(exc, SlotLost):
-        return "slot_lost"
-    if isinstance(exc, SlotInUseError):
-        return "slot_in_use"
-    if isinstance(exc, SpoolFull):
-        return "spool_full"
-    return "connection" if is_transient(exc) else "apply"
-
-
-def prepared_count(target: Any) -> int:
+def prepared_count(target: TwoPhase) -> int:
     """Prepared transactions of this applier waiting on the target for COMMIT/ROLLBACK PREPARED."""
     return len(target.list_prepared()) + (len(target.prepared_gids()) if target.native_prepare else 0)
 
@@ -272,6 +235,12 @@ class Runner:
         self.ended_careful = False  # whether the last session was still in careful mode when it ended
         self.waiting = ""  # why the last session waited for a table (logged once per reason)
         self.pruned_at = 0.0  # when applier_conflicts was last trimmed (``_prune``)
+        # how the target's failures look (its driver's errors, which pass by themselves): see ``is_transient``
+        self.target_failures = opener.failures(cfg)
+        # what ends a session to be sorted (a lost slot ends the run; the rest is retried, retried row by row, or the
+        # end of the run); anything else (a refusal, a configuration error) ends the run as it is
+        self.failures: tuple[type[Exception], ...] = (ApplyError, SourceError, SlotLost,
+                                                      *self.target_failures.errors)
         self.claim = ProcessClaim(cfg.target_dialect, opener.location(cfg), cfg.apply["name"], self.command,
                                   cfg.source["connect_timeout"])
         self.down_since: float | None = None  # when the outage in hand began (a connection lost or never made)
@@ -279,6 +248,22 @@ class Runner:
         if metrics is not None:
             metrics.probe(cfg.source["dsn"], cfg.source["slot"],
                           opener.location(cfg) if cfg.target_dialect != "sqlite" else None)
+
+    def is_transient(self, exc: BaseException) -> bool:
+        """Whether a failure passes by itself (a lost connection, a busy database: retried with backoff) rather
+        than being about what was applied: a database that cannot be reached (``Unreachable``), or as the side it
+        came from says (the source's ``is_transient``, the target's ``Failures``)."""
+        return isinstance(exc, Unreachable) or source_transient(exc) or self.target_failures.is_transient(exc)
+
+    def error_kind(self, exc: BaseException) -> str:
+        """What ended a session, as the metrics count it (``applier.metrics.ERROR_KINDS``)."""
+        if isinstance(exc, SlotLost):
+            return "slot_lost"
+        if isinstance(exc, SlotInUseError):
+            return "slot_in_use"
+        if isinstance(exc, SpoolFull):
+            return "spool_full"
+        return "connection" if self.is_transient(exc) else "apply"
 
     def preflight(self, checks: Callable[[], None]) -> bool:
         """Run the start-up ``checks`` (ConfigError if one fails); a database that cannot be reached is an
@@ -333,7 +318,7 @@ class Runner:
                     self.metrics.failed("slot_lost")
                 self.summary.errors.append(str(exc))
                 raise
-            except (ApplyError, SourceError, psycopg.Error, sqlite3.Error) as exc:
+            except self.failures as exc:
                 msg = one_line(exc)
                 where = {"lsn": self.fail_lsn} if self.fail_lsn else {}  # log fields (applier.logs)
                 # no failure: resolved row by row (conflicts.py), unless the session was still careful when it met it
@@ -342,7 +327,7 @@ class Runner:
                     careful = True
                     continue
                 if self.metrics is not None:
-                    self.metrics.failed(error_kind(exc))
+                    self.metrics.failed(self.error_kind(exc))
                     if isinstance(exc, ConflictStopped):  # a conflict all the same (its policy stops the apply)
                         self.metrics.conflict_stopped(exc.conflict, exc.table)
                 if applied_before is not None and self.summary.applied is not None \
@@ -356,7 +341,7 @@ class Runner:
                     if self.catchup:
                         raise
                     log.warning("%s; retrying in %.1fs", msg, delay, extra=where)
-                elif is_transient(exc):
+                elif self.is_transient(exc):
                     failures += 1
                     self.down_since = self.down_since or time.monotonic()
                     if self.max_connect_retries is not None and failures > self.max_connect_retries:
@@ -390,7 +375,7 @@ class Runner:
             self.metrics.reconnected()
         self.sessions += 1
         self.claim.hold()  # before anything is read or applied: one applier per progress row (kept through retries)
-        target = opener.open(cfg)
+        target: Target = opener.open(cfg)
         engine: ApplyEngine | None = None
         source: ChunkReader | None = None
         failure: BaseException | None = None
@@ -410,14 +395,12 @@ class Runner:
                 engine.prepared_waiting = prepared_count(target)
                 self.metrics.watch(engine, source)
             self._connected(progress.lsn)
-            target.source_system = source.system_id
-            target.money_text = source.money_text
-            target.slot = cfg.source["slot"]
+            target.stream_from(source.system_id, cfg.source["slot"], source.money_text)
             if self.catchup and self.goal is not None and goal_reached(progress.lsn, self.goal):
                 self.summary.applied = progress.lsn
                 return
             self._loop(engine, source, target, careful, self.fail_lsn)
-        except (ApplyError, SourceError, SlotLost, psycopg.Error, sqlite3.Error) as exc:
+        except self.failures as exc:
             failure = exc
             raise
         except TableWait as exc:
@@ -443,14 +426,14 @@ class Runner:
                      position)
             self.down_since = None
 
-    def _prune(self, target: Any) -> None:
+    def _prune(self, target: ControlStore) -> None:
         """Trim applier_conflicts to ``conflicts.prune_after`` (at each session's start, then hourly between
         transactions); nothing without it."""
         keep = self.cfg.conflicts["prune_after"]
         if keep is None:
             return
         self.pruned_at = time.monotonic()
-        n = prune_conflicts(target.conn, target.sql, target.name, parse_age(keep, "conflicts.prune_after"))
+        n = target.prune_conflicts(parse_age(keep, "conflicts.prune_after"))
         if n:
             log.info("pruned %d rows recorded before %s ago from applier_conflicts", n, keep)
 
@@ -467,7 +450,7 @@ class Runner:
                 self.waiting = dead
                 log.warning("%s", dead)
 
-    def _end_session(self, target: Any, engine: ApplyEngine | None, source: ChunkReader | None,
+    def _end_session(self, target: Target, engine: ApplyEngine | None, source: ChunkReader | None,
                      failure: BaseException | None, close_target: bool = True) -> None:
         """Close what a session opened, each step whatever the one before did: the engine (rolling back what is
         open), the record of the failure, the last confirm, the source, the target (unless not ``close_target``)."""
@@ -509,7 +492,7 @@ class Runner:
         self.summary.rows += rows
         self.summary.skipped += skipped
 
-    def _loop(self, engine: ApplyEngine, source: ChunkReader, target: Any, careful: bool, fail_point: LSN) -> None:
+    def _loop(self, engine: ApplyEngine, source: ChunkReader, target: Target, careful: bool, fail_point: LSN) -> None:
         handle = engine.handle
         goal = self.goal
         until = self.until

@@ -41,6 +41,18 @@ class SourceError(RuntimeError):
     """The source failed (connection lost, server error, bad file)."""
 
 
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failure of the source (``exc`` or what caused it) passes by itself: every ``SourceError`` does (a
+    connection lost or refused, a command the server refused, a slot another process streams from), whose
+    source the runner starts again; a lost slot (``applier.errors.SlotLost``) is none and never does."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, SourceError):
+            return True
+        seen = seen.__cause__
+    return False
+
+
 class SourceUnreachable(SourceError, Unreachable):
     """The source cannot be reached, or the connection to it was lost (the runner retries it; a command that ends
     on it exits with the connection exit code)."""

@@ -18,6 +18,8 @@ Each row becomes an ``XLogData`` whose start and WAL end are the row's LSN.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import psycopg
 
@@ -115,6 +117,14 @@ class SqlSlotSource:
         except psycopg.Error as exc:
             raise SourceError(f"cannot advance slot {self.slot!r} to {lsn}: {one_line(exc)}") from None
         self._confirmed = LSN(lsn)
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """Run one statement on the source connection and return its rows; a failure is a SourceError (as the
+        walsender's ``command``)."""
+        try:
+            return self.conn.execute(sql, params).fetchall()
+        except psycopg.Error as exc:
+            raise SourceError(f"cannot query the source: {one_line(exc)}") from None
 
     def close(self) -> None:
         """Close the connection."""

@@ -1,4 +1,5 @@
-"""What every target shares: relation bindings and the SQL they build.
+"""What every target shares: relation bindings and the SQL they build, and ``TargetBase`` (the control tables,
+row location, the conflict primitives). The contract a target keeps is ``applier.targets.contract``'s.
 
 A ``Binding`` ties one source relation (a Relation message) to one target table:
 the column mapping, one value converter per column, and the statements built
@@ -41,13 +42,13 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from operator import itemgetter
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from applier._cmodule import rowpath
-from applier.decoder.messages import NULL, UNCHANGED_TOAST, Relation, TupleData, Type
+from applier.decoder.messages import NULL, UNCHANGED_TOAST, Relation, TupleData
 from applier.errors import ApplyError, Conflicted, FinalError, ProgressMoved
 from applier.lsn import LSN
-from applier.progress.store import Progress, ProgressSQL
+from applier.progress.store import Progress, ProgressSQL, prune_conflicts
 from applier.text import one_line, quote_ident
 
 log = logging.getLogger("applier.targets")
@@ -417,109 +418,11 @@ class _AllColumns(dict[int, tuple[int, ...]]):
 _ALL_COLUMNS = _AllColumns()
 
 
-class Target(Protocol):
-    """What the engine and the runner may rely on from a target (PostgreSQL and SQLite alike).
-
-    Transactions: ``begin``/``commit(source_lsn, commit_time)``/``rollback``, one explicit target
-    transaction at a time. ``insert``/``update_rows``/``delete_rows``/``truncate`` change rows inside
-    it and ``write_progress`` records the applied source LSN inside it: rows and progress commit
-    together or not at all, so after a crash the recorded position says exactly what was applied.
-
-    Durability: a commit may return before it is on disk (PostgreSQL with ``synchronous_commit =
-    off``). ``durable_lsn()`` is the highest source LSN whose target commit is on disk; only it may be
-    confirmed to the source slot. ``wait_durable()`` makes every commit so far durable (it does not
-    run inside an open transaction).
-
-    Work in flight (PostgreSQL): an insert may leave a COPY open and a batch's set-based UPDATE/DELETE
-    may be sent without waiting for its result; with ``pipelined`` (set by the engine outside careful mode),
-    so may BEGIN and any change's statements. They are settled before the connection is next used for
-    anything else (``truncate``, ``bind``, a COPY into another table…) and at the latest by ``commit``,
-    which commits only if none failed, so a row the server rejects fails a later call of the same
-    transaction, named as the work it failed (operation, table, transactions); ``settle`` settles them now,
-    so that what comes next is not taken for what failed; ``rollback`` abandons them. ``update_rows``/``delete_rows`` return how many rows they did
-    not find, or, for work in flight, raise Conflicted when its result is read and some were not found.
-    Without ``pipelined`` (careful mode: the resolver needs each answer at once), every change's failure
-    and count come back from its own call.
-
-    Conflicts (``applier.engine.conflicts``, the careful path, one change at a time): ``savepoint`` /
-    ``release`` / ``rollback_to`` bracket a change; ``unique_violation(exc)`` tells a collision;
-    ``find_rows`` / ``colliding_rows`` read the local rows (locked on PostgreSQL) with, where
-    ``detects_origin``, whether someone other than applier changed them last; ``delete_rowids`` and
-    ``overwrite`` change them; ``record_conflict`` writes applier_conflicts in the open transaction. With
-    ``detects_origin`` the fast path's statements skip such "foreign" rows (``Binding.guard``): they count as
-    not found, so the batch is applied again row by row, where they are told apart.
-
-    The claim: ``claim(command)`` holds the target's progress row for this session (InUseError naming
-    the holder if another has it) until ``close``; ``claim(command, held=True)``: this process holds it
-    already (``applier.targets.claim.ProcessClaim``); ``holder()`` says who holds it.
-
-    Prepared transactions (two-phase, under ``prepared_gid(name, xid)``): ``native_prepare`` says how
-    the target keeps one. True (PostgreSQL with max_prepared_transactions > 0 and two_phase_mode =
-    prepare): the changes run in the open transaction and ``prepare(xid)`` runs PREPARE TRANSACTION;
-    ``finish_prepared(xid, commit)`` runs COMMIT/ROLLBACK PREPARED outside any transaction if the
-    transaction is prepared there. False (every other target): the engine keeps the changes in
-    ``applier_prepared`` (``store_prepared``) with the progress, in one transaction; ``kept_prepared``
-    returns them for the commit, ``delete_prepared`` forgets them. ``is_prepared(xid, gid)`` tells a
-    restart that a transaction was prepared (either way), so it is neither prepared twice nor lost.
-
-    Schema changes (``apply.schema_changes = "add_columns"``): ``follow(rel, types, lsn, no_ddl)`` runs
-    before ``bind`` in the open transaction and makes the target table fit the Relation message ``rel``: it
-    adds the columns the target lacks and widens types as ``applier.targets.follow`` judges (from the target's
-    catalog and ``rel`` alone, so every session decides the same), logging each change, or raises an error
-    naming the table, column, types and LSN: FinalError (not retried row by row) for a refused type change or
-    a target column the source does not send that is NOT NULL without a default; ApplyError for a change
-    needed while ``no_ddl`` says why none may be made. A missing table is left to ``bind``.
-    """
-
-    name: str
-    native_prepare: bool
-    detects_origin: bool
-    # changes to different tables may be applied out of source order (neither triggers nor foreign
-    # key checks run on the target session, so no table can observe another mid-transaction)
-    reorder_tables: bool
-    pipelined: bool  # statements may be sent without waiting for their results (see above)
-
-    def bind(self, rel: Relation, types: dict[int, Type], lsn: LSN, binary: bool = False) -> Binding: ...
-    def follow(self, rel: Relation, types: dict[int, Type], lsn: LSN, no_ddl: str | None = None) -> None: ...
-    def table_join(self, rel: Relation) -> Join | None: ...
-    def begin(self) -> None: ...
-    def commit(self, source_lsn: LSN, commit_time: int | None = None) -> None: ...
-    def rollback(self) -> None: ...
-    def settle(self) -> None: ...
-    def insert(self, b: Binding, rows: Sequence[TupleData], lsn: LSN) -> None: ...
-    def update_rows(self, b: Binding, rows: Sequence[Any], lsn: LSN) -> int: ...
-    def delete_rows(self, b: Binding, rows: Sequence[Any], lsn: LSN) -> int: ...
-    def truncate(self, bindings: Sequence[Binding], cascade: bool, restart_identity: bool) -> None: ...
-    def read_progress(self) -> Progress: ...
-    def write_progress(self, lsn: LSN, commit_time: int | None, clear_skip: bool = False) -> None: ...
-    def record_error(self, message: str) -> None: ...
-    def durable_lsn(self) -> LSN: ...
-    def wait_durable(self) -> None: ...
-    def is_prepared(self, xid: int, gid: str) -> bool: ...
-    def prepare(self, xid: int) -> None: ...
-    def finish_prepared(self, xid: int, commit: bool) -> None: ...
-    def store_prepared(self, gid: str, xid: int, prepare_lsn: LSN, end_lsn: LSN, when: int, changes: bytes) -> None: ...
-    def kept_prepared(self, gid: str) -> bytes | None: ...
-    def delete_prepared(self, gid: str) -> None: ...
-    def savepoint(self) -> None: ...
-    def release(self) -> None: ...
-    def rollback_to(self) -> None: ...
-    def unique_violation(self, exc: BaseException) -> bool: ...
-    def find_rows(self, b: Binding, t: TupleData, idx: tuple[int, ...], full: bool,
-                  limit: int = 2) -> list[LocalRow]: ...
-    def colliding_rows(self, b: Binding, t: TupleData) -> list[LocalRow]: ...
-    def delete_rowids(self, b: Binding, rowids: Sequence[tuple[Any, ...]]) -> None: ...
-    def overwrite(self, b: Binding, rowid: tuple[Any, ...], new: TupleData) -> None: ...
-    def record_conflict(self, row: Sequence[Any]) -> None: ...
-    def claim(self, command: str, held: bool = False) -> None: ...
-    def holder(self, name: str | None = None) -> str | None: ...
-    def close(self) -> None: ...
-
-
 class TargetBase:
     """What both targets do the same way: the control tables, through ``sql`` on ``cur``; the
-    contract is ``Target``'s. Prepared transactions are kept in ``applier_prepared`` unless a target
-    prepares them itself (``native_prepare``).
+    contract is ``applier.targets.contract.Target``'s (``conn``, ``cur`` and ``sql`` are the targets' own, not
+    part of it). Prepared transactions are kept in ``applier_prepared`` unless a target prepares them itself
+    (``native_prepare``).
     """
 
     sql: ProgressSQL
@@ -528,13 +431,25 @@ class TargetBase:
     cur: Any
     conn: Any
     native_prepare = False
-    reorder_tables = False  # see ``Target``
-    pipelined = False  # see ``Target``: set by the engine, honoured where a target can
-    source_system: str | None = None  # the source's system identifier, recorded with each progress write
-    slot: str | None = None  # the replication slot the applied LSNs come from, recorded likewise
-    # binary mode: money as the source session prints it (``applier.targets.binary.money_text``), if known
+    detects_origin = False  # *_origin_differs can be told here (PostgreSQL: track_commit_timestamp, origin set up)
+    reorder_tables = False  # see ``RowWriter``
+    pipelined = False  # see ``RowWriter``: set by ``pipeline`` (the engine), honoured where a target can
+    # the source this session applies from (``stream_from``): its system identifier and slot, recorded with each
+    # progress write; in binary mode money as the source session prints it (``applier.targets.binary.money_text``)
+    source_system: str | None = None
+    slot: str | None = None
     money_text: Converter | None = None
     _has_sync_tables: bool | None = None  # whether applier_sync_tables exists (asked once)
+
+    def stream_from(self, source_system: str | None, slot: str | None, money_text: Converter | None) -> None:
+        """The source this session applies from (see ``Target``)."""
+        self.source_system = source_system
+        self.slot = slot
+        self.money_text = money_text
+
+    def pipeline(self, on: bool) -> None:
+        """Let statements go out without waiting for their results, or not (see ``RowWriter``)."""
+        self.pipelined = on
 
     def begin(self) -> None:
         """Open a transaction (each target's own)."""
@@ -549,11 +464,11 @@ class TargetBase:
         raise NotImplementedError
 
     def settle(self) -> None:
-        """Settle work in flight (see ``Target``): none on a target that runs each statement at once."""
+        """Settle work in flight (see ``RowWriter``): none on a target that runs each statement at once."""
 
     def run_many(self, sql: str, params: list[list[Any]], op: str, b: Binding, lsn: LSN) -> int:
         """Execute one statement for many parameter rows (``op`` of rows of ``b``, of transactions from the one
-        finished at ``lsn``); total rows affected (a target may count them later: ``Target.pipelined``)."""
+        finished at ``lsn``); total rows affected (a target may count them later: ``RowWriter.pipeline``)."""
         if len(params) == 1:
             self.cur.execute(sql, params[0])
         else:
@@ -667,8 +582,6 @@ class TargetBase:
 
     # -- conflicts: what ``applier.engine.conflicts`` does row by row, through these ------------------------------
 
-    detects_origin = False  # *_origin_differs can be told here (PostgreSQL: track_commit_timestamp, origin set up)
-
     def savepoint(self) -> None:
         """Mark where the change in hand starts, inside the open transaction."""
         self.cur.execute("SAVEPOINT applier_change")
@@ -745,7 +658,7 @@ class TargetBase:
 
     def run_schema_changes(self, rel: Relation, table: str, changes: Sequence[tuple[str, str, str | None]],
                            stuck: Sequence[str], lsn: LSN, no_ddl: str | None) -> None:
-        """The end of each target's ``follow`` (see ``Target``): FinalError for ``stuck`` target columns (NOT NULL
+        """The end of each target's ``follow`` (see ``SchemaFollower``): FinalError for ``stuck`` target columns (NOT NULL
         without a default, not sent), ApplyError for ``changes`` while ``no_ddl``; else each change (statement,
         what it does, a WARNING to log before it or None) runs in the open transaction and is logged."""
         src = source_name(rel)
@@ -827,7 +740,12 @@ class TargetBase:
             raise
         self.commit(LSN(0))
 
-    # -- prepared transactions (see ``Target``): kept in applier_prepared -----------------
+    def prune_conflicts(self, age: int) -> int:
+        """Delete this applier's applier_conflicts rows recorded more than ``age`` seconds ago, in a transaction of
+        its own (none may be open: the connection commits each statement); how many."""
+        return prune_conflicts(self.conn, self.sql, self.name, age)
+
+    # -- prepared transactions (see ``TwoPhase``): kept in applier_prepared -----------------
 
     def is_prepared(self, xid: int, gid: str) -> bool:
         """Whether source transaction ``xid`` (source gid ``gid``) is prepared: kept in applier_prepared."""
@@ -865,3 +783,8 @@ class TargetBase:
         cur = self.conn.cursor()
         cur.execute(self.sql.list_prepared, [self.name])
         return list(cur.fetchall())
+
+    def prepared_gids(self) -> set[str]:
+        """GIDs of transactions this applier has prepared on the target and not finished: none where they are kept
+        in applier_prepared."""
+        return set()

@@ -1,12 +1,13 @@
 """Opening the target of a config: the one way in, for the apply engine and for everything else.
 
 ``open(cfg)`` gives the target the engine applies to (``PostgresTarget`` / ``SqliteTarget``, chosen by
-``target.url``); ``open(cfg, plain=True)`` a bare DB-API connection (psycopg or sqlite3) for the commands that
-only check or read the target (``applier.admin``) or copy into it (``applier.migrate.sync``).
+``target.url``: an ``applier.targets.contract.Target``), and ``failures(cfg)`` how its failures look;
+``open(cfg, plain=True)`` a bare DB-API connection (psycopg or sqlite3) for the commands that only check or read
+the target (``applier.admin``) or copy into it (``applier.migrate.sync``).
 
 Invariants:
-- A target that cannot be reached is one line. The engine's target raises ``ApplyError`` naming "cannot
-  connect to the target" (the runner retries it as a lost connection); a plain connection raises
+- A target that cannot be reached is one line. The engine's target raises ``TargetUnreachable`` naming "cannot
+  connect to the target" (an ``Unreachable``: the runner retries it as a lost connection); a plain connection raises
   ``ConnectError`` naming ``target.url`` (its password redacted; a SQLite file that cannot be opened: why, said of
   its directory).
 - Nothing here imports SQLAlchemy or alembic (``applier.targets.url`` parses the URL): the apply commands'
@@ -23,6 +24,7 @@ from typing import Any
 import psycopg
 
 from applier.config import Config, ConnectError
+from applier.targets.contract import Failures, Target
 from applier.text import one_line, redact_dsn, redact_text
 
 # What a plain SQLite connection waits for a lock held by another process (the engine's target waits as long).
@@ -39,14 +41,17 @@ def open(cfg: Config, *, plain: bool = False, applying: bool = True, autocommit:
     t = cfg.target
     if not plain:
         # here, not at the top: start-up time (only the dialect in use is loaded; postgres.py is ~15 ms)
+        target: Target
         if cfg.target_dialect == "sqlite":
             from applier.targets.sqlite import SqliteTarget
 
-            return SqliteTarget(t["url"], cfg.apply["name"], t["tables"])
-        from applier.targets.postgres import PostgresTarget
+            target = SqliteTarget(t["url"], cfg.apply["name"], t["tables"])
+        else:
+            from applier.targets.postgres import PostgresTarget
 
-        return PostgresTarget(t["url"], cfg.apply["name"], t["synchronous_commit"], t["tables"],
-                              use_origin=applying, two_phase_mode=t["two_phase_mode"])
+            target = PostgresTarget(t["url"], cfg.apply["name"], t["synchronous_commit"], t["tables"],
+                                    use_origin=applying, two_phase_mode=t["two_phase_mode"])
+        return target
     try:
         if cfg.target_dialect == "sqlite":
             return sqlite3.connect(location(cfg), timeout=SQLITE_TIMEOUT, check_same_thread=False,
@@ -74,6 +79,19 @@ def sqlite_open_problem(path: str) -> str | None:
     if not os.access(folder, os.W_OK | os.X_OK):
         return f"the directory {folder} is not writable (SQLite keeps its journal beside {file.name})"
     return None
+
+
+def failures(cfg: Config) -> Failures:
+    """What a failure on the target of ``cfg`` raises and which of it passes by itself (the target module's
+    ``FAILURES``): the runner sorts a session's failures by it."""
+    # here, not at the top: start-up time (only the dialect in use is loaded; postgres.py is ~15 ms)
+    if cfg.target_dialect == "sqlite":
+        from applier.targets.sqlite import FAILURES
+
+        return FAILURES
+    from applier.targets.postgres import FAILURES as PG_FAILURES
+
+    return PG_FAILURES
 
 
 def location(cfg: Config) -> str:

@@ -13,7 +13,7 @@ travel as one array parameter (a text array literal, ``array_text``, of the
 column's type without its modifier) and ``unnest``/``= ANY`` turn them back into
 rows; the row count says how many were not found.
 
-The fast path waits for no statement (``pipelined``, set by the engine outside
+The fast path waits for no statement (``pipelined``: ``pipeline(True)``, by the engine outside
 careful mode): BEGIN, those batches, keyed updates and deletes of a row or a
 few (one statement each) and inserts of a row or two go out in one libpq
 pipeline (``_send``) while the engine decodes on, and their results are read
@@ -92,6 +92,7 @@ from applier.targets.base import (
     source_name,
 )
 from applier.targets.claim import claim_target, target_holder
+from applier.targets.contract import Failures
 from applier.targets.follow import ADD_COLUMNS_HINT, column_changes, kinds_clash, rewrites
 from applier.targets.naming import target_table
 from applier.targets.url import parse_target_url
@@ -102,6 +103,35 @@ log = logging.getLogger("applier.targets")
 
 # Types without a default equality operator: compare their text form to locate a row.
 _NO_EQUALITY = frozenset({"json", "xml", "point", "line", "lseg", "box", "path", "polygon", "circle"})
+
+
+# SQLSTATEs of a server error that passes by itself (a connection lost or ended, a server shutting down or
+# starting, resources short, a serialization failure or deadlock, a lock not available); any other a server sends
+# is about what is applied (55000 object_not_in_prerequisite_state: a table that will not change by itself)
+_TRANSIENT_CLASSES = ("08", "53")
+_TRANSIENT_STATES = frozenset({
+    "57P01", "57P02", "57P03",  # admin_shutdown, crash_shutdown, cannot_connect_now
+    "57P05", "25P03",  # the server ended an idle session, one idle in transaction (14+): a lost connection
+    "40001", "40P01", "55P03",  # serialization_failure, deadlock_detected, lock_not_available (lock_timeout)
+})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failure on a PostgreSQL target (``exc`` or what caused it) passes by itself, rather than being a
+    change the target refuses: a server error by its SQLSTATE (``_TRANSIENT_STATES``), one without (the client
+    lost the connection, or never made it: the claim's) by its class."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, psycopg.Error) and seen.sqlstate:
+            return seen.sqlstate.startswith(_TRANSIENT_CLASSES) or seen.sqlstate in _TRANSIENT_STATES
+        if isinstance(seen, (psycopg.OperationalError, psycopg.InterfaceError)):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+# what a failure on a PostgreSQL target raises, and which of it passes by itself (``applier.targets.opener``)
+FAILURES = Failures((psycopg.Error,), is_transient)
 
 
 def origin_name(name: str) -> str:
@@ -307,7 +337,7 @@ class PostgresTarget(TargetBase):
         # statements; a PREPARE or DEALLOCATE: the statement's it goes with), rows it must find (-1: not counted;
         # ``BY_SERVER``), LSN); the connection is in pipeline mode while any are
         self._inflight: list[tuple[str, Binding | None, int, LSN]] = []
-        self.pipelined = False  # see ``Target.pipelined``
+        self.pipelined = False  # see ``RowWriter.pipeline``
         self._numbered_sql: dict[str, bytes] = {}  # ``_dollars``
         self._counted_sql: dict[str, bytes] = {}  # ``run_many``: its statements checked by the server (``_counted``)
         # statements prepared on this session, by (the target columns' types as bound, text): a table bound anew
@@ -363,7 +393,7 @@ class PostgresTarget(TargetBase):
         return self._cur
 
     def settle(self) -> None:
-        """End the open COPY and read the pipeline; a failure names what it was doing (see ``Target``)."""
+        """End the open COPY and read the pipeline; a failure names what it was doing (see ``RowWriter``)."""
         self._end_open_copy()
         if self._inflight:
             self._sync()
@@ -523,7 +553,7 @@ class PostgresTarget(TargetBase):
                 (quote_ident(schema) + "." if schema else "") + quote_ident(table))
 
     def follow(self, rel: Relation, types: dict[int, Type], lsn: LSN, no_ddl: str | None = None) -> None:
-        """Make the target table fit ``rel`` (see ``Target``): ADD COLUMN with the source's type (format_type of a
+        """Make the target table fit ``rel`` (see ``SchemaFollower``): ADD COLUMN with the source's type (format_type of a
         built-in type's OID and typmod, the same on every server; a user type by its Type message's name),
         ALTER COLUMN … TYPE for a widening (a WARNING first for one that rewrites the table); a missing table is
         left to ``bind``."""
@@ -680,14 +710,14 @@ class PostgresTarget(TargetBase):
         # (an ALWAYS identity column may only be left out of the SET list: the key's)
         b.set_based = (b.foldable and not binary and not any(text_compare[i] for i in b.key_idx)
                        and b.always.issubset(b.key_idx))
-        if self.detects_origin:  # rows someone else changed last (after the copy) count as not found: see ``Target``
+        if self.detects_origin:  # rows someone else changed last (after the copy) count as not found: see ``ConflictProbe``
             b.since = self._copied_at(rel)
             since = "'-infinity'" if b.since == float("-inf") else f"to_timestamp({b.since!r})"
             b.guard = (f" AND NOT EXISTS (SELECT 1 FROM pg_xact_commit_timestamp_origin({{t}}.xmin) AS o "
                        f"WHERE o.roident <> {self.origin_id} AND o.\"timestamp\" > {since})")
         return b
 
-    # -- conflicts (see ``Target``) ----------------------------------------------
+    # -- conflicts (see ``ConflictProbe``) ----------------------------------------------
 
     def is_unique_error(self, exc: BaseException) -> bool:
         """SQLSTATE 23505."""
@@ -944,7 +974,7 @@ class PostgresTarget(TargetBase):
             sql += " CASCADE"
         self.cur.execute(sql)
 
-    # -- prepared transactions (see ``Target``): PREPARE TRANSACTION when ``native_prepare`` -----------
+    # -- prepared transactions (see ``TwoPhase``): PREPARE TRANSACTION when ``native_prepare`` -----------
 
     def is_prepared(self, xid: int, gid: str) -> bool:
         """Whether source transaction ``xid`` is prepared here (in pg_prepared_xacts, or kept in the table)."""

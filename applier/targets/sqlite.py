@@ -20,11 +20,27 @@ from applier.lsn import LSN
 from applier.progress.store import SQLITE_SQL
 from applier.targets.base import SQLITE, Binding, LocalRow, TargetBase, present_columns, source_name
 from applier.targets.claim import FileClaim, claim_target, target_holder
+from applier.targets.contract import Failures
 from applier.targets.follow import ADD_COLUMNS_HINT
 from applier.targets.naming import target_table
 from applier.targets.url import parse_target_url
 from applier.targets.values import sqlite_declared, sqlite_text_converters
 from applier.text import quote_ident
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failure on a SQLite target (``exc`` or what caused it) passes by itself: the database locked by
+    another process longer than the connection waits (a busy file), rather than a change it refuses."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, sqlite3.OperationalError) and "locked" in str(seen):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+# what a failure on a SQLite target raises, and which of it passes by itself (``applier.targets.opener``)
+FAILURES = Failures((sqlite3.Error,), is_transient)
 
 
 def sqlite_path(url: str) -> str:
@@ -63,7 +79,7 @@ class SqliteTarget(TargetBase):
         return target_table(rel, "sqlite", self.table_map)
 
     def follow(self, rel: Relation, types: dict[int, Type], lsn: LSN, no_ddl: str | None = None) -> None:
-        """Make the target table fit ``rel`` (see ``Target``): ADD COLUMN with the mapped declared type
+        """Make the target table fit ``rel`` (see ``SchemaFollower``): ADD COLUMN with the mapped declared type
         (``applier.targets.values.sqlite_declared``). A type change needs nothing and is never refused: SQLite holds
         no value to a declared type's precision or length (the declared type only picks the column's affinity), so
         each value is stored as the source's type now gives it, under that affinity, as any value is with
@@ -121,7 +137,7 @@ class SqliteTarget(TargetBase):
             b.row_id, b.row_match = tuple(keyed), " AND ".join(f"{q} = ?" for q in keyed)
         return b
 
-    # -- conflicts (see ``Target``): no commit timestamps, so no *_origin_differs -------------
+    # -- conflicts (see ``ConflictProbe``): no commit timestamps, so no *_origin_differs -------------
 
     def is_unique_error(self, exc: BaseException) -> bool:
         """An IntegrityError of a UNIQUE (or PRIMARY KEY) constraint."""

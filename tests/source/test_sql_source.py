@@ -191,3 +191,19 @@ def test_unknown_slot_is_a_source_error_naming_it(db):
         src.read(1.0)
     assert "\n" not in str(exc.value)
     src.close()
+
+
+def test_a_query_on_a_lost_connection_is_a_source_error(db):
+    """The runner's start-up reads (the slot's state, binary mode's money format) go through ``query``: rows as the
+    server gives them, and a failure is a SourceError in one line (retried as the walsender's would be), not the
+    driver's error."""
+    src = SqlSlotSource(db.dsn, "s", OPTS, once=True)
+    try:
+        assert src.query("SELECT slot_name, plugin FROM pg_replication_slots WHERE slot_name = %s", ["s"]) == [
+            ("s", "pgoutput")]
+        sql(db, "SELECT pg_terminate_backend(%s)", [src.conn.info.backend_pid])
+        with pytest.raises(SourceError, match="cannot query the source") as exc:
+            src.query("SELECT 1")
+        assert "\n" not in str(exc.value)
+    finally:
+        src.close()
