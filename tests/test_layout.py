@@ -162,8 +162,9 @@ def kind_spellings(package: Path, decoder: Path) -> list[str]:
 
 
 def test_only_the_decoder_spells_a_message_kind() -> None:
-    # every other module asks applier.decoder.messages (MessageKind and the boundary rules on it)
+    # every other module asks applier.decoder.messages (MessageKind and the boundary rules on it); the benchmarks too
     assert kind_spellings(PACKAGE, DECODER) == []
+    assert kind_spellings(PACKAGE.parent / "bench", DECODER) == []
 
 
 def test_the_kind_finder_finds_each_spelling(tmp_path: Path) -> None:
