@@ -13,7 +13,8 @@ Consistency: both sides must show the same moment.
 3. The target is brought to exactly C: the normal apply ``Runner`` (catch-up
    mode, the configured slot) reads through ``StopBefore(C)``, a source wrapper
    that withholds the first transaction whose commit is at or after C (Begin's
-   final LSN, or the commit LSN of a streamed or prepared transaction) and ends
+   final LSN, or the commit LSN of a streamed or prepared transaction, read from
+   the message's bytes by the decoder's ``decision_position``) and ends
    the stream there, or ends it when a keepalive shows the server has sent
    everything before C. Commit records never straddle C, so the transactions
    applied are exactly those S sees. The withheld ones stay in the slot for
