@@ -250,6 +250,9 @@ cdef object _tuple(const uint8_t* buf, Py_ssize_t* pos, Py_ssize_t end):
     return _nt2(_TupleData, kinds, values)
 
 
+# The message kinds below are C integer constants (0x49 'I' …) that mirror applier.decoder.messages.MessageKind
+# (INSERT, UPDATE, DELETE, BEGIN, COMMIT): this is the decoder's fast path compiled, the one place outside
+# applier/decoder/ that spells them (tests/test_layout.py); tests/decoder/test_twins.py runs both paths on every kind.
 def fast_decode(data, bint in_stream=False):
     """Insert, Update or Delete (with the streamed xid ``in_stream``), or Begin or Commit outside a stream,
     from one message's bytes; None: anything else."""

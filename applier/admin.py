@@ -18,7 +18,16 @@ from typing import Any
 import psycopg
 
 from applier.config import Config, ConfigError, ConnectError, parse_age
-from applier.decoder.messages import Begin, StreamCommit, StreamStart, StreamStop, pg_timestamp
+from applier.decoder.messages import (
+    ROW_CHANGES,
+    Begin,
+    MessageKind,
+    StreamCommit,
+    StreamStart,
+    StreamStop,
+    kind_of,
+    pg_timestamp,
+)
 from applier.decoder.pgoutput import decode_message
 from applier.errors import SlotLost
 from applier.lsn import LSN
@@ -396,15 +405,15 @@ def first_pending(cfg: Config, conn: psycopg.Connection[Any], applied: LSN) -> i
         streaming: int | None = None  # the xid of the stream block in hand
         changed: set[int] = set()  # streamed transactions with a change in them
         for (data,) in rows:
-            kind = bytes(data[:1])
-            if kind in _CHANGES:
+            kind = kind_of(data)
+            if kind in ROW_CHANGES:
                 if begin is not None and begin.final_lsn >= applied:
                     return begin.commit_time
                 if streaming is not None:
                     changed.add(streaming)
-            elif kind == b"C":
+            elif kind == MessageKind.COMMIT:
                 begin = None
-            elif kind in (b"B", b"S", b"E", b"c"):
+            elif kind in _DECODED:
                 msg = decode_message(bytes(data))
                 if isinstance(msg, Begin):
                     begin = msg
@@ -419,7 +428,8 @@ def first_pending(cfg: Config, conn: psycopg.Connection[Any], applied: LSN) -> i
     return -1
 
 
-_CHANGES = frozenset((b"I", b"U", b"D", b"T"))
+# the kinds first_pending decodes to follow the transaction or stream block in hand
+_DECODED = frozenset((MessageKind.BEGIN, MessageKind.STREAM_START, MessageKind.STREAM_STOP, MessageKind.STREAM_COMMIT))
 
 
 def list_prepared(cfg: Config) -> list[dict[str, str]]:

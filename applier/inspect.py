@@ -13,6 +13,7 @@ import psycopg
 
 from applier.config import Config
 from applier.decoder import Decoder, Keepalive, XLogData, render_message
+from applier.decoder.messages import ENDS_TRANSACTION, kind_of
 from applier.lsn import LSN
 from applier.source.base import Source, SourceError, StreamOptions
 from applier.source.recorded import RecordWriter
@@ -93,7 +94,7 @@ def record_stream(cfg: Config, out: Path, limit: int | None = None, until: LSN |
                     reached = LSN(max(reached, frame.wal_end))
                 elif isinstance(frame, Keepalive):
                     reached = LSN(max(reached, frame.wal_end))
-                if reached >= target and (isinstance(frame, Keepalive) or frame.payload[:1] in (b"C", b"K", b"r", b"c", b"P", b"p", b"A")):
+                if reached >= target and (isinstance(frame, Keepalive) or kind_of(frame.payload) in ENDS_TRANSACTION):
                     break
             return writer.count, reached
     finally:

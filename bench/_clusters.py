@@ -41,6 +41,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from applier.decoder.messages import MessageKind
 from applier.embedded import Cluster, PgInstall
 from applier.lsn import LSN
 
@@ -58,8 +59,9 @@ DURABLE_SETTINGS: dict[str, str] = {
     "max_wal_senders": "32",
 }
 
-# Where each pgoutput message kind starts (first byte of the payload).
-_INSERT, _UPDATE, _DELETE, _COMMIT = ord("I"), ord("U"), ord("D"), ord("C")
+# The first byte of the payload of each pgoutput message counted.
+_INSERT, _UPDATE, _DELETE, _COMMIT = (MessageKind.INSERT.value, MessageKind.UPDATE.value, MessageKind.DELETE.value,
+                                      MessageKind.COMMIT.value)
 
 
 def start_clusters(install: PgInstall, work_mem: str) -> tuple[Cluster, Cluster]:

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from applier.decoder import Decoder, Keepalive, XLogData
+from applier.decoder.messages import ENDS_TRANSACTION, kind_of
 from applier.embedded import Cluster, find_install
 from applier.lsn import LSN
 from applier.source.base import StreamOptions
@@ -45,7 +46,6 @@ from applier.source.walsender import WalSender
 GOAL = 1.5
 DB = "bench"
 PUB = "bench_pub"
-END_KINDS = (b"C", b"P", b"K", b"r", b"c", b"A", b"p")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,7 +106,7 @@ def record(cluster: Cluster, slot: str, opts: StreamOptions, endpos: LSN, path: 
                 if isinstance(frame, Keepalive):
                     if frame.wal_end >= endpos:
                         break
-                elif frame.wal_end >= endpos or (frame.payload[:1] in END_KINDS and ws.received >= endpos):
+                elif frame.wal_end >= endpos or (kind_of(frame.payload) in ENDS_TRANSACTION and ws.received >= endpos):
                     break
             count = writer.count
     return count, time.perf_counter() - t0

@@ -7,9 +7,11 @@ inside a function alike (a function-local import only hides a cycle until the fu
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import applier
+from applier.decoder.messages import MessageKind
 
 PACKAGE = Path(applier.__file__).resolve().parent
 
@@ -76,3 +78,105 @@ def test_the_cycle_finder_finds_a_cycle(tmp_path: Path) -> None:
     (pkg / "b.py").write_text("def f():\n    import pkg.a\n")
     (pkg / "c.py").write_text("import pkg.a\n")
     assert cycles(import_graph(pkg)) == [["pkg.a", "pkg.b"]]
+
+
+# -- the wire format's message kinds are spelled in the decoder only ---------------------------------------------
+
+DECODER = PACKAGE / "decoder"
+KIND_LETTERS = frozenset(chr(k) for k in MessageKind)
+# The compiled twin of the decoder's fast path (decoder/pgoutput.py, decoder/framing.py) is the decoder, compiled:
+# its kind bytes are C integers (0x49 …) that mirror MessageKind, and tests/decoder/test_twins.py runs both paths
+# on every kind. (It also compares TupleData's column kinds and COPY's escapes, letters the kinds share.)
+DECODER_TWINS = {PACKAGE / "_rowpath.pyx"}
+_PYX_SPELLINGS = re.compile(
+    r"""(?x)
+    \bb(?P<q>["'])(?P<one>[^"'\\])(?P=q)             # b"C"
+    | \bord\(\s*(?P<q2>["'])(?P<ord>.)(?P=q2)\s*\)   # ord("C")
+    | \b(?:frozen)?set\(\s*b(?P<q3>["'])(?P<set>[^"']+)(?P=q3)\s*\)   # frozenset(b"CKr")
+    | (?:==|!=|\bin)\s*(?P<hex>0[xX][0-9a-fA-F]{2})\b   # == 0x43
+    | \b(?P<hex2>0[xX][0-9a-fA-F]{2})\s*(?:==|!=)       # 0x43 ==
+    """)
+
+
+def _kind_literal(node: ast.AST) -> bool:
+    """A bytes literal made only of message-kind letters (b"C", b"BbS")."""
+    return (isinstance(node, ast.Constant) and isinstance(node.value, bytes) and node.value != b""
+            and all(chr(c) in KIND_LETTERS for c in node.value))
+
+
+def kind_spellings_py(path: Path, root: Path) -> list[str]:
+    """Where a Python module spells a message kind's byte: a kinds-only bytes literal compared with or held in a
+    container, ``(frozen)set(b"…")`` of kind letters, ``ord("X")`` of one, or a hex integer of one compared."""
+    text = path.read_text()
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(text)):
+        literals: list[ast.AST] = []
+        if isinstance(node, ast.Compare):
+            for side in [node.left, *node.comparators]:
+                literals += [side, *(side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [])]
+                if isinstance(side, ast.Constant) and isinstance(side.value, int) and not isinstance(side.value, bool):
+                    spelled = ast.get_source_segment(text, side) or ""
+                    if spelled.lower().startswith("0x") and chr(side.value) in KIND_LETTERS:
+                        found.append((side.lineno, spelled))
+        elif isinstance(node, ast.Tuple | ast.List | ast.Set):
+            literals += node.elts
+        elif isinstance(node, ast.Dict):
+            literals += [k for k in node.keys if k is not None] + node.values
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
+            arg = node.args[0]
+            if node.func.id in ("frozenset", "set"):
+                literals.append(arg)
+            elif (node.func.id == "ord" and isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+                  and arg.value in KIND_LETTERS):
+                found.append((node.lineno, f"ord({arg.value!r})"))
+        found += [(n.lineno, repr(n.value)) for n in literals if _kind_literal(n)]  # type: ignore[attr-defined]
+    return [f"{path.relative_to(root)}:{line}: {what}" for line, what in sorted(set(found))]
+
+
+def kind_spellings_pyx(path: Path, root: Path) -> list[str]:
+    """The same for a Cython module, read as text (outside comments and docstrings' ``…`` quotes alike)."""
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        code = line.split("#", 1)[0]
+        for m in _PYX_SPELLINGS.finditer(code):
+            letters = m.group("one") or m.group("ord") or m.group("set") or ""
+            hexa = m.group("hex") or m.group("hex2")
+            if hexa is not None:
+                if chr(int(hexa, 16)) not in KIND_LETTERS:
+                    continue
+            elif not letters or any(c not in KIND_LETTERS for c in letters):
+                continue
+            out.append(f"{path.relative_to(root)}:{n}: {m.group(0).strip()}")
+    return out
+
+
+def kind_spellings(package: Path, decoder: Path) -> list[str]:
+    """Every spelling of a message kind's byte in ``package`` outside ``decoder`` and its compiled twin."""
+    out: list[str] = []
+    for path in sorted(package.rglob("*.py")) + sorted(package.rglob("*.pyx")):
+        if decoder in path.parents or path in DECODER_TWINS:
+            continue
+        read = kind_spellings_py if path.suffix == ".py" else kind_spellings_pyx
+        out += read(path, package.parent)
+    return out
+
+
+def test_only_the_decoder_spells_a_message_kind() -> None:
+    # every other module asks applier.decoder.messages (MessageKind and the boundary rules on it); the benchmarks too
+    assert kind_spellings(PACKAGE, DECODER) == []
+    assert kind_spellings(PACKAGE.parent / "bench", DECODER) == []
+
+
+def test_the_kind_finder_finds_each_spelling(tmp_path: Path) -> None:
+    pkg = tmp_path / "applier"
+    (pkg / "decoder").mkdir(parents=True)
+    (pkg / "decoder" / "kinds.py").write_text('BEGIN = ord("B")\n')
+    (pkg / "a.py").write_text('ENDS = frozenset(b"CKr")\nif p[:1] in (b"C", b"x"): pass\n'
+                              'if k == 0x43 or 0x42 == k or k == 0x77: pass\nX = {b"B": b"C"}\nY = ord("S")\n'
+                              'Z = b"t" * 3\nW = ord("w")\n')
+    (pkg / "b.pyx").write_text('cdef int C = ord("C")\nif kind == 0x4B:  # == 0x4F\n    pass\n'
+                               'if s == b"t": pass\nS = set(b"BS")\n')
+    found = kind_spellings(pkg, pkg / "decoder")
+    assert [f.split(": ", 1)[1] for f in found] == [
+        "b'CKr'", "b'C'", "0x42", "0x43", "b'B'", "b'C'", "ord('S')",  # a.py, by line
+        'ord("C")', "== 0x4B", 'set(b"BS")']

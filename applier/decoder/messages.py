@@ -7,11 +7,36 @@ wire's microseconds since 2000-01-01 (``pg_timestamp`` turns one into a
 ``datetime``). ``xid`` on DML/Relation/Type/Truncate/Message is the
 (sub)transaction id that only streamed transactions carry; it is ``None``
 outside Stream Start … Stream Stop.
+
+The wire format's message kinds live here and nowhere else (PostgreSQL's one ``LogicalRepMsgType``,
+logicalproto.h): ``MessageKind`` is the first byte of every message, ``KIND_OF`` the kind of each class, and
+the boundary rules are sets and functions of the kind that every other module asks instead of spelling a
+kind's letter (tests/test_layout.py fails on a letter spelled outside applier/decoder/):
+
+- ``CLOSED_BY``: the kinds that open a block (Begin, Begin Prepare, Stream Start) and the kind that closes
+  each (Commit, Prepare, Stream Stop); the messages between belong to the block.
+- ``ENDS_TRANSACTION``: after one of these no transaction is open on the wire (it is committed, prepared,
+  committed or rolled back prepared, or a streamed (sub)transaction aborted): where a recording may stop.
+- ``CHECKPOINTS``: ``ENDS_TRANSACTION`` and the two kinds after which a receiver that tracks its own
+  transaction state may be between transactions: Stream Stop (a stream block closed) and Message (which
+  stands alone when not transactional). The apply loop looks at its goals after these only.
+- ``AT_RECORD_END``: the kinds whose LSN in the SQL interface (``pg_logical_slot_peek_binary_changes``'s
+  ``lsn``) is the end of their WAL record (logical.c writes them at ``txn->end_lsn``); every other kind
+  carries the start of its record.
+- ``decided_at`` (a decoded message) and ``decision_position`` (raw bytes, for a caller that does not decode):
+  the LSN of the record that decides the transaction a message opens or ends, read from the field the
+  protocol defines for it.
+- ``ROW_CHANGES``: Insert, Update, Delete, Truncate.
+
+The sets hold plain ``int`` byte values (a lookup on the hot path costs what a set of ints costs); a
+``MessageKind`` is an ``int`` and finds its member.
 """
 
 from __future__ import annotations
 
+import struct
 from datetime import UTC, datetime, timedelta
+from enum import IntEnum
 from typing import NamedTuple
 
 from applier.lsn import LSN
@@ -208,22 +233,100 @@ PgOutputMessage = (
     Begin | Message | Commit | Origin | Relation | Type | Insert | Update | Delete | Truncate | StreamStart | StreamStop | StreamCommit | StreamAbort | BeginPrepare | Prepare | CommitPrepared | RollbackPrepared | StreamPrepare
 )
 
-# The field holding the LSN of the record that decides a transaction (its commit, prepare or rollback), for each
-# message that opens or ends one (``decided_at``).
-_DECIDED_AT: dict[type, str] = {Begin: "final_lsn", BeginPrepare: "prepare_lsn", Prepare: "prepare_lsn",
-                                StreamPrepare: "prepare_lsn", CommitPrepared: "commit_lsn",
-                                StreamCommit: "commit_lsn", RollbackPrepared: "rollback_end_lsn"}
+class MessageKind(IntEnum):
+    """The first byte of a pgoutput message (PostgreSQL's ``LogicalRepMsgType``, with its names)."""
+
+    BEGIN = ord("B")
+    MESSAGE = ord("M")
+    COMMIT = ord("C")
+    ORIGIN = ord("O")
+    RELATION = ord("R")
+    TYPE = ord("Y")
+    INSERT = ord("I")
+    UPDATE = ord("U")
+    DELETE = ord("D")
+    TRUNCATE = ord("T")
+    BEGIN_PREPARE = ord("b")
+    PREPARE = ord("P")
+    COMMIT_PREPARED = ord("K")
+    ROLLBACK_PREPARED = ord("r")
+    STREAM_START = ord("S")
+    STREAM_STOP = ord("E")
+    STREAM_COMMIT = ord("c")
+    STREAM_ABORT = ord("A")
+    STREAM_PREPARE = ord("p")
+
+
+# The kind of each message class (one class per kind).
+KIND_OF: dict[type, MessageKind] = {
+    Begin: MessageKind.BEGIN, Message: MessageKind.MESSAGE, Commit: MessageKind.COMMIT,
+    Origin: MessageKind.ORIGIN, Relation: MessageKind.RELATION, Type: MessageKind.TYPE,
+    Insert: MessageKind.INSERT, Update: MessageKind.UPDATE, Delete: MessageKind.DELETE,
+    Truncate: MessageKind.TRUNCATE, BeginPrepare: MessageKind.BEGIN_PREPARE, Prepare: MessageKind.PREPARE,
+    CommitPrepared: MessageKind.COMMIT_PREPARED, RollbackPrepared: MessageKind.ROLLBACK_PREPARED,
+    StreamStart: MessageKind.STREAM_START, StreamStop: MessageKind.STREAM_STOP,
+    StreamCommit: MessageKind.STREAM_COMMIT, StreamAbort: MessageKind.STREAM_ABORT,
+    StreamPrepare: MessageKind.STREAM_PREPARE,
+}
+
+
+def kind_of(payload: bytes) -> int | None:
+    """The kind byte a message's raw bytes start with (None: no bytes); compare it with the sets below."""
+    return payload[0] if payload else None
+
+
+def _ints(*kinds: MessageKind) -> frozenset[int]:
+    return frozenset(int(k) for k in kinds)
+
+
+# A block's opening kind -> the kind that closes it.
+CLOSED_BY: dict[int, int] = {int(opens): int(closes) for opens, closes in (
+    (MessageKind.BEGIN, MessageKind.COMMIT), (MessageKind.BEGIN_PREPARE, MessageKind.PREPARE),
+    (MessageKind.STREAM_START, MessageKind.STREAM_STOP))}
+OPENS_BLOCK = frozenset(CLOSED_BY)
+CLOSES_BLOCK = frozenset(CLOSED_BY.values())
+ENDS_TRANSACTION = _ints(MessageKind.COMMIT, MessageKind.PREPARE, MessageKind.COMMIT_PREPARED,
+                         MessageKind.ROLLBACK_PREPARED, MessageKind.STREAM_COMMIT, MessageKind.STREAM_PREPARE,
+                         MessageKind.STREAM_ABORT)
+CHECKPOINTS = ENDS_TRANSACTION | _ints(MessageKind.STREAM_STOP, MessageKind.MESSAGE)
+# Stream Abort is written at its abort record's start (abort_lsn), so it is not here.
+AT_RECORD_END = ENDS_TRANSACTION - _ints(MessageKind.STREAM_ABORT)
+ROW_CHANGES = _ints(MessageKind.INSERT, MessageKind.UPDATE, MessageKind.DELETE, MessageKind.TRUNCATE)
+
+# For each kind that opens or ends a transaction: the field holding the LSN of the WAL record that decides it
+# (its commit, prepare or rollback), that field's byte offset in the message (the protocol's layout: kind byte,
+# then Begin/Begin Prepare's LSN; Prepare/Stream Prepare/Commit Prepared/Rollback Prepared's flags byte first;
+# Stream Commit's xid and flags first), and whether it is the record's end rather than its start (Rollback
+# Prepared carries only the end of its record).
+_DECIDED_BY: dict[int, tuple[str, int, bool]] = {int(kind): entry for kind, entry in (
+    (MessageKind.BEGIN, ("final_lsn", 1, False)),
+    (MessageKind.BEGIN_PREPARE, ("prepare_lsn", 1, False)),
+    (MessageKind.PREPARE, ("prepare_lsn", 2, False)),
+    (MessageKind.STREAM_PREPARE, ("prepare_lsn", 2, False)),
+    (MessageKind.COMMIT_PREPARED, ("commit_lsn", 2, False)),
+    (MessageKind.STREAM_COMMIT, ("commit_lsn", 6, False)),
+    (MessageKind.ROLLBACK_PREPARED, ("rollback_end_lsn", 10, True)))}
+_LSN_FIELD = struct.Struct(">Q")
 
 
 def decided_at(msg: object) -> LSN | None:
-    """The LSN of the commit, prepare or rollback record of the transaction that ``msg`` opens or ends (None: a
-    message of another kind)."""
-    field = _DECIDED_AT.get(type(msg))
-    return None if field is None else getattr(msg, field)
+    """The LSN of the commit, prepare or rollback record of the transaction that ``msg`` opens or ends, as the
+    message carries it (None: a message of another kind)."""
+    kind = KIND_OF.get(type(msg))
+    entry = _DECIDED_BY.get(kind) if kind is not None else None
+    return None if entry is None else getattr(msg, entry[0])
 
 
-# Messages that carry the subtransaction xid inside Stream Start … Stream Stop.
-STREAMED_XID_MESSAGES = frozenset(b"MRYIUDT")
+def decision_position(payload: bytes) -> int | None:
+    """From a message's raw bytes: a position inside the WAL record that decides the transaction the message
+    opens or ends (the record's start, or its end - 1 when the message carries only the end), so that the
+    record lies before a record boundary ``p`` exactly when this is below ``p``. None: a message of another
+    kind, or too short to be one."""
+    entry = _DECIDED_BY.get(payload[0]) if payload else None
+    if entry is None or len(payload) < entry[1] + 8:
+        return None
+    lsn: int = _LSN_FIELD.unpack_from(payload, entry[1])[0]
+    return lsn - 1 if entry[2] else lsn
 
 
 # The streaming replication protocol's frames around the messages (applier.decoder.framing reads them).

@@ -1,7 +1,7 @@
 """Read pgoutput messages from bytes (the wire format of PostgreSQL's proto.c).
 
 Pure: no I/O, no state but what the caller passes in. One ``read_<message>``
-per message kind, dispatched on the first byte by ``decode_message``. Every
+per message kind, dispatched on the first byte (a ``MessageKind``) by ``decode_message``. Every
 read is bounds-checked; bytes that are not exactly one valid message (short,
 trailing garbage, unknown kind, bad UTF-8, bad enum byte) raise
 ``DecodeError`` naming the message, the field and the byte offset, never
@@ -31,6 +31,7 @@ from applier.decoder.messages import (
     Delete,
     Insert,
     Message,
+    MessageKind,
     Origin,
     PgOutputMessage,
     Prepare,
@@ -412,25 +413,25 @@ def read_stream_prepare(r: _Reader, in_stream: bool) -> StreamPrepare:
 
 
 _READERS: dict[int, tuple[str, Callable[[_Reader, bool], PgOutputMessage]]] = {
-    ord("B"): ("Begin", read_begin),
-    ord("M"): ("Message", read_message),
-    ord("C"): ("Commit", read_commit),
-    ord("O"): ("Origin", read_origin),
-    ord("R"): ("Relation", read_relation),
-    ord("Y"): ("Type", read_type),
-    ord("I"): ("Insert", read_insert),
-    ord("U"): ("Update", read_update),
-    ord("D"): ("Delete", read_delete),
-    ord("T"): ("Truncate", read_truncate),
-    ord("S"): ("Stream Start", read_stream_start),
-    ord("E"): ("Stream Stop", read_stream_stop),
-    ord("c"): ("Stream Commit", read_stream_commit),
-    ord("A"): ("Stream Abort", read_stream_abort),
-    ord("b"): ("Begin Prepare", read_begin_prepare),
-    ord("P"): ("Prepare", read_prepare),
-    ord("K"): ("Commit Prepared", read_commit_prepared),
-    ord("r"): ("Rollback Prepared", read_rollback_prepared),
-    ord("p"): ("Stream Prepare", read_stream_prepare),
+    MessageKind.BEGIN.value: ("Begin", read_begin),
+    MessageKind.MESSAGE.value: ("Message", read_message),
+    MessageKind.COMMIT.value: ("Commit", read_commit),
+    MessageKind.ORIGIN.value: ("Origin", read_origin),
+    MessageKind.RELATION.value: ("Relation", read_relation),
+    MessageKind.TYPE.value: ("Type", read_type),
+    MessageKind.INSERT.value: ("Insert", read_insert),
+    MessageKind.UPDATE.value: ("Update", read_update),
+    MessageKind.DELETE.value: ("Delete", read_delete),
+    MessageKind.TRUNCATE.value: ("Truncate", read_truncate),
+    MessageKind.STREAM_START.value: ("Stream Start", read_stream_start),
+    MessageKind.STREAM_STOP.value: ("Stream Stop", read_stream_stop),
+    MessageKind.STREAM_COMMIT.value: ("Stream Commit", read_stream_commit),
+    MessageKind.STREAM_ABORT.value: ("Stream Abort", read_stream_abort),
+    MessageKind.BEGIN_PREPARE.value: ("Begin Prepare", read_begin_prepare),
+    MessageKind.PREPARE.value: ("Prepare", read_prepare),
+    MessageKind.COMMIT_PREPARED.value: ("Commit Prepared", read_commit_prepared),
+    MessageKind.ROLLBACK_PREPARED.value: ("Rollback Prepared", read_rollback_prepared),
+    MessageKind.STREAM_PREPARE.value: ("Stream Prepare", read_stream_prepare),
 }
 
 
@@ -456,8 +457,8 @@ def _fast_commit(data: bytes) -> Commit | None:
 
 
 _FAST: dict[int, Callable[[bytes], PgOutputMessage | None]] = {
-    ord("I"): _fast_insert, ord("U"): _fast_update, ord("D"): _fast_delete, ord("B"): _fast_begin,
-    ord("C"): _fast_commit,
+    MessageKind.INSERT.value: _fast_insert, MessageKind.UPDATE.value: _fast_update, MessageKind.DELETE.value: _fast_delete, MessageKind.BEGIN.value: _fast_begin,
+    MessageKind.COMMIT.value: _fast_commit,
 }
 
 FastDecode = Callable[[bytes, bool], PgOutputMessage | None]
@@ -518,11 +519,11 @@ class Decoder:
                 return msg
         msg = _read_message(data, self.in_stream)
         kind = data[0]
-        if kind == 0x53:  # 'S'
+        if kind == MessageKind.STREAM_START:
             if self.in_stream:
                 raise DecodeError("Stream Start", "kind", 0, "Stream Start inside an open stream block")
             self.in_stream = True
-        elif kind == 0x45:  # 'E'
+        elif kind == MessageKind.STREAM_STOP:
             if not self.in_stream:
                 raise DecodeError("Stream Stop", "kind", 0, "Stream Stop outside a stream block")
             self.in_stream = False

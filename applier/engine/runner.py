@@ -64,7 +64,7 @@ import psycopg
 
 from applier._cmodule import IMPLEMENTATION
 from applier.config import Config, ConfigError, ConnectError, parse_age
-from applier.decoder.messages import decided_at
+from applier.decoder.messages import CHECKPOINTS, decided_at
 from applier.engine.apply import ApplyEngine
 from applier.engine.heartbeat import CATCHUP_EVERY, Heartbeat
 from applier.engine.spool import SpoolFull
@@ -94,8 +94,6 @@ CONFIRM_EVERY = 1.0
 # under a steady load stays a few milliseconds, and a catch-up that drains the socket often (the server is
 # the slower side) still commits at most a few hundred times a second.
 DRAINED_GROUP_AGE = 0.002
-# Message kinds that end a transaction (or a stream block, or stand alone): the loop's checkpoints.
-_ENDS = frozenset(b"CKrcPpAEM")
 STOP_GRACE = 5.0  # seconds a stop waits for the source transaction in hand to end before rolling it back
 PRUNE_EVERY = 3600.0  # seconds between trims of applier_conflicts (``conflicts.prune_after``) in a long session
 TABLE_POLL = 1.0  # seconds between looks at applier_sync_tables while a change waits for a table's copy
@@ -547,7 +545,7 @@ class Runner:
                         done = True
                         break
                     handle(msg, payload)
-                    if payload[0] not in _ENDS:  # a change inside a transaction: nothing else to look at
+                    if payload[0] not in CHECKPOINTS:  # a change inside a transaction: nothing else to look at
                         continue
                     if not engine.in_transaction and engine.last_commit_end > reached:
                         reached = engine.last_commit_end

@@ -24,14 +24,10 @@ from typing import Any
 import psycopg
 
 from applier.decoder.framing import Frame
-from applier.decoder.messages import XLogData
+from applier.decoder.messages import AT_RECORD_END, CLOSES_BLOCK, OPENS_BLOCK, XLogData, kind_of
 from applier.lsn import LSN
 from applier.source.base import SourceError, SourceUnreachable, StreamOptions, slot_in_use
 from applier.text import one_line
-
-# Rows whose LSN is the end of their WAL record (Commit, Prepare, Commit/Rollback
-# Prepared, Stream Commit/Prepare); other rows carry the start of theirs.
-_ENDS_AT_RECORD_END = (b"C", b"P", b"K", b"r", b"c", b"p")
 
 
 class SqlSlotSource:
@@ -72,14 +68,15 @@ class SqlSlotSource:
                 lsn = LSN.parse(lsn_text)
                 payload = bytes(data)
                 unit.append(XLogData(lsn, lsn, 0, payload))
-                kind = payload[:1]
-                if kind in (b"B", b"b", b"S"):
+                kind = kind_of(payload)
+                if kind in OPENS_BLOCK:
                     open_ = True
-                if open_ and kind not in (b"C", b"P", b"E"):
+                if open_ and kind not in CLOSES_BLOCK:
                     continue
                 open_ = False
-                # End LSN of commit-like rows vs. start LSN of M/A/E rows: the former sort first on a tie.
-                if (lsn, kind not in _ENDS_AT_RECORD_END) > self._last:
+                # Rows at the end of their WAL record (AT_RECORD_END: commit-like) vs. rows at the start of
+                # theirs (M/A/E): the former sort first on a tie.
+                if (lsn, kind not in AT_RECORD_END) > self._last:
                     out.extend(unit)
                 unit = []
             out.extend(unit)
@@ -105,7 +102,7 @@ class SqlSlotSource:
         frame = self._buffer[self._pos]
         self._pos += 1
         if self._pos == len(self._buffer):
-            self._last = (frame.start, frame.payload[:1] not in _ENDS_AT_RECORD_END)
+            self._last = (frame.start, kind_of(frame.payload) not in AT_RECORD_END)
         return frame
 
     def confirm(self, lsn: LSN) -> None:

@@ -47,6 +47,7 @@ import pytest
 from applier.decoder import DecodeError, Decoder, decode_message, render_message
 from applier.decoder.messages import (
     BINARY,
+    KIND_OF,
     NULL,
     Begin,
     BeginPrepare,
@@ -56,6 +57,7 @@ from applier.decoder.messages import (
     Delete,
     Insert,
     Message,
+    MessageKind,
     Origin,
     Prepare,
     Relation,
@@ -69,6 +71,8 @@ from applier.decoder.messages import (
     TupleData,
     Type,
     Update,
+    decided_at,
+    decision_position,
     pg_timestamp,
 )
 from applier.lsn import LSN
@@ -685,6 +689,26 @@ def test_spec_bytes(data: bytes, in_stream: bool, expected: Any) -> None:
         assert type(getattr(got, name)) is type(getattr(expected, name)), name
     assert decode_message(bytearray(data), in_stream) == expected
     assert decode_message(memoryview(data), in_stream) == expected
+
+
+def test_every_kind_has_its_class_and_reader() -> None:
+    # MessageKind is the protocol's whole set, each kind decoded to its own class (KIND_OF)
+    assert {MessageKind(data[0]) for _, data, _, _ in SPEC_CASES} == set(MessageKind)
+    for _, data, in_stream, _ in SPEC_CASES:
+        assert KIND_OF[type(decode_message(data, in_stream))] == data[0]
+
+
+@pytest.mark.parametrize(("data", "expected"), [(c[1], c[3]) for c in SPEC_CASES], ids=[c[0] for c in SPEC_CASES])
+def test_decision_position_from_bytes_is_decided_at(data: bytes, expected: Any) -> None:
+    # the raw-bytes reader (verify's StopBefore) finds the field the decoder finds: the record's start, or inside
+    # the record (its end - 1) for Rollback Prepared, which carries only the end
+    decided = decided_at(expected)
+    at = decision_position(data)
+    if decided is None:
+        assert at is None
+    else:
+        assert at == decided - (1 if type(expected) is RollbackPrepared else 0)
+        assert decision_position(data[:8]) is None  # too short to hold the field: not read as an LSN
 
 
 def test_spec_bytes_render() -> None:

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 from applier.decoder import Decoder, Keepalive
-from applier.decoder.messages import Begin, Commit, Insert, Message
+from applier.decoder.messages import AT_RECORD_END, Begin, BeginPrepare, Commit, Insert, Message
 from applier.lsn import LSN
 from applier.source.base import SourceError, StreamOptions
 from applier.source.sql import SqlSlotSource
@@ -207,3 +207,34 @@ def test_a_query_on_a_lost_connection_is_a_source_error(db):
         assert "\n" not in str(exc.value)
     finally:
         src.close()
+
+
+def test_rows_at_the_end_of_their_record_are_the_decoders_at_record_end_kinds(db):
+    # the rule the SQL source sorts peeked rows by (decoder.messages.AT_RECORD_END), checked against the server:
+    # a commit-like row's lsn is its message's end LSN, any other row's is the start of a record
+    sql(db, "SELECT pg_create_logical_replication_slot('s2', 'pgoutput', false, true)")  # two_phase
+    sql(db, "INSERT INTO t VALUES (1, 'one')")
+    sql(db, "SELECT pg_logical_emit_message(false, 'note', 'outside')")
+    for key, gid, end in ((3, "g1", "COMMIT PREPARED 'g1'"), (4, "g2", "ROLLBACK PREPARED 'g2'")):
+        with psycopg.connect(db.cluster.dsn(db.dbname), autocommit=True) as conn:
+            conn.execute(f"BEGIN; INSERT INTO t VALUES ({key}, 'p'); PREPARE TRANSACTION '{gid}'")
+        sql(db, end)
+    rows = sql(db, "SELECT lsn::text, data FROM pg_logical_slot_peek_binary_changes('s2', NULL, NULL, "
+                   "'proto_version', '3', 'publication_names', %s, 'two_phase', 'true', 'messages', 'true')", [PUB])
+    dec = Decoder()
+    seen = set()
+    for lsn_text, data in rows:
+        lsn, msg = LSN.parse(lsn_text), dec.decode(bytes(data))
+        seen.add(type(msg).__name__)
+        end = getattr(msg, "end_lsn", None) or getattr(msg, "rollback_end_lsn", None)
+        if data[0] in AT_RECORD_END:
+            assert lsn == end, msg
+            continue
+        assert end is None or lsn < end, msg  # the start of a record
+        if isinstance(msg, Begin):  # its first change's record
+            assert lsn < msg.final_lsn, msg
+        elif isinstance(msg, BeginPrepare):  # likewise
+            assert lsn < msg.prepare_lsn, msg
+        elif isinstance(msg, Message):
+            assert lsn == msg.lsn, msg
+    assert {"Commit", "Prepare", "CommitPrepared", "RollbackPrepared", "Message"} <= seen, seen

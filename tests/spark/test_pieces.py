@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from applier.decoder.messages import Keepalive, XLogData  # noqa: E402
+from applier.decoder.messages import Keepalive, XLogData, decision_position  # noqa: E402
 from applier.lsn import LSN  # noqa: E402
 from applier.migrate.schema import (  # noqa: E402
     SourceColumn,
@@ -165,12 +165,12 @@ def test_stop_before_stops_on_a_keepalive_past_the_point_outside_a_transaction()
 
 def test_stop_before_knows_streamed_and_prepared_commits() -> None:
     stream_commit = _x(b"c" + struct.pack(">IBQQq", 5, 0, 1500, 1600, 0))
-    assert StopBefore.commit_position(stream_commit.payload) == 1500
+    assert decision_position(stream_commit.payload) == 1500
     commit_prepared = _x(b"K" + struct.pack(">BQQq", 0, 1200, 1300, 0) + b"\x00\x00\x00\x05gid\x00")
-    assert StopBefore.commit_position(commit_prepared.payload) == 1200
+    assert decision_position(commit_prepared.payload) == 1200
     rollback_prepared = _x(b"r" + struct.pack(">BQQqq", 0, 800, 1001, 0, 0))
-    assert StopBefore.commit_position(rollback_prepared.payload) == 1000  # ends after 1000: at or after the point
-    assert StopBefore.commit_position(b"I\x00") is None
+    assert decision_position(rollback_prepared.payload) == 1000  # ends after 1000: at or after the point
+    assert decision_position(b"I\x00") is None
 
 
 def test_spark_error_line_finds_the_python_cause() -> None:

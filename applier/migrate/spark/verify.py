@@ -13,7 +13,8 @@ Consistency: both sides must show the same moment.
 3. The target is brought to exactly C: the normal apply ``Runner`` (catch-up
    mode, the configured slot) reads through ``StopBefore(C)``, a source wrapper
    that withholds the first transaction whose commit is at or after C (Begin's
-   final LSN, or the commit LSN of a streamed or prepared transaction) and ends
+   final LSN, or the commit LSN of a streamed or prepared transaction, read from
+   the message's bytes by the decoder's ``decision_position``) and ends
    the stream there, or ends it when a keepalive shows the server has sent
    everything before C. Commit records never straddle C, so the transactions
    applied are exactly those S sees. The withheld ones stay in the slot for
@@ -76,7 +77,7 @@ from typing import Any
 
 from applier.admin import check_source, check_target, read_progress, source_connect
 from applier.config import Config, ConfigError
-from applier.decoder.messages import Keepalive, XLogData
+from applier.decoder.messages import CLOSED_BY, Keepalive, XLogData, decision_position, kind_of
 from applier.engine.runner import Runner
 from applier.lsn import LSN
 from applier.migrate.spark.session import is_local, spark_for
@@ -88,7 +89,6 @@ from applier.text import quote_ident
 log = logging.getLogger("applier.verify")
 
 KEY_BITS = 10  # 1024 key-hash ranges
-_U64 = int.from_bytes
 
 
 class StopBefore:
@@ -99,21 +99,7 @@ class StopBefore:
         self.point = point
         self.exhausted = False
         self.reached = False  # the stream provably passed every commit before point
-        self._block: bytes | None = None  # the message kind that ends the open transaction / stream block
-
-    @staticmethod
-    def commit_position(payload: bytes) -> int | None:
-        """Where a transaction-opening message's transaction commits (or rolls back), else None."""
-        kind = payload[:1]
-        if kind in (b"B", b"b"):  # Begin: final_lsn; Begin Prepare: prepare_lsn
-            return _U64(payload[1:9], "big")
-        if kind == b"c":  # Stream Commit: xid, flags, commit_lsn
-            return _U64(payload[6:14], "big")
-        if kind in (b"K", b"p"):  # Commit Prepared: flags, commit_lsn; Stream Prepare: flags, prepare_lsn
-            return _U64(payload[2:10], "big")
-        if kind == b"r":  # Rollback Prepared: flags, prepare_end_lsn, rollback_end_lsn (end > point: after it)
-            return _U64(payload[10:18], "big") - 1
-        return None
+        self._block: int | None = None  # the message kind that ends the open transaction / stream block
 
     def read(self, timeout: float) -> Any:
         """The next frame, or None (for good once the point is reached)."""
@@ -123,14 +109,14 @@ class StopBefore:
         if frame is None:
             return None
         if type(frame) is XLogData:
-            payload = bytes(frame.payload[:18])
-            kind = payload[:1]
+            kind = kind_of(frame.payload)
             if self._block is None:
-                at = self.commit_position(payload)
+                # where the transaction this message opens or ends is decided (None: a message of another kind)
+                at = decision_position(frame.payload)
                 if at is not None and at >= self.point:
                     self.exhausted = self.reached = True
                     return None
-                self._block = {b"B": b"C", b"b": b"P", b"S": b"E"}.get(kind)
+                self._block = CLOSED_BY.get(kind) if kind is not None else None
             elif kind == self._block:
                 self._block = None
             return frame
