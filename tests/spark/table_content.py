@@ -31,7 +31,7 @@ import psycopg
 from psycopg import sql
 
 from applier.decoder.messages import Column, Relation
-from applier.targets.values import sqlite_text_converters
+from applier.targets.sqlite.values import sqlite_text_converters
 from applier.text import quote_ident
 
 # settings that decide how values print as text: the same on both sides

@@ -17,14 +17,16 @@ from typing import Any
 from applier.decoder.messages import Relation, TupleData, Type
 from applier.errors import ApplyError, MissingTable
 from applier.lsn import LSN
-from applier.progress.store import SQLITE_SQL
+from applier.progress.store import progress_sql
 from applier.targets.base import SQLITE, Binding, LocalRow, TargetBase, present_columns, source_name
-from applier.targets.claim import FileClaim, claim_target, target_holder
 from applier.targets.follow import ADD_COLUMNS_HINT
-from applier.targets.naming import target_table
-from applier.targets.url import parse_target_url
-from applier.targets.values import sqlite_declared, sqlite_text_converters
+from applier.targets.sqlite.claim import FileClaim, sqlite_claim, sqlite_holder
+from applier.targets.sqlite.naming import sqlite_target_table
+from applier.targets.sqlite.values import sqlite_declared, sqlite_text_converters
 from applier.text import quote_ident
+from applier.url import Kind, parse_target_url
+
+SQLITE_SQL = progress_sql("?", "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'applier_sync_tables'")
 
 
 def sqlite_path(url: str) -> str:
@@ -60,7 +62,7 @@ class SqliteTarget(TargetBase):
 
     def target_table(self, rel: Relation) -> tuple[str | None, str]:
         """(None, table) on the target for a source relation (applier.targets.naming)."""
-        return target_table(rel, "sqlite", self.table_map)
+        return sqlite_target_table(rel, self.table_map)
 
     def follow(self, rel: Relation, types: dict[int, Type], lsn: LSN, no_ddl: str | None = None) -> None:
         """Make the target table fit ``rel`` (see ``Target``): ADD COLUMN with the mapped declared type
@@ -98,7 +100,7 @@ class SqliteTarget(TargetBase):
         if binary:
             # here, not at the top: start-up time (text mode never loads the binary converters)
             from applier.targets.binary import binary_converters, value_texts
-            convert = binary_converters(rel, types, "sqlite", self.money_text)
+            convert = binary_converters(rel, types, Kind.SQLITE, self.money_text)
         else:
             convert = sqlite_text_converters(rel)
         b = Binding(rel, table, quote_ident(table), convert, SQLITE)
@@ -190,12 +192,12 @@ class SqliteTarget(TargetBase):
         """Hold this progress row while this target is open (a lock file); InUseError naming the holder if taken.
         ``held``: this process holds it already (``claim.ProcessClaim``)."""
         if not held:
-            self._claim = claim_target("sqlite", None, self.path, self.name, command)
+            self._claim = sqlite_claim(self.path, self.name, command)
 
     def holder(self, name: str | None = None) -> str | None:
         """Who applies to this progress row now (None: nobody); ``name``: who holds that claim key instead
         (``claim.copy_claim_name``)."""
-        return target_holder("sqlite", None, self.path, name or self.name)
+        return sqlite_holder(self.path, name or self.name)
 
     def close(self) -> None:
         """Roll back anything open, close the file and give up the claim."""
