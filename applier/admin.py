@@ -111,7 +111,7 @@ def target_db(cfg: Config) -> Iterator[Any]:
     """A DB-API connection to the target (psycopg or sqlite3), committed when the block ends without error.
 
     The apply commands check the target through this rather than SQLAlchemy, whose import alone
-    would add ~0.2 s to every start (see applier.targets.url).
+    would add ~0.2 s to every start (see applier.url).
     """
     conn = opener.open(cfg, plain=True)
     try:
@@ -233,7 +233,7 @@ def _lost_slot(cfg: Config, progress: Progress) -> SlotLost | None:
 def check_prepared_allowed(cfg: Config) -> None:
     """The PostgreSQL target can hold prepared transactions (``two_phase_mode = "prepare"``); ConfigError if not."""
     with opener.open(cfg, plain=True, autocommit=True) as conn:
-        n = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
+        n = int(one_row(conn.execute("SHOW max_prepared_transactions"))[0])
     if n == 0:
         raise ConfigError(f"{cfg.where('source', 'two_phase')}: the target has max_prepared_transactions = 0; "
                           f"set it above 0 on the target, or target.two_phase_mode = \"table\"")

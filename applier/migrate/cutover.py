@@ -341,6 +341,7 @@ def _set_pg(cfg: Config, seqs: list[SourceSequence], tables: dict[tuple[str, str
             margin: int) -> list[SequenceResult]:
     out = []
     with opener.open(cfg, plain=True, autocommit=True) as conn:
+        assert isinstance(conn, psycopg.Connection)  # ``_SETTERS``: a PostgreSQL target's
         for seq in seqs:
             res = _result(seq, target_sequence_shown(seq, cfg.target["tables"]), margin)
             out.append(res)

@@ -21,7 +21,7 @@ The user-defined types, functions and collations they need are created first
 (``applier.migrate.usertypes``), or named, all in one refusal, when they cannot be.
 
 Created on SQLite: every published column with the declared type of the apply
-engine's documented mapping (``applier.targets.values``: INTEGER, REAL, TEXT,
+engine's documented mapping (``applier.targets.sqlite.values``: INTEGER, REAL, TEXT,
 BLOB, derived from ``sqlite_text_converters`` itself, so there is one mapping),
 NOT NULL, the primary key and the replica identity index as a unique index.
 A generated column the publication sends (PostgreSQL 18+: ``publish_generated_columns =

@@ -14,7 +14,7 @@ it asks the Backend. A question with no answer for every kind is a missing metho
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Union
 
 from applier.config import Config
 from applier.decoder.messages import Relation, Type
@@ -23,8 +23,13 @@ from applier.targets.base import Converter, Target
 from applier.targets.claim import Held, ProcessClaim
 from applier.url import Kind
 
+if TYPE_CHECKING:  # the drivers' types, for the checker only: a kind's own folder imports its driver
+    import sqlite3
+
+    import psycopg
+
 # A plain DB-API connection to a target (``Backend.connect``): the operator commands' way in.
-PlainConnection = Any  # psycopg.Connection or sqlite3.Connection
+PlainConnection = Union["psycopg.Connection[Any]", "sqlite3.Connection"]
 
 
 class Backend(ABC):
@@ -84,8 +89,8 @@ class Backend(ABC):
         ``ApplyError`` naming the target if it cannot be opened."""
 
     @abstractmethod
-    def connect(self, cfg: Config, autocommit: bool) -> Any:
-        """A plain DB-API connection (``PlainConnection``) to the target of ``cfg``; the driver's ``Error`` if it
+    def connect(self, cfg: Config, autocommit: bool) -> PlainConnection:
+        """A plain DB-API connection to the target of ``cfg``; the driver's ``Error`` if it
         cannot be opened. ``autocommit``: each statement its own transaction, else the caller commits."""
 
     def why_unopened(self, location: str) -> str | None:

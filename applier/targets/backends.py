@@ -13,7 +13,8 @@ from applier.url import Kind
 
 
 def backend(kind: Kind) -> Backend:
-    """The Backend of ``kind``."""
+    """The Backend of ``kind`` (or of its value, ``Kind``'s string); ValueError if there is none."""
+    kind = Kind(kind)
     # function-local imports: start-up time (only the kind in use is loaded)
     if kind is Kind.POSTGRESQL:
         from applier.targets.postgres import backend as postgres

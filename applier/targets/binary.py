@@ -34,7 +34,7 @@ int2vector or oidvector) go as their text (``TEXT_OF``), and never by COPY's
 binary format (``binary_copy_safe``, which ``applier sync``'s copy uses too).
 
 SQLite target — the value must be exactly what text mode stores (see
-``applier.targets.values``): columns of type int2/int4/int8/oid, float4/float8,
+``applier.targets.sqlite.values``): columns of type int2/int4/int8/oid, float4/float8,
 bool and bytea become INTEGER/REAL/BLOB, everything else the TEXT PostgreSQL
 prints (the walsender session is pinned to DateStyle ISO, IntervalStyle
 postgres, TimeZone UTC, extra_float_digits 3; bytea_output is assumed ``hex``).

@@ -2,7 +2,7 @@
 
 SQLite has no schemas: a source table of schema ``public`` keeps its bare name,
 any other is named ``schema.table`` as one quoted identifier (``target.tables``
-maps names otherwise). Values follow the mapping in ``applier.targets.values``.
+maps names otherwise). Values follow the mapping in ``applier.targets.sqlite.values``.
 A commit is durable when it returns (``synchronous = FULL``), so the applied
 position may be confirmed to the source at once.
 """
@@ -66,7 +66,7 @@ class SqliteTarget(TargetBase):
 
     def follow(self, rel: Relation, types: dict[int, Type], lsn: LSN, no_ddl: str | None = None) -> None:
         """Make the target table fit ``rel`` (see ``Target``): ADD COLUMN with the mapped declared type
-        (``applier.targets.values.sqlite_declared``). A type change needs nothing and is never refused: SQLite holds
+        (``applier.targets.sqlite.values.sqlite_declared``). A type change needs nothing and is never refused: SQLite holds
         no value to a declared type's precision or length (the declared type only picks the column's affinity), so
         each value is stored as the source's type now gives it, under that affinity, as any value is with
         ``schema_changes = "error"``. A missing table is left to ``bind``."""
