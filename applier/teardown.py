@@ -30,9 +30,9 @@ from applier.config import Config, ConfigError
 from applier.errors import InUseError
 from applier.progress.store import CONTROL_TABLES
 from applier.targets import opener
+from applier.targets.backend import Backend
 from applier.targets.backends import backend_of
 from applier.targets.claim import refusal
-from applier.targets.postgres.target import origin_name
 from applier.text import one_line, quote_ident
 
 
@@ -65,8 +65,9 @@ def drop(cfg: Config, *, control_tables: bool, yes: bool, say: Callable[[str], N
                     raise refusal(name, holder)
         source = stack.enter_context(source_connect(cfg))
         parts = [_slot(cfg, source)]
-        if target is not None and b.has_origins:
-            parts.append(_origin(cfg, target))
+        origin = b.origin_name(name)
+        if target is not None and origin is not None:
+            parts.append(_origin(cfg, target, b, origin))
         if control_tables:
             parts.append(_tables(cfg, target, where))
         for part in parts:
@@ -110,22 +111,21 @@ def _slot_in_use(cfg: Config, pid: object) -> InUseError:
                       f"first, nothing was dropped")
 
 
-def _origin(cfg: Config, conn: psycopg.Connection[Any]) -> Part:
-    origin = origin_name(cfg.apply["name"])
+def _origin(cfg: Config, conn: Any, b: Backend, origin: str) -> Part:
     what = f"replication origin {origin!r} on the target"
     try:
-        oid = conn.execute("SELECT pg_replication_origin_oid(%s)", [origin]).fetchone()
-    except psycopg.errors.InsufficientPrivilege:  # nor could the applier make one (it applies without, saying so)
-        return Part(what, "left alone (the target role may not look at replication origins)", None)
-    except psycopg.Error as exc:
+        found = b.origin_exists(conn, origin)
+    except b.Error as exc:
         raise ConfigError(f"{cfg.where('target', 'url')}: cannot look up {what}: {one_line(exc)[:300]}") from None
-    if oid is None or oid[0] is None:
+    if found is None:  # nor could the applier make one (it applies without, saying so)
+        return Part(what, "left alone (the target role may not look at replication origins)", None)
+    if not found:
         return Part(what, "already gone", None)
 
     def remove() -> str:
         try:
-            conn.execute("SELECT pg_replication_origin_drop(%s)", [origin])
-        except psycopg.Error as exc:
+            b.drop_origin(conn, origin)
+        except b.Error as exc:
             raise ConfigError(f"{cfg.where('target', 'url')}: cannot drop {what}: {one_line(exc)[:300]}") from None
         return "dropped"
 

@@ -3,7 +3,7 @@
 Each kind lives in a folder of its own, ``applier/targets/<kind>/`` (``postgres/``, ``sqlite/``), whose
 ``backend.py`` holds its ``Backend``: the engine's target, the plain DB-API connection of the operator commands,
 where the target is, the claim on its progress row, the progress SQL, the naming rule, its placeholder and what
-it has (schemas, inheritance, replication origins, prepared transactions). ``applier.targets.backends`` finds a
+it has (schemas, inheritance, prepared transactions, replication origins). ``applier.targets.backends`` finds a
 kind's Backend (``applier.url.SCHEMES`` names the kind of a ``target.url``). Adding a kind: one folder, one line in
 each of those two tables.
 
@@ -45,7 +45,6 @@ class Backend(ABC):
     has_schemas: ClassVar[bool]
     # tables inherit (and partition): a change touches ``ONLY`` the table it names, a query reads only its own rows
     has_inheritance: ClassVar[bool]
-    has_origins: ClassVar[bool]  # replication origins: the target's sessions carry one (``applier drop`` drops it)
     can_prepare: ClassVar[bool]  # prepared transactions: ``target.two_phase_mode = "prepare"`` keeps them so
     # ``applier sync`` copies through Spark, partitions in parallel with COPY (text or binary: ``binary_safe``); else
     # the driver alone writes the rows, one writer
@@ -139,6 +138,19 @@ class Backend(ABC):
     def column_names(self, conn: Any, shown: str, qname: str, defaulted: bool = True) -> list[str]:
         """The columns of target table ``shown`` (quoted: ``qname``), generated ones included; ``defaulted=False``:
         only those without a default (nor identity or generation expression)."""
+
+    def origin_name(self, name: str) -> str | None:
+        """The replication origin the target's sessions of apply.name ``name`` carry (``applier drop`` drops it);
+        None: this kind has no replication origins."""
+        return None
+
+    def origin_exists(self, conn: Any, origin: str) -> bool | None:
+        """Whether replication origin ``origin`` exists on the target (None: the target role may not look)."""
+        return False
+
+    def drop_origin(self, conn: Any, origin: str) -> None:
+        """Drop replication origin ``origin`` on the target."""
+        raise NotImplementedError(f"a target of kind {self.kind} has no replication origins")
 
     def lacking_privileges(self, conn: Any, qname: str, privileges: tuple[str, ...]) -> list[str]:
         """What the target role may not do of ``privileges`` to target table ``qname`` (one line, or none); a target

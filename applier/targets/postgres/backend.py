@@ -16,7 +16,7 @@ from applier.targets.binary import binary_converters
 from applier.targets.claim import Held, ProcessClaim
 from applier.targets.postgres.claim import PgProcessClaim, pg_claim, pg_holder
 from applier.targets.postgres.naming import pg_target_table
-from applier.targets.postgres.target import PG_SQL, PostgresTarget, libpq_dsn
+from applier.targets.postgres.target import PG_SQL, PostgresTarget, libpq_dsn, origin_name
 from applier.url import Kind
 
 
@@ -29,7 +29,6 @@ class PostgresBackend(Backend):
     sql = PG_SQL
     has_schemas = True
     has_inheritance = True
-    has_origins = True
     can_prepare = True
     copies_by_spark = True
     local_file = False
@@ -85,6 +84,19 @@ class PostgresBackend(Backend):
         plain = "" if defaulted else " AND NOT atthasdef AND attidentity = '' AND attgenerated = ''"
         return [r[0] for r in conn.execute("SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) "
                                            "AND attnum > 0 AND NOT attisdropped" + plain, [qname])]
+
+    def origin_name(self, name: str) -> str | None:
+        return origin_name(name)
+
+    def origin_exists(self, conn: Any, origin: str) -> bool | None:
+        try:
+            oid = conn.execute("SELECT pg_replication_origin_oid(%s)", [origin]).fetchone()
+        except psycopg.errors.InsufficientPrivilege:
+            return None
+        return oid is not None and oid[0] is not None
+
+    def drop_origin(self, conn: Any, origin: str) -> None:
+        conn.execute("SELECT pg_replication_origin_drop(%s)", [origin])
 
     def lacking_privileges(self, conn: Any, qname: str, privileges: tuple[str, ...]) -> list[str]:
         row = one_row(conn.execute("SELECT " + ", ".join(f"has_table_privilege(%s, '{p}')" for p in privileges),

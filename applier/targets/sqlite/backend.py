@@ -33,7 +33,6 @@ class SqliteBackend(Backend):
     sql = SQLITE_SQL
     has_schemas = False
     has_inheritance = False
-    has_origins = False
     can_prepare = False
     copies_by_spark = False
     local_file = True
