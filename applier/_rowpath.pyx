@@ -9,8 +9,8 @@ differential test):
 - ``read_frame(data)``: ``applier.decoder.framing.read_frame_pure``;
 - ``read_decoded(…)``: ``applier.source.walsender.read_decoded_pure`` (a chunk of frames in one call);
 - ``fast_decode(data)``: ``applier.decoder.pgoutput.fast_decode_pure``;
-- ``copy_data(rows)``: ``applier.targets.postgres.copy_data_pure``;
-- ``copy_binary(rows)``: ``applier.targets.postgres.copy_binary_pure``;
+- ``copy_data(rows)``: ``applier.targets.postgres.target.copy_data_pure``;
+- ``copy_binary(rows)``: ``applier.targets.postgres.target.copy_binary_pure``;
 - ``value_rows(convert, rows, idx)``: ``applier.targets.base.Binding.values``, row by row.
 
 NOTES

@@ -8,11 +8,9 @@ initialized) is one ``ConfigError`` naming the key or object.
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -31,11 +29,12 @@ from applier.decoder.messages import (
 from applier.decoder.pgoutput import decode_message
 from applier.errors import SlotLost
 from applier.lsn import LSN
-from applier.progress.store import HEAD_REVISION, PG_SQL, SQLITE_SQL, VERSION_TABLE, Progress, prune_conflicts
+from applier.progress.store import HEAD_REVISION, VERSION_TABLE, Progress, ProgressSQL, prune_conflicts
 from applier.rows import one_row
 from applier.source.base import SourceError, StreamOptions
 from applier.source.walsender import SLOT_STATE, WalSender, slot_state
 from applier.targets import opener
+from applier.targets.backends import backend_of
 from applier.targets.base import utc_now
 from applier.text import one_line, redact_dsn, redact_text
 
@@ -121,7 +120,7 @@ def target_db(cfg: Config) -> Iterator[Any]:
     """A DB-API connection to the target (psycopg or sqlite3), committed when the block ends without error.
 
     The apply commands check the target through this rather than SQLAlchemy, whose import alone
-    would add ~0.2 s to every start (see applier.targets.url).
+    would add ~0.2 s to every start (see applier.url).
     """
     conn = opener.open(cfg, plain=True)
     try:
@@ -133,11 +132,7 @@ def target_db(cfg: Config) -> Iterator[Any]:
 
 def _revision(cfg: Config, conn: Any) -> str | None:
     """The control tables' alembic revision (None: never initialized), without importing alembic."""
-    if cfg.target_dialect == "sqlite":
-        found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", [VERSION_TABLE])
-    else:
-        found = conn.execute("SELECT 1 WHERE to_regclass(%s) IS NOT NULL", [VERSION_TABLE])
-    if found.fetchone() is None:
+    if conn.execute(backend_of(cfg).table_exists_sql, [VERSION_TABLE]).fetchone() is None:
         return None
     row = conn.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchone()
     return None if row is None else row[0]
@@ -145,16 +140,16 @@ def _revision(cfg: Config, conn: Any) -> str | None:
 
 def check_target(cfg: Config, need_init: bool = True) -> str | None:
     """Target reachable and (if needed) its control tables at the newest revision; returns the revision."""
-    if need_init and cfg.target_dialect == "sqlite":  # opening a missing file would create it
-        path = opener.location(cfg)
-        if path != ":memory:" and not path.startswith("file:") and not Path(path).exists():
-            raise ConfigError(f"{cfg.where('target', 'url')}: the target's control tables are missing "
-                              f"({path} does not exist); run `applier init`")
+    b = backend_of(cfg)
+    missing = b.missing_file(opener.location(cfg))
+    if need_init and missing is not None:  # opening a missing file would create it
+        raise ConfigError(f"{cfg.where('target', 'url')}: the target's control tables are missing "
+                          f"({missing} does not exist); run `applier init`")
     with target_db(cfg) as conn:
         try:
             rev = _revision(cfg, conn)
             writable = not need_init or rev == HEAD_REVISION and _conflicts_writable(cfg, conn)
-        except (psycopg.Error, sqlite3.Error) as exc:
+        except b.Error as exc:
             raise ConfigError(f"{cfg.where('target', 'url')}: cannot read the target's control tables "
                               f"({redact_dsn(cfg.target['url'])}): {one_line(exc)[:300]}") from None
     if need_init and rev != HEAD_REVISION:
@@ -170,13 +165,7 @@ def check_target(cfg: Config, need_init: bool = True) -> str | None:
 def _conflicts_writable(cfg: Config, conn: Any) -> bool:
     """Whether the target role may add rows to applier_conflicts (a conflict is recorded in the transaction of its
     change: without it the apply would stop at the first one, after applying what came before)."""
-    return bool(conn.execute(
-        "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'applier_conflicts'"
-        if cfg.target_dialect == "sqlite" else
-        "SELECT CASE WHEN to_regclass('applier_conflicts') IS NULL THEN false ELSE "
-        "has_table_privilege('applier_conflicts', 'INSERT') AND "
-        "coalesce(has_sequence_privilege(pg_get_serial_sequence('applier_conflicts', 'id'), 'USAGE'), true) END"
-    ).fetchone()[0])
+    return bool(conn.execute(backend_of(cfg).conflicts_writable_sql).fetchone()[0])
 
 
 def init(cfg: Config, new_slot: bool = False) -> list[str]:
@@ -190,7 +179,7 @@ def init(cfg: Config, new_slot: bool = False) -> list[str]:
     done = []
     facts = check_source(cfg, need_slot=False)
     check_target(cfg, need_init=False)
-    if cfg.source["two_phase"] and cfg.target_dialect == "postgresql" and cfg.target["two_phase_mode"] == "prepare":
+    if cfg.source["two_phase"] and backend_of(cfg).can_prepare and cfg.target["two_phase_mode"] == "prepare":
         check_prepared_allowed(cfg)
     from applier.progress.migrate import migrate  # start-up time: alembic/SQLAlchemy (status/skip need not)
 
@@ -253,14 +242,14 @@ def _lost_slot(cfg: Config, progress: Progress) -> SlotLost | None:
 def check_prepared_allowed(cfg: Config) -> None:
     """The PostgreSQL target can hold prepared transactions (``two_phase_mode = "prepare"``); ConfigError if not."""
     with opener.open(cfg, plain=True, autocommit=True) as conn:
-        n = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
+        n = int(one_row(conn.execute("SHOW max_prepared_transactions"))[0])
     if n == 0:
         raise ConfigError(f"{cfg.where('source', 'two_phase')}: the target has max_prepared_transactions = 0; "
                           f"set it above 0 on the target, or target.two_phase_mode = \"table\"")
 
 
-def _progress_sql(cfg: Config) -> Any:
-    return SQLITE_SQL if cfg.target_dialect == "sqlite" else PG_SQL
+def _progress_sql(cfg: Config) -> ProgressSQL:
+    return backend_of(cfg).sql
 
 
 def read_progress(cfg: Config) -> Progress:

@@ -33,13 +33,14 @@ from applier.config import Config, ConfigError
 from applier.engine.runner import check_progress_owner
 from applier.errors import InUseError, SlotLost
 from applier.lsn import LSN
-from applier.migrate.schema import check_pg_table, check_sqlite_table, read_source_tables
+from applier.migrate.schema import check_table, read_source_tables
 from applier.rows import one_row
 from applier.source.base import SourceError
 from applier.source.walsender import SLOT_STATE, WalSender, session_dsn, slot_state
 from applier.targets import opener
-from applier.targets.claim import refusal, target_holder
-from applier.targets.naming import quoted_name, shown_name, target_table
+from applier.targets.backends import backend_of
+from applier.targets.claim import refusal
+from applier.targets.naming import quoted_name, shown_name
 from applier.text import one_line, redact_dsn
 
 # What a check may fail with: each is one line naming what is wrong (a database error is wrapped into a
@@ -149,7 +150,7 @@ def _target(cfg: Config) -> str:
     """The target opens and holds the control tables at the newest revision, writable (and, applying prepared
     transactions as such, can hold them)."""
     rev = check_target(cfg)
-    if cfg.source["two_phase"] and cfg.target_dialect == "postgresql" and cfg.target["two_phase_mode"] == "prepare":
+    if cfg.source["two_phase"] and backend_of(cfg).can_prepare and cfg.target["two_phase_mode"] == "prepare":
         check_prepared_allowed(cfg)
     return f"{redact_dsn(cfg.target['url'])}, control tables at revision {rev}"
 
@@ -167,14 +168,14 @@ def _tables(cfg: Config, conn: psycopg.Connection[Any]) -> str:
     """Every published table exists on the target with every published column (as ``applier sync`` checks an
     existing table), and on PostgreSQL the target role may read and change its rows."""
     tables = read_source_tables(conn, cfg.source["publications"])
-    dialect = cfg.target_dialect
+    b = backend_of(cfg)
     problems = []
     with target_db(cfg) as tgt:
         for t in tables:
-            schema, name = target_table(t.relation(), dialect, cfg.target["tables"])
-            found = check_sqlite_table(tgt, t, name) if dialect == "sqlite" else check_pg_table(tgt, t, schema, name)
-            if found is not None and dialect != "sqlite":
-                found += _pg_privileges(tgt, quoted_name(schema, name))
+            schema, name = b.target_table(t.relation(), cfg.target["tables"])
+            found = check_table(b, tgt, t, schema, name)
+            if found is not None:
+                found += b.lacking_privileges(tgt, quoted_name(schema, name), _APPLY_PRIVILEGES)
             if found is None:
                 problems.append(f"table {shown_name(schema, name)} (of {t.qualified}) does not exist on the target "
                                 f"(`applier sync --table {t.qualified}` creates and copies it)")
@@ -184,22 +185,13 @@ def _tables(cfg: Config, conn: psycopg.Connection[Any]) -> str:
     return f"{len(tables)} published, all on the target"
 
 
-def _pg_privileges(conn: Any, qname: str) -> list[str]:
-    """What the target role may not do to a target table that the apply does to it (one line, or none)."""
-    row = one_row(conn.execute("SELECT " + ", ".join(f"has_table_privilege(%s, '{p}')" for p in _APPLY_PRIVILEGES),
-                               [qname] * len(_APPLY_PRIVILEGES)))
-    lacking = [p for p, ok in zip(_APPLY_PRIVILEGES, row) if not ok]
-    return [f"the target role lacks {', '.join(lacking)} on it (GRANT {', '.join(lacking)} ON {qname} TO …)"] \
-        if lacking else []
-
-
 _APPLY_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE")
 
 
 def _claim(cfg: Config) -> str:
     """No applier holds the progress row now (as ``run`` and ``catchup`` would be refused)."""
     with target_db(cfg) as conn:
-        holder = target_holder(cfg.target_dialect, conn, opener.location(cfg), cfg.apply["name"])
+        holder = backend_of(cfg).holder(conn, opener.location(cfg), cfg.apply["name"])
     if holder is not None:
         raise refusal(cfg.apply["name"], holder)
     return f"apply.name {cfg.apply['name']!r} is free"

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from applier.errors import Unreachable
-from applier.targets.url import parse_target_url
 from applier.text import file_safe
+from applier.url import SCHEMES, Kind, kind_of, parse_target_url
 
 REQUIRED = object()
 
@@ -143,9 +143,10 @@ class Config:
     conflicts: dict[str, Any] = field(default_factory=lambda: {k: d for k, (_, d) in SCHEMA["conflicts"].items()})
 
     @property
-    def target_dialect(self) -> str:
-        """'postgresql' or 'sqlite'."""
-        return parse_target_url(self.target["url"]).backend
+    def target_kind(self) -> Kind:
+        """The kind of target ``target.url`` names (checked when loaded); ``applier.targets.backends.backend``
+        gives what that kind does."""
+        return kind_of(self.target["url"])
 
     @property
     def spool_dir(self) -> Path:
@@ -292,13 +293,16 @@ def _check_target_url(url: str, where: str) -> str:
         parsed = parse_target_url(url)
     except ValueError:
         raise ConfigError(f"{where}: target.url is not a database URL: expected postgresql://… or sqlite:///…") from None
-    if parsed.backend in ("postgresql", "postgres"):
+    kind = SCHEMES.get(parsed.backend)
+    if kind is None:
+        raise ConfigError(f"{where}: target.url must be a postgresql or sqlite URL, got {parsed.backend}")
+    if kind is Kind.POSTGRESQL:
         if parsed.driver not in (None, "psycopg"):
             raise ConfigError(f"{where}: target.url names the driver {parsed.driver!r}; applier connects with psycopg "
                               f"(postgresql://… or postgresql+psycopg://…)")
         return "postgresql+psycopg" + url[url.index("://"):]
-    if parsed.backend != "sqlite":
-        raise ConfigError(f"{where}: target.url must be a postgresql or sqlite URL, got {parsed.backend}")
+    if kind is not Kind.SQLITE:
+        return url
     if parsed.host is not None:
         raise ConfigError(f"{where}: target.url {url.partition('?')[0]!r} names no file ({parsed.host!r} is read as a "
                           f"host): a SQLite URL has three slashes before a relative path (sqlite:///{parsed.host}) and "

@@ -17,7 +17,7 @@ from applier.admin import init
 from applier.config import load_config
 from applier.embedded import Cluster, find_install
 from applier.engine.runner import Runner
-from applier.targets.sqlite import SqliteTarget  # noqa: F401 - the demo's target kind
+from applier.targets.sqlite.target import SqliteTarget  # noqa: F401 - the demo's target kind
 
 SCHEMA = """
 CREATE TABLE customers (id bigint PRIMARY KEY, name text NOT NULL, email text, vip boolean DEFAULT false);

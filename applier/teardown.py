@@ -18,11 +18,9 @@ uncreated.
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -32,8 +30,9 @@ from applier.config import Config, ConfigError
 from applier.errors import InUseError
 from applier.progress.store import CONTROL_TABLES
 from applier.targets import opener
-from applier.targets.claim import claim_target, refusal, sqlite_claim_path, target_holder
-from applier.targets.postgres import origin_name
+from applier.targets.backend import Backend
+from applier.targets.backends import backend_of
+from applier.targets.claim import refusal
 from applier.text import one_line, quote_ident
 
 
@@ -49,25 +48,26 @@ class Part:
 def drop(cfg: Config, *, control_tables: bool, yes: bool, say: Callable[[str], None]) -> None:
     """See the module header."""
     name = cfg.apply["name"]
-    sqlite = cfg.target_dialect == "sqlite"
+    b = backend_of(cfg)
     where = opener.location(cfg)
     with ExitStack() as stack:
         target: Any = None
-        if not sqlite or Path(where).exists():  # a missing SQLite file: nothing there, and nothing can apply to it
+        if b.missing_file(where) is None:  # a missing SQLite file: nothing there, and nothing can apply to it
             target = opener.open(cfg, plain=True, autocommit=True)
             stack.callback(target.close)
             if yes:
-                held = claim_target(cfg.target_dialect, target, where, name, "drop")
+                held = b.claim(target, where, name, "drop")
                 if held is not None:
                     stack.callback(held.release)
             else:
-                holder = target_holder(cfg.target_dialect, target, where, name)
+                holder = b.holder(target, where, name)
                 if holder is not None:
                     raise refusal(name, holder)
         source = stack.enter_context(source_connect(cfg))
         parts = [_slot(cfg, source)]
-        if target is not None and not sqlite:
-            parts.append(_origin(cfg, target))
+        origin = b.origin_name(name)
+        if target is not None and origin is not None:
+            parts.append(_origin(cfg, target, b, origin))
         if control_tables:
             parts.append(_tables(cfg, target, where))
         for part in parts:
@@ -111,22 +111,21 @@ def _slot_in_use(cfg: Config, pid: object) -> InUseError:
                       f"first, nothing was dropped")
 
 
-def _origin(cfg: Config, conn: psycopg.Connection[Any]) -> Part:
-    origin = origin_name(cfg.apply["name"])
+def _origin(cfg: Config, conn: Any, b: Backend, origin: str) -> Part:
     what = f"replication origin {origin!r} on the target"
     try:
-        oid = conn.execute("SELECT pg_replication_origin_oid(%s)", [origin]).fetchone()
-    except psycopg.errors.InsufficientPrivilege:  # nor could the applier make one (it applies without, saying so)
-        return Part(what, "left alone (the target role may not look at replication origins)", None)
-    except psycopg.Error as exc:
+        found = b.origin_exists(conn, origin)
+    except b.Error as exc:
         raise ConfigError(f"{cfg.where('target', 'url')}: cannot look up {what}: {one_line(exc)[:300]}") from None
-    if oid is None or oid[0] is None:
+    if found is None:  # nor could the applier make one (it applies without, saying so)
+        return Part(what, "left alone (the target role may not look at replication origins)", None)
+    if not found:
         return Part(what, "already gone", None)
 
     def remove() -> str:
         try:
-            conn.execute("SELECT pg_replication_origin_drop(%s)", [origin])
-        except psycopg.Error as exc:
+            b.drop_origin(conn, origin)
+        except b.Error as exc:
             raise ConfigError(f"{cfg.where('target', 'url')}: cannot drop {what}: {one_line(exc)[:300]}") from None
         return "dropped"
 
@@ -137,12 +136,10 @@ def _tables(cfg: Config, conn: Any, where: str) -> Part:
     what = "control tables on the target"
     if conn is None:
         return Part(what, f"already gone ({where} does not exist)", None)
-    sqlite = cfg.target_dialect == "sqlite"
+    b = backend_of(cfg)
     name = cfg.apply["name"]
-    ph = "?" if sqlite else "%s"
-    present = [t for t in CONTROL_TABLES if conn.execute(
-        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?" if sqlite
-        else "SELECT 1 WHERE to_regclass(%s) IS NOT NULL", [t]).fetchone() is not None]
+    ph = b.placeholder
+    present = [t for t in CONTROL_TABLES if conn.execute(b.table_exists_sql, [t]).fetchone() is not None]
     if not present:
         return Part(what, "already gone", None)
     others = [] if "applier_progress" not in present else [r[0] for r in conn.execute(
@@ -160,21 +157,9 @@ def _tables(cfg: Config, conn: Any, where: str) -> Part:
 
     def remove() -> str:
         try:
-            if sqlite:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    for sql, params in statements:
-                        conn.execute(sql, params)
-                    conn.execute("COMMIT")
-                except BaseException:
-                    conn.execute("ROLLBACK")
-                    raise
-                sqlite_claim_path(where, name).unlink(missing_ok=True)
-            else:
-                with conn.transaction():
-                    for sql, params in statements:
-                        conn.execute(sql, params)
-        except (psycopg.Error, sqlite3.Error) as exc:
+            b.transaction(conn, statements)
+            b.forget_claim(where, name)
+        except b.Error as exc:
             raise ConfigError(f"{cfg.where('target', 'url')}: cannot drop the {what}: {one_line(exc)[:300]}") from None
         return done
 

@@ -389,11 +389,11 @@ class ProgressProbe:
     def applier(cls, target_url: str, name: str, newest_sql: str | None = None) -> ProgressProbe:
         """applier's progress row ``name`` on the target at ``target_url``."""
         if target_url.startswith("sqlite:"):
-            from applier.targets.sqlite import sqlite_path
+            from applier.targets.sqlite.target import sqlite_path
 
             conn: Any = sqlite3.connect(sqlite_path(target_url), isolation_level=None, timeout=1)
             return cls(conn, "SELECT lsn FROM applier_progress WHERE name = ?", [name], newest_sql)
-        from applier.targets.postgres import libpq_dsn
+        from applier.targets.postgres.target import libpq_dsn
 
         conn = psycopg.connect(libpq_dsn(target_url), autocommit=True)
         return cls(conn, "SELECT lsn FROM applier_progress WHERE name = %s", [name], newest_sql)

@@ -50,7 +50,7 @@ def test_defaults_fill_what_is_not_set(tmp_path: Path) -> None:
     assert cfg.apply["group_commit_delay"] == 0.05 and cfg.target["tables"] == {}
     assert cfg.source["proto_version"] is None
     assert cfg.apply["retry_max"] == 30.0 and isinstance(cfg.apply["retry_max"], float)  # an int where a float goes
-    assert cfg.target_dialect == "sqlite"
+    assert cfg.target_kind == "sqlite"
 
 
 def test_precedence_flags_over_environment_over_file(tmp_path: Path) -> None:
@@ -61,7 +61,7 @@ def test_precedence_flags_over_environment_over_file(tmp_path: Path) -> None:
     assert cfg.source["slot"] == "flag_slot"  # flag > environment > file
     assert cfg.source["dsn"] == "host=envhost dbname=app"  # a flag left unset (None) does not override
     assert cfg.target["url"] == "postgresql+psycopg://u@envhost/replica"
-    assert cfg.target_dialect == "postgresql"
+    assert cfg.target_kind == "postgresql"
     assert cfg.source["publications"] == ["file_pub"]  # the file, where nothing overrides it
     assert cfg.source["connect_timeout"] == 3
     assert cfg.where("source", "slot") == "option --slot"
@@ -176,7 +176,7 @@ def test_example_documents_every_key_and_loads() -> None:
         for key in keys:
             assert re.search(rf"^#?\s*(\[{section}\.)?{key}\b", text, re.M), f"{section}.{key} is not documented"
     cfg = load_config(EXAMPLE, env={})
-    assert cfg.source["publications"] == ["applier_pub"] and cfg.target_dialect == "postgresql"
+    assert cfg.source["publications"] == ["applier_pub"] and cfg.target_kind == "postgresql"
 
 
 @pytest.mark.parametrize(("dsn", "shown"), [
@@ -247,4 +247,4 @@ def test_target_urls_that_cannot_be_a_replica_are_refused(url: str, words: list[
 @pytest.mark.parametrize("url", ["postgres://u@h/d", "postgresql://u@h/d", "postgresql+psycopg://u@h/d"])
 def test_postgres_urls_as_libpq_takes_them(url: str) -> None:
     cfg = load_config(None, env={**BASE_ENV, "APPLIER_TARGET_URL": url})
-    assert cfg.target["url"] == "postgresql+psycopg://u@h/d" and cfg.target_dialect == "postgresql"
+    assert cfg.target["url"] == "postgresql+psycopg://u@h/d" and cfg.target_kind == "postgresql"

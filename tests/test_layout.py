@@ -180,3 +180,51 @@ def test_the_kind_finder_finds_each_spelling(tmp_path: Path) -> None:
     assert [f.split(": ", 1)[1] for f in found] == [
         "b'CKr'", "b'C'", "0x42", "0x43", "b'B'", "b'C'", "ord('S')",  # a.py, by line
         'ord("C")', "== 0x4B", 'set(b"BS")']
+
+
+# -- target kinds: told apart by their Backend, never by name ---------------------------------------
+
+KIND_NAMES = frozenset({"sqlite", "postgresql", "postgres"})
+# Where a target kind may be compared by name: each kind's own folder, and the registry of URL schemes (url.py).
+# Only comparisons count: embedded.py's "postgres" (the server's program and superuser) and text.py's list of
+# libpq's URI schemes name no target kind and compare none.
+KIND_SPELLED = ("targets/postgres/", "targets/sqlite/", "url.py")
+
+
+def _kind_literals(node: ast.AST) -> list[str]:
+    """The target kind names ``node`` spells as a constant (a string, or a tuple/list/set of them)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in KIND_NAMES:
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [n for e in node.elts for n in _kind_literals(e)]
+    return []
+
+
+def kind_comparisons(package: Path) -> list[str]:
+    """``path:line: name`` of every comparison (``==``, ``!=``, ``in``, …) with a target kind's name outside the
+    places that may spell one (``KIND_SPELLED``)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        if rel.startswith(KIND_SPELLED):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                names = [n for side in [node.left, *node.comparators] for n in _kind_literals(side)]
+                found += [f"{rel}:{node.lineno}: {n!r}" for n in names]
+    return found
+
+
+def test_no_target_kind_is_compared_by_name_outside_its_folder() -> None:
+    # a kind compared by name (`!= "sqlite"` meaning PostgreSQL) sends a new kind down another kind's branch: ask
+    # the kind's Backend (applier.targets.backend) instead
+    assert kind_comparisons(PACKAGE) == []
+
+
+def test_the_kind_check_finds_a_comparison(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "targets" / "sqlite").mkdir(parents=True)
+    (pkg / "a.py").write_text("def f(d):\n    return d != 'sqlite' or d in ('postgresql', 'x')\n")
+    (pkg / "targets" / "sqlite" / "b.py").write_text("K = 'sqlite'\nok = K == 'sqlite'\n")
+    (pkg / "c.py").write_text("URL = 'sqlite:///x.db'\nok = URL == 'sqlite:///x.db'\n")
+    assert kind_comparisons(pkg) == ["a.py:2: 'sqlite'", "a.py:2: 'postgresql'"]

@@ -78,6 +78,7 @@ from applier.source.chunks import ChunkReader
 from applier.source.sql import SqlSlotSource
 from applier.source.walsender import SLOT_STATE, WalSender, session_dsn, slot_state
 from applier.targets import opener
+from applier.targets.backends import backend_of
 from applier.targets.claim import ProcessClaim
 from applier.targets.contract import ControlStore, Target, TwoPhase
 from applier.text import one_line, quote_literal, redact_dsn
@@ -239,13 +240,12 @@ class Runner:
         # end of the run); anything else (a refusal, a configuration error) ends the run as it is
         self.failures: tuple[type[Exception], ...] = (ApplyError, SourceError, SlotLost,
                                                       *self.target_failures.errors)
-        self.claim = ProcessClaim(cfg.target_dialect, opener.location(cfg), cfg.apply["name"], self.command,
-                                  cfg.source["connect_timeout"])
+        self.claim: ProcessClaim = backend_of(cfg).process_claim(opener.location(cfg), cfg.apply["name"],
+                                                                 self.command, cfg.source["connect_timeout"])
         self.down_since: float | None = None  # when the outage in hand began (a connection lost or never made)
         self.announced = False  # whether the start line was logged
         if metrics is not None:
-            metrics.probe(cfg.source["dsn"], cfg.source["slot"],
-                          opener.location(cfg) if cfg.target_dialect != "sqlite" else None)
+            metrics.probe(cfg.source["dsn"], cfg.source["slot"], backend_of(cfg).server_dsn(opener.location(cfg)))
 
     def is_transient(self, exc: BaseException) -> bool:
         """Whether a failure passes by itself (a lost connection, a busy database: retried with backoff) rather
@@ -582,7 +582,8 @@ def reachable(cfg: Config) -> bool:
     """Whether both databases of ``cfg`` can be reached now (a SQLite target always can): a server that refuses a
     connection for what it is asked (a missing database, a wrong password) is reached all the same, one that
     cannot be connected to, or is starting or shutting down, is not."""
-    dsns = [cfg.source["dsn"]] + ([opener.location(cfg)] if cfg.target_dialect != "sqlite" else [])
+    target = backend_of(cfg).server_dsn(opener.location(cfg))
+    dsns = [cfg.source["dsn"]] + ([target] if target is not None else [])
     for dsn in dsns:
         try:
             psycopg.connect(dsn, connect_timeout=cfg.source["connect_timeout"]).close()

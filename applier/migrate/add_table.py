@@ -77,7 +77,7 @@ from applier.migrate.sync import (
 from applier.progress.migrate import migrate
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
-from applier.targets.claim import FileClaim, claim_target, copy_claim_name
+from applier.targets.claim import Held, copy_claim_name
 from applier.text import one_line, quote_ident, shell_command
 
 
@@ -115,7 +115,7 @@ def _sync_tables(cfg: Config, names: list[str], force: bool, spark: Any, reporte
     if before != after:
         say(f"control tables: {'created at' if before is None else 'upgraded from ' + before + ' to'} {after}")
     target = TargetDb(cfg)
-    claims: list[FileClaim | None] = []
+    claims: list[Held | None] = []
     try:
         _need_done_sync(target, name)
         tables = _published(cfg, names)
@@ -144,13 +144,13 @@ def _need_done_sync(target: TargetDb, name: str) -> None:
                         + ": run `applier sync` first (it copies every published table)")
 
 
-def _claim_copy(target: TargetDb, name: str, t: SourceTable) -> FileClaim | None:
+def _claim_copy(target: TargetDb, name: str, t: SourceTable) -> Held | None:
     """Claim the copy of ``t`` for this run (``claim.copy_claim_name``), held until the command ends: a second
     ``sync --table`` of the table is refused naming this one, and an applier waiting for the copy knows that it
     runs. SyncError naming the holder if another run has it."""
     key = copy_claim_name(name, t.schema, t.name)
     try:
-        return claim_target(target.dialect, target.conn, target.where, key, "sync --table")
+        return target.backend.claim(target.conn, target.where, key, "sync --table")
     except InUseError:
         holder = target.holder(key) or "a process that has since ended; try again"
         raise SyncError(f"another `applier sync --table` is copying source table {t.qualified} to this target for "

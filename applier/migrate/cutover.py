@@ -62,7 +62,9 @@ from applier.migrate.sync import read_tables_in_snapshot
 from applier.rows import one_row
 from applier.source.base import SourceError
 from applier.targets import opener
+from applier.targets.backends import backend
 from applier.text import SAFE_KEYWORDS, one_line, quote_ident, redact_dsn, shell_command
+from applier.url import Kind
 
 log = logging.getLogger("applier.cutover")
 
@@ -111,7 +113,7 @@ class CutoverReport:
     wait_seconds: float
     slot: str
     source: str  # the source DSN, without its password (for a command a person copies)
-    dialect: str
+    dialect: str  # the target's kind (``applier.url.Kind``)
     margin: int
     lag_bytes: int | None = None  # measured (``applier.admin.status``) once caught up; None: not known
     lag_seconds: float | None = None
@@ -293,7 +295,7 @@ def _wait_for_daemon(cfg: Config, holder: str, goal: LSN, wait: bool, deadline: 
 def _holder(cfg: Config) -> str | None:
     target = opener.open(cfg, applying=False)
     try:
-        return target.holder()  # type: ignore[no-any-return]
+        return target.holder()
     finally:
         target.close()
 
@@ -319,7 +321,7 @@ def _pg_target_sequence(conn: psycopg.Connection[Any], seq: SourceSequence, cfg:
         return row[0], target_sequence_shown(seq, cfg.target["tables"])
     owner = tables.get((seq.owner[0], seq.owner[1])) if seq.owner is not None else None
     if seq.owner is not None and owner is not None:
-        _, qtable = target_table_name(owner, "postgresql", cfg.target["tables"])
+        _, qtable = target_table_name(owner, backend(Kind.POSTGRESQL), cfg.target["tables"])
         # the column name is taken literally, the table name as SQL
         row = conn.execute("SELECT pg_get_serial_sequence(%s, %s) WHERE to_regclass(%s) IS NOT NULL",
                            [qtable, seq.owner[2], qtable]).fetchone()
@@ -339,6 +341,7 @@ def _set_pg(cfg: Config, seqs: list[SourceSequence], tables: dict[tuple[str, str
             margin: int) -> list[SequenceResult]:
     out = []
     with opener.open(cfg, plain=True, autocommit=True) as conn:
+        assert isinstance(conn, psycopg.Connection)  # ``_SETTERS``: a PostgreSQL target's
         for seq in seqs:
             res = _result(seq, target_sequence_shown(seq, cfg.target["tables"]), margin)
             out.append(res)
@@ -392,7 +395,7 @@ def _set_sqlite_counters(cfg: Config, seqs: list[SourceSequence], tables: dict[t
                 source_table = tables.get((schema, table))
                 if source_table is None:
                     continue
-                shown, _ = target_table_name(source_table, "sqlite", cfg.target["tables"])
+                shown, _ = target_table_name(source_table, backend(Kind.SQLITE), cfg.target["tables"])
                 if _sqlite_autoincrement(conn, shown, column):
                     counters.append(shown)
             res = _result(seq, ", ".join(counters) or "-", margin)
@@ -420,14 +423,18 @@ def _set_sqlite_counters(cfg: Config, seqs: list[SourceSequence], tables: dict[t
     return out
 
 
+# How each kind of target gets its sequences set.
+_SETTERS: dict[Kind, Callable[[Config, list[SourceSequence], dict[tuple[str, str], SourceTable], int],
+                              list[SequenceResult]]] = {Kind.POSTGRESQL: _set_pg, Kind.SQLITE: _set_sqlite}
+
+
 def _set_sequences(cfg: Config, margin: int) -> list[SequenceResult]:
     """Step 2 (see the module header): read the source sequences, set the target's, check the source again."""
     tables = read_tables_in_snapshot(cfg, None)
     by_name = {(t.schema, t.name): t for t in tables}
     with source_connect(cfg) as conn:
         seqs = source_sequences(conn, tables)
-    setter = _set_sqlite if cfg.target_dialect == "sqlite" else _set_pg
-    results = setter(cfg, seqs, by_name, margin)
+    results = _SETTERS[cfg.target_kind](cfg, seqs, by_name, margin)
     with source_connect(cfg) as conn:
         now = {s.qualified: s for s in source_sequences(conn, tables)}
     for res in results:
@@ -469,7 +476,7 @@ def cutover(cfg: Config, *, wait: bool = False, timeout: float | None = None, se
     applied = read_progress(cfg).lsn
     report = CutoverReport(str(goal), str(applied), caught.by, caught.transactions, caught.rows,
                            time.monotonic() - started, cfg.source["slot"], _without_password(cfg.source["dsn"]),
-                           cfg.target_dialect, sequence_margin, caught.lag.get("lag_bytes"),
+                           cfg.target_kind, sequence_margin, caught.lag.get("lag_bytes"),
                            caught.lag.get("lag_seconds"))
     say(f"caught up (target at {applied}); setting the target's sequences")
     report.sequences = _set_sequences(cfg, sequence_margin)

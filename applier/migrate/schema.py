@@ -21,7 +21,7 @@ The user-defined types, functions and collations they need are created first
 (``applier.migrate.usertypes``), or named, all in one refusal, when they cannot be.
 
 Created on SQLite: every published column with the declared type of the apply
-engine's documented mapping (``applier.targets.values``: INTEGER, REAL, TEXT,
+engine's documented mapping (``applier.targets.sqlite.values``: INTEGER, REAL, TEXT,
 BLOB, derived from ``sqlite_text_converters`` itself, so there is one mapping),
 NOT NULL, the primary key and the replica identity index as a unique index.
 A generated column the publication sends (PostgreSQL 18+: ``publish_generated_columns =
@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import re
 import sqlite3
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,9 +68,13 @@ from applier.migrate.sequences import (
     target_sequence_qname,
 )
 from applier.migrate.usertypes import plan_types, source_types
-from applier.targets.naming import quoted_name, shown_name, target_table
-from applier.targets.values import sqlite_declared
+from applier.targets.backend import Backend
+from applier.targets.naming import quoted_name, shown_name
+from applier.targets.postgres.naming import pg_target_table
+from applier.targets.sqlite.naming import sqlite_target_table
+from applier.targets.sqlite.values import sqlite_declared
 from applier.text import one_line, quote_ident
+from applier.url import Kind
 
 
 class SchemaError(ConfigError):
@@ -290,10 +296,10 @@ def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
 
 # -- target names ------------------------------------------------------------------
 
-def target_table_name(table: SourceTable, dialect: str, table_map: dict[str, str]) -> tuple[str, str]:
+def target_table_name(table: SourceTable, backend: Backend, table_map: dict[str, str]) -> tuple[str, str]:
     """(name for people, quoted name for SQL) of the target table, as the apply engine names it
-    (``applier.targets.naming``)."""
-    schema, name = target_table(table.relation(), dialect, table_map)
+    (``Backend.target_table``)."""
+    schema, name = backend.target_table(table.relation(), table_map)
     return shown_name(schema, name), quoted_name(schema, name)
 
 
@@ -461,7 +467,7 @@ def prepare_pg_tables(conn: psycopg.Connection[Any], tables: list[SourceTable], 
     missing: list[SourceTable] = []
     out = Prepared()
     for t in tables:
-        schema, name = target_table(t.relation(), "postgresql", table_map)
+        schema, name = pg_target_table(t.relation(), table_map)
         shown = shown_name(schema, name)
         found = check_pg_table(conn, t, schema, name)
         if found is None:
@@ -469,7 +475,7 @@ def prepare_pg_tables(conn: psycopg.Connection[Any], tables: list[SourceTable], 
         else:
             out.existing.append(shown)
             problems += [f"target table {shown} (source {t.qualified}), {p}" for p in found]
-    shown_of = {t.qualified: target_table_name(t, "postgresql", table_map)[0] for t in missing}
+    shown_of = {t.qualified: shown_name(*pg_target_table(t.relation(), table_map)) for t in missing}
     types = source_types(source, [(shown_of[t.qualified], c.name, c.type_oid, (t.oid, c.attnum, bool(c.generated)))
                                   for t in missing for c in t.columns + t.generated])
     type_sql, type_problems = plan_types(conn, types)
@@ -483,13 +489,13 @@ def prepare_pg_tables(conn: psycopg.Connection[Any], tables: list[SourceTable], 
     statements = list(type_sql)
     statements += [s for q in new_seqs if not q.identity for s in create_statements(q, table_map)]
     for t in missing:
-        schema, name = target_table(t.relation(), "postgresql", table_map)
+        schema, name = pg_target_table(t.relation(), table_map)
         statements += pg_create_statements(t, schema, name, sequences, table_map, conn.info.server_version)
         out.created.append(shown_name(schema, name))
     for q in new_seqs:
         if q.owner is not None and not q.identity and q.owner[:2] in created:
-            schema, name = target_table(next(t for t in missing if (t.schema, t.name) == q.owner[:2]).relation(),
-                                        "postgresql", table_map)
+            schema, name = pg_target_table(next(t for t in missing if (t.schema, t.name) == q.owner[:2]).relation(),
+                                           table_map)
             statements.append(f"ALTER SEQUENCE {target_sequence_qname(q, table_map)} OWNED BY "
                               f"{quoted_name(schema, name)}.{quote_ident(q.owner[2])}")
         statements.append(setval_statement(q, table_map))
@@ -510,7 +516,7 @@ def prepare_sqlite_tables(conn: sqlite3.Connection, tables: list[SourceTable], t
     missing: list[tuple[SourceTable, str]] = []
     out = Prepared()
     for t in tables:
-        name = target_table(t.relation(), "sqlite", table_map)[1]
+        name = sqlite_target_table(t.relation(), table_map)[1]
         if not t.columns:
             problems.append(f"source table {t.qualified} publishes no columns (all dropped or generated): a SQLite "
                             f"table needs one; leave it out of the publication or add a column to it")
@@ -534,3 +540,34 @@ def prepare_sqlite_tables(conn: sqlite3.Connection, tables: list[SourceTable], t
         conn.execute("ROLLBACK")
         raise
     return out
+
+
+# The table checks and creation of each kind of target (``applier check``, ``applier sync``).
+def _check_pg(conn: Any, table: SourceTable, schema: str | None, name: str) -> list[str] | None:
+    return check_pg_table(conn, table, schema, name)
+
+
+def _check_sqlite(conn: Any, table: SourceTable, schema: str | None, name: str) -> list[str] | None:
+    return check_sqlite_table(conn, table, name)
+
+
+_CHECKS: dict[Kind, Callable[[Any, SourceTable, str | None, str], list[str] | None]] = {
+    Kind.POSTGRESQL: _check_pg, Kind.SQLITE: _check_sqlite,
+}
+
+
+def check_table(backend: Backend, conn: Any, table: SourceTable, schema: str | None, name: str) -> list[str] | None:
+    """What does not fit the source in target table ``name`` (``schema``) of a kind of target (None: it does not
+    exist): ``check_pg_table``, ``check_sqlite_table``."""
+    return _CHECKS[backend.kind](conn, table, schema, name)
+
+
+def prepare_tables(backend: Backend, conn: Any, tables: list[SourceTable], table_map: dict[str, str],
+                   source: Callable[[], AbstractContextManager[psycopg.Connection[Any]]]) -> Prepared:
+    """``prepare_pg_tables`` (with a connection to the source, from ``source``), ``prepare_sqlite_tables``."""
+    if backend.kind is Kind.SQLITE:
+        return prepare_sqlite_tables(conn, tables, table_map)
+    if backend.kind is Kind.POSTGRESQL:
+        with source() as src:
+            return prepare_pg_tables(conn, tables, table_map, src)
+    raise SchemaError(f"applier cannot create tables on a target of kind {backend.kind}")

@@ -64,7 +64,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -76,20 +75,19 @@ from applier.lsn import LSN
 from applier.migrate.schema import (
     Prepared,
     SourceTable,
-    prepare_pg_tables,
-    prepare_sqlite_tables,
+    prepare_tables,
     read_source_tables,
     target_table_name,
 )
 from applier.migrate.spark.progress import Reporter
 from applier.migrate.spark.session import spark_for
 from applier.progress.migrate import migrate
-from applier.progress.store import PG_SQL, SQLITE_SQL
 from applier.rows import one_row
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
 from applier.targets import opener
-from applier.targets.claim import FileClaim, claim_target, copy_claim_name, target_holder
+from applier.targets.backends import backend_of
+from applier.targets.claim import Held, copy_claim_name
 from applier.text import one_line, quote_ident
 
 
@@ -141,23 +139,21 @@ class TargetDb:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.dialect = cfg.target_dialect
+        self.backend = backend_of(cfg)
         self.table_map = cfg.target["tables"]
-        self._claim: FileClaim | None = None
-        where = opener.location(cfg)
-        self.where = str(Path(where).resolve()) if self.dialect == "sqlite" else where  # the claim's key
+        self._claim: Held | None = None
+        self.where = self.backend.claim_key(opener.location(cfg))
         self.conn: Any = opener.open(cfg, plain=True, autocommit=True)
-        if self.dialect == "sqlite":
-            self.conn.execute("PRAGMA journal_mode = WAL")
-        self.ph = "?" if self.dialect == "sqlite" else "%s"
+        self.backend.prepare_copy(self.conn)
+        self.ph = self.backend.placeholder
 
     def claim(self, command: str) -> None:
         """Hold ``apply.name``'s progress row until ``close`` (see applier.targets.claim); InUseError if taken."""
-        self._claim = claim_target(self.dialect, self.conn, self.where, self.cfg.apply["name"], command)
+        self._claim = self.backend.claim(self.conn, self.where, self.cfg.apply["name"], command)
 
     def holder(self, key: str) -> str | None:
         """Who holds the claim ``key`` on this target now (None: nobody); takes nothing."""
-        return target_holder(self.dialect, self.conn, self.where, key)
+        return self.backend.holder(self.conn, self.where, key)
 
     def close(self) -> None:
         """Close the connection (and give up the claim)."""
@@ -167,48 +163,28 @@ class TargetDb:
 
     def execute(self, sql: str, params: list[Any] | tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         """Run one statement (autocommit); its rows."""
-        cur = self.conn.execute(sql, params or None) if self.dialect != "sqlite" else self.conn.execute(sql, params)
+        cur = self.backend.execute(self.conn, sql, params)
         return cur.fetchall() if cur.description is not None else []
 
     def transaction(self, statements: list[tuple[str, list[Any]]], durable: bool = False) -> list[int]:
         """Run statements in one transaction; ``durable``: flushed to disk when it returns. The rows each statement
         changed."""
-        if self.dialect == "sqlite":
-            if durable:
-                self.conn.execute("PRAGMA synchronous = FULL")
-            self.conn.execute("BEGIN IMMEDIATE")
-            try:
-                counts = [self.conn.execute(sql, params).rowcount for sql, params in statements]
-                self.conn.execute("COMMIT")
-            except BaseException:
-                self.conn.execute("ROLLBACK")
-                raise
-            return counts
-        with self.conn.transaction():
-            if durable:
-                self.conn.execute("SET LOCAL synchronous_commit = on")
-            return [self.conn.execute(sql, params).rowcount for sql, params in statements]
+        return self.backend.transaction(self.conn, statements, durable)
 
     # -- tables ---------------------------------------------------------------------
 
     def name_of(self, table: SourceTable) -> tuple[str, str]:
         """(name for people, quoted name) of a source table's target table."""
-        return target_table_name(table, self.dialect, self.table_map)
+        return target_table_name(table, self.backend, self.table_map)
 
     def prepare(self, tables: list[SourceTable]) -> Prepared:
         """Check existing target tables, create missing ones (SchemaError on a mismatch); on PostgreSQL with the
         user types and sequences they need, read from the source."""
-        if self.dialect == "sqlite":
-            return prepare_sqlite_tables(self.conn, tables, self.table_map)
-        with source_connect(self.cfg) as source:
-            return prepare_pg_tables(self.conn, tables, self.table_map, source)
+        return prepare_tables(self.backend, self.conn, tables, self.table_map, lambda: source_connect(self.cfg))
 
     def exists(self, table: SourceTable) -> bool:
         """Whether the target table exists."""
-        shown, qname = self.name_of(table)
-        if self.dialect == "sqlite":
-            return bool(self.execute(f"PRAGMA table_info({quote_ident(shown)})"))
-        return self.execute("SELECT to_regclass(%s)", [qname])[0][0] is not None
+        return self.backend.exists(self.conn, *self.name_of(table))
 
     def has_rows(self, table: SourceTable) -> bool:
         """Whether the target table holds any row of its own (not its inheritance children's: ``own``)."""
@@ -218,7 +194,7 @@ class TargetDb:
         """The target table as a query names its own rows: ``ONLY`` it on PostgreSQL unless partitioned (a
         partitioned table's rows are its partitions'; an inheritance child's are not its parent's)."""
         name = self.name_of(table)[1]
-        return name if self.dialect == "sqlite" or self.partitioned(table) else f"ONLY {name}"
+        return name if not self.backend.has_inheritance or self.partitioned(table) else f"ONLY {name}"
 
     def empty_tables(self, tables: list[SourceTable], command: str = "applier sync") -> None:
         """Delete every row of these target tables (TRUNCATE ONLY on PostgreSQL: not their inheritance children's,
@@ -231,7 +207,7 @@ class TargetDb:
         what they refer to; nothing is emptied).
         """
         names = [self.name_of(t)[1] for t in tables]
-        if self.dialect == "sqlite":  # foreign keys are not enforced on this connection
+        if not self.backend.has_inheritance:  # nor foreign keys enforced on this connection (SQLite)
             self.transaction([(f"DELETE FROM {n}", []) for n in names])
             return
         with self.conn.transaction():
@@ -285,20 +261,11 @@ class TargetDb:
 
     def column_names(self, table: SourceTable) -> set[str]:
         """Every column the target table holds, generated ones included."""
-        shown, qname = self.name_of(table)
-        if self.dialect == "sqlite":  # table_xinfo: table_info leaves generated columns out
-            return {r[1] for r in self.execute(f"PRAGMA table_xinfo({quote_ident(shown)})")}
-        return {r[0] for r in self.execute("SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) "
-                                           "AND attnum > 0 AND NOT attisdropped", [qname])}
+        return set(self.backend.column_names(self.conn, *self.name_of(table)))
 
     def columns_without_default(self, table: SourceTable) -> list[str]:
         """Columns of the target table that have no default (nor identity or generation expression)."""
-        shown, qname = self.name_of(table)
-        if self.dialect == "sqlite":
-            return [r[1] for r in self.execute(f"PRAGMA table_info({quote_ident(shown)})") if r[4] is None]
-        return [r[0] for r in self.execute(
-            "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped "
-            "AND NOT atthasdef AND attidentity = '' AND attgenerated = ''", [qname])]
+        return self.backend.column_names(self.conn, *self.name_of(table), defaulted=False)
 
     def count(self, table: SourceTable) -> int:
         """Rows of the target table (its own: ``own``)."""
@@ -346,7 +313,7 @@ class TargetDb:
     def finish(self, name: str, lsn: LSN, source_system: str | None, slot: str) -> None:
         """Progress row to ``lsn`` of ``source_system`` and ``slot``, pending skip cleared, sync row 'done': one durable
         transaction."""
-        sql = SQLITE_SQL if self.dialect == "sqlite" else PG_SQL
+        sql = self.backend.sql
         ph = self.ph
         self.transaction([
             (sql.upsert, [name, str(lsn), None, source_system, slot]),
@@ -557,7 +524,7 @@ def copy_tables(cfg: Config, target: TargetDb, tables: list[SourceTable], run: s
     applier_sync_tables row, else that of the sync row (``applier.migrate.spark.copy.check_run``)."""
     from applier.migrate.spark.copy import CopyError  # start-up time: spark.copy loads pyspark
 
-    if spark is None and target.dialect != "sqlite":  # a SQLite target is copied by the driver alone
+    if spark is None and target.backend.copies_by_spark:  # else the driver alone copies (a SQLite target)
         spark = spark_for(cfg)
     started = time.monotonic()
     failed: list[str] = []
@@ -597,12 +564,12 @@ def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, r
     cols = [quote_ident(c.name) for c in table.columns]
     app = f"applier-sync {run[:8]} t{index}"
     src = pg_plan(cfg.source["dsn"], table.qname, cols, pages=table.pages,
-                  partitions=partitions_for(target.dialect, table.pages, nparts), snapshot=snapshot,
+                  partitions=partitions_for(target.backend, table.pages, nparts), snapshot=snapshot,
                   where=table.rowfilter, app=app, only=table.only)
-    plan = CopyPlan(json.loads(src), target.dialect, target.where, qtarget, cols, [c.type_oid for c in table.columns],
+    plan = CopyPlan(json.loads(src), target.backend.kind, target.where, qtarget, cols, [c.type_oid for c in table.columns],
                     name, run, table.qualified, joining=(table.schema, table.name) if joining else None,
                     weight=max(1.0, table.size_pages / max(1, table.pages)))
-    if target.dialect != "sqlite" and table.columns:
+    if target.backend.copies_by_spark and table.columns:
         plan.binary = binary_safe(target.conn, qtarget, [(c.name, c.type_oid) for c in table.columns])
     nranges = plan.partitions
     reporter.start(label, table.estimated_rows)
@@ -626,7 +593,7 @@ def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, r
     nbytes = sum(b for _, b in parts.values())
     seconds = time.monotonic() - started
     reporter.finish(label, rows, nbytes, seconds)
-    fmt = None if target.dialect == "sqlite" or not table.columns else "binary" if plan.binary else "text"
+    fmt = None if not target.backend.copies_by_spark or not table.columns else "binary" if plan.binary else "text"
     return TableCopy(table.qualified, shown, rows, nbytes, seconds, nranges, fmt)
 
 

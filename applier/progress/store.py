@@ -1,4 +1,5 @@
-"""The progress row: SQL to read and write it, per dialect, and its value type."""
+"""The progress row: SQL to read and write it (``progress_sql``, made by each kind of target with its placeholder),
+and its value type."""
 
 from __future__ import annotations
 
@@ -73,7 +74,9 @@ def _upsert(ph: str, also: str = "", where: str = "") -> str:
             f"slot = coalesce(excluded.slot, applier_progress.slot), updated_at = excluded.updated_at{also}{where}")
 
 
-def _sql(ph: str, has_sync_tables: str) -> ProgressSQL:
+def progress_sql(ph: str, has_sync_tables: str) -> ProgressSQL:
+    """The statements of ``ProgressSQL`` with the parameter marker ``ph``; ``has_sync_tables``: a query whose one
+    value says whether the table applier_sync_tables exists."""
     return ProgressSQL(
         select=(f"SELECT lsn, commit_time, skip_lsn, source_system, slot, last_error, last_error_at, recopy_needed "
                 f"FROM applier_progress WHERE name = {ph}"),
@@ -112,8 +115,6 @@ def _sql(ph: str, has_sync_tables: str) -> ProgressSQL:
     )
 
 
-PG_SQL = _sql("%s", "SELECT to_regclass('applier_sync_tables') IS NOT NULL")
-SQLITE_SQL = _sql("?", "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'applier_sync_tables'")
 
 
 def prune_conflicts(conn: Any, sql: ProgressSQL, name: str, age: int) -> int:

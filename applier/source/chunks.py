@@ -2,7 +2,7 @@
 
 Receiving, decoding and applying run on one thread, in turn. Writes to the
 target do not wait for the server (an open COPY, set-based statements sent
-ahead: ``applier.targets.postgres``), so the target's work already overlaps with
+ahead: ``applier.targets.postgres.target``), so the target's work already overlaps with
 decoding; a receiver thread would only add GIL hand-offs (measured slower on
 every bench/apply.py workload, see bench/README.md). A source that offers
 ``read_decoded`` (the walsender) reads the changes that follow a frame and decodes

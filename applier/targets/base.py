@@ -123,7 +123,7 @@ class Binding:
         self.copy_binary = False
         self.pg_types: tuple[str, ...] = ()  # PostgreSQL target: each column's type on the target
         # PostgreSQL target: each column's (array type its batch values are sent as, cast of one element to
-        # the column's type or '') for the set-based statements (``applier.targets.postgres``)
+        # the column's type or '') for the set-based statements (``applier.targets.postgres.target``)
         self.pg_arrays: list[tuple[str, str]] = []
         # PostgreSQL target: the columns that are identity GENERATED ALWAYS there, and the target's own
         # (not sent, not generated) columns, quoted: both for ``replace_sql`` (see the module header)

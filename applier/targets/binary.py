@@ -34,7 +34,7 @@ int2vector or oidvector) go as their text (``TEXT_OF``), and never by COPY's
 binary format (``binary_copy_safe``, which ``applier sync``'s copy uses too).
 
 SQLite target — the value must be exactly what text mode stores (see
-``applier.targets.values``): columns of type int2/int4/int8/oid, float4/float8,
+``applier.targets.sqlite.values``): columns of type int2/int4/int8/oid, float4/float8,
 bool and bytea become INTEGER/REAL/BLOB, everything else the TEXT PostgreSQL
 prints (the walsender session is pinned to DateStyle ISO, IntervalStyle
 postgres, TimeZone UTC, extra_float_digits 3; bytea_output is assumed ``hex``).
@@ -80,6 +80,7 @@ from applier.decoder.messages import PG_EPOCH, Relation, Type
 from applier.errors import ApplyError
 from applier.targets.base import Converter, source_name
 from applier.targets.values import BOOL, BYTEA, FIRST_USER_OID, FLOAT4, FLOAT8, INT2, INT4, INT8, OID
+from applier.url import Kind
 
 # Built-in types without a send function: pgoutput sends them as text even in binary mode.
 TEXT_SENT = frozenset({1033, 3642})  # aclitem, gtsvector
@@ -757,7 +758,7 @@ def _sqlite_bool(v: bytes) -> int:
     return 0 if v == b"\x00" else 1
 
 
-# Columns of these types get SQLite's own types, exactly as ``values.sqlite_text_converters`` (by column OID).
+# Columns of these types get SQLite's own types, exactly as ``applier.targets.sqlite.values.sqlite_text_converters`` (by column OID).
 SQLITE_NATIVE: dict[int, Converter] = {
     INT2: _psycopg_load(INT2), INT4: _psycopg_load(INT4), INT8: _psycopg_load(INT8), OID: _psycopg_load(OID),
     FLOAT4: _sqlite_float4, FLOAT8: _sqlite_float8(_psycopg_load(FLOAT8)),
@@ -903,22 +904,25 @@ def money_of_probe(row: tuple[Any, ...]) -> Converter | None:
 # -- the entry point -----------------------------------------------------------------------------
 
 
-def binary_loader(type_oid: int, types: Mapping[int, Type], dialect: str, rel: Relation,
-                  column: str, money: Converter | None = None) -> Converter:
-    """The converter of one column's binary values for a target dialect ('postgresql' or 'sqlite');
-    ``money``: the source session's money text (``money_text``), if known."""
+def _pg_loader(type_oid: int, types: Mapping[int, Type], rel: Relation, column: str,
+               money: Converter | None) -> Converter:
+    """A PostgreSQL target's converter: the value back undecoded, in binary with its type OID, where the target's
+    binary input takes it (see the module header)."""
+    base, name = _resolve(type_oid, types)
+    if base is None:
+        return _UserType(name, f"column {column!r} of {source_name(rel)}", postgres=True)
+    if base in TEXT_SENT:
+        return _decode
+    if base in BINARY_REJECTED or ARRAY_ELEMENT.get(base) in BINARY_REJECTED:
+        return TEXT_OF[base]  # the target's binary input could refuse it: as text
+    return partial(PgBinary, base)
+
+
+def _sqlite_loader(type_oid: int, types: Mapping[int, Type], rel: Relation, column: str,
+                   money: Converter | None) -> Converter:
+    """A SQLite target's converter: the values of its documented text mapping (``applier.targets.sqlite.values``)."""
     base, name = _resolve(type_oid, types)
     where = f"column {column!r} of {source_name(rel)}"
-    if dialect == "postgresql":
-        if base is None:
-            return _UserType(name, where, postgres=True)
-        if base in TEXT_SENT:
-            return _decode
-        if base in BINARY_REJECTED or ARRAY_ELEMENT.get(base) in BINARY_REJECTED:
-            return TEXT_OF[base]  # the target's binary input could refuse it: as text
-        return partial(PgBinary, base)
-    if dialect != "sqlite":
-        raise ValueError(f"unknown target dialect {dialect!r}")
     if type_oid in SQLITE_NATIVE:
         return SQLITE_NATIVE[type_oid]
     if base is None:
@@ -929,6 +933,22 @@ def binary_loader(type_oid: int, types: Mapping[int, Type], dialect: str, rel: R
             f"binary mode cannot read type {name} ({where}) for a SQLite target: there is no converter for its "
             f"binary form; replicate with source.binary = false (binary mode covers every column)")
     return conv
+
+
+# Each kind of target's converter of binary values (a kind missing here cannot take binary mode).
+_LOADERS: dict[Kind, Callable[[int, Mapping[int, Type], Relation, str, Converter | None], Converter]] = {
+    Kind.POSTGRESQL: _pg_loader, Kind.SQLITE: _sqlite_loader,
+}
+
+
+def binary_loader(type_oid: int, types: Mapping[int, Type], kind: Kind, rel: Relation,
+                  column: str, money: Converter | None = None) -> Converter:
+    """The converter of one column's binary values for a kind of target; ``money``: the source session's money
+    text (``money_text``), if known. ValueError for a kind that has none."""
+    loader = _LOADERS.get(kind)
+    if loader is None:
+        raise ValueError(f"no binary converters for a target of kind {kind!r}")
+    return loader(type_oid, types, rel, column, money)
 
 
 def value_text(type_oid: int, types: Mapping[int, Type]) -> Callable[[bytes], str]:
@@ -955,7 +975,7 @@ __all__ = [
 ]
 
 
-def binary_converters(rel: Relation, types: dict[int, Type], dialect: str,
+def binary_converters(rel: Relation, types: dict[int, Type], kind: Kind,
                       money: Callable[[bytes], str] | None = None) -> list[Callable[[bytes], Any]]:
     """One converter per column for binary-mode values, using psycopg's loaders (``money``: see ``binary_loader``)."""
-    return [binary_loader(c.type_oid, types, dialect, rel, c.name, money) for c in rel.columns]
+    return [binary_loader(c.type_oid, types, kind, rel, c.name, money) for c in rel.columns]

@@ -1,29 +1,13 @@
-"""Which target table a source table lands in: written once, for the apply engine and the copy alike.
+"""Names of target tables, for people and for SQL, whatever the kind of target.
 
-``target.tables`` maps a source ``schema.table`` to a target name. Otherwise PostgreSQL keeps the source's
-schema and name, and SQLite, which has no schemas, keeps the bare name of a table of schema ``public`` and
-names any other ``schema.table`` as one identifier. A mapped PostgreSQL name without a schema is found
-through the search path (schema None); a mapped SQLite name is one identifier, dots and all.
+Which target table a source table lands in is each kind's rule (``Backend.target_table``, in
+``applier/targets/<kind>/naming.py``), written once for the apply engine and the copy alike: ``target.tables``
+maps a source ``schema.table`` to a target name, else the kind's own rule.
 """
 
 from __future__ import annotations
 
-from applier.decoder.messages import Relation
-from applier.targets.base import source_name
 from applier.text import quote_ident
-
-
-def target_table(rel: Relation, dialect: str, table_map: dict[str, str]) -> tuple[str | None, str]:
-    """(schema or None, table) on a target of ``dialect`` ('postgresql' or 'sqlite') for a source relation."""
-    mapped = table_map.get(source_name(rel))
-    if dialect == "sqlite":
-        if mapped:
-            return None, mapped
-        return None, (rel.name if rel.namespace in ("public", "") else f"{rel.namespace}.{rel.name}")
-    if mapped:
-        schema, _, table = mapped.rpartition(".")
-        return (schema or None), table
-    return rel.namespace or "public", rel.name
 
 
 def shown_name(schema: str | None, table: str) -> str:

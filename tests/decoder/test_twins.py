@@ -21,7 +21,7 @@ from applier.decoder.framing import read_frame_pure
 from applier.decoder.pgoutput import fast_decode_pure
 from applier.source.walsender import read_decoded_pure
 from applier.targets.base import SQLITE, Binding
-from applier.targets.postgres import copy_binary_pure, copy_data_pure
+from applier.targets.postgres.target import copy_binary_pure, copy_data_pure
 from tests.decoder.test_fuzz import SETTINGS, encode, i64, lsns, times, u64, valid_messages
 
 compiled = pytest.importorskip("applier._rowpath", reason="the compiled row path is not built here")

@@ -15,7 +15,7 @@ from applier.engine.runner import Runner
 from applier.errors import ApplyError, SlotLost, TargetUnreachable
 from applier.source.base import SourceError, SourceUnreachable, StreamOptions
 from applier.source.sql import SqlSlotSource
-from applier.targets.postgres import PostgresTarget
+from applier.targets.postgres.target import PostgresTarget
 
 
 def closed_port() -> int:

@@ -90,7 +90,7 @@ def target_exec(url: str, sql: str) -> list[tuple[Any, ...]]:
             return rows
         finally:
             db.close()
-    from applier.targets.postgres import libpq_dsn
+    from applier.targets.postgres.target import libpq_dsn
     with psycopg.connect(libpq_dsn(url), autocommit=True) as conn:
         cur = conn.execute(sql)
         return cur.fetchall() if cur.description else []

@@ -9,7 +9,7 @@ digests name the columns that differ. For a table that differs, both sides' rows
 found on one side only.
 
 On a SQLite target the values are compared as the README's mapping promises them
-(``applier.targets.values``, the documented mapping, applied to each source value as PostgreSQL prints it):
+(``applier.targets.sqlite.values``, the documented mapping, applied to each source value as PostgreSQL prints it):
 every row of the source, mapped, must be a row of the target table, and no other; a generated column the
 publication does not send is left out there by design, so it is not compared.
 
@@ -31,7 +31,7 @@ import psycopg
 from psycopg import sql
 
 from applier.decoder.messages import Column, Relation
-from applier.targets.values import sqlite_text_converters
+from applier.targets.sqlite.values import sqlite_text_converters
 from applier.text import quote_ident
 
 # settings that decide how values print as text: the same on both sides

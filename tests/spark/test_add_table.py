@@ -35,8 +35,9 @@ import pytest
 from applier.embedded import find_install
 from applier.migrate.add_table import sync_tables
 from applier.migrate.sync import sync
-from applier.targets.claim import claim_target, copy_claim_name
-from applier.targets.postgres import libpq_dsn
+from applier.targets.claim import copy_claim_name
+from applier.targets.postgres.claim import pg_claim
+from applier.targets.postgres.target import libpq_dsn
 from tests.plugins.cli import applier_script, clean_env, write_toml
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 from tests.spark.conftest import make_config, target_exec
@@ -272,12 +273,12 @@ def test_refusals(src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
     assert target_exec(dst.url, "SELECT count(*) FROM applier_sync_tables") == [(0,)]
 
     with psycopg.connect(libpq_dsn(dst.url), autocommit=True) as other:
-        claim_target("postgresql", other, "", "applier", "run")  # as `applier run` does
+        pg_claim(other, "applier", "run")  # as `applier run` does
         line = refused("--table", "public.n", "--force")
         assert "--force empties target table public.n, but an applier applies to this target" in line, line
         assert "applier run (pid" in line, line
     with psycopg.connect(libpq_dsn(dst.url), autocommit=True) as other:  # another `sync --table` of n runs
-        claim_target("postgresql", other, "", copy_claim_name("applier", "public", "n"), "sync --table")
+        pg_claim(other, copy_claim_name("applier", "public", "n"), "sync --table")
         line = refused("--table", "public.n", "--force")
         assert "another `applier sync --table` is copying source table public.n" in line, line
         assert "applier sync --table (pid" in line, line

@@ -163,7 +163,7 @@ def _tamper(target_url: str) -> None:
         db.commit()
         db.close()
         return
-    from applier.targets.postgres import libpq_dsn
+    from applier.targets.postgres.target import libpq_dsn
 
     with psycopg.connect(libpq_dsn(target_url), autocommit=True) as conn:
         conn.execute("UPDATE orders SET status = 'tampered' WHERE id = 4242")
@@ -174,7 +174,7 @@ def test_sync_catchup_verify_under_a_workload(spark, src: ScratchDb, target_url:
     started = time.monotonic()
     src.cluster.execute(SCHEMA, src.dbname)
     if target_url.startswith("postgresql"):  # user-defined types must exist on a PostgreSQL target
-        from applier.targets.postgres import libpq_dsn
+        from applier.targets.postgres.target import libpq_dsn
         with psycopg.connect(libpq_dsn(target_url), autocommit=True) as conn:
             conn.execute("CREATE TYPE mood AS ENUM ('sad', 'ok', 'happy')")
     cfg = _config_file(tmp_path, src, target_url)

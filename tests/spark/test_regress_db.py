@@ -41,7 +41,7 @@ from applier.embedded import Cluster
 from applier.engine.runner import Runner
 from applier.migrate.spark.verify import verify
 from applier.migrate.sync import sync
-from applier.targets.postgres import libpq_dsn
+from applier.targets.postgres.target import libpq_dsn
 from tests.plugins.clusters import ScratchDb, scratch_db
 from tests.spark.conftest import make_config, target_exec
 from tests.spark.regress_db import build_regression_db, load_schema

@@ -31,7 +31,7 @@ from applier.targets.binary import (
     money_text,
     register_pg_binary,
 )
-from applier.targets.values import sqlite_text_converters
+from applier.targets.sqlite.values import sqlite_text_converters
 from applier.text import quote_ident
 from tests.plugins.clusters import ScratchDb
 

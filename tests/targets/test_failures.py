@@ -15,8 +15,8 @@ import pytest
 
 from applier.errors import ApplyError
 from applier.targets.contract import Failures
-from applier.targets.postgres import FAILURES as PG
-from applier.targets.sqlite import FAILURES as SQLITE
+from applier.targets.postgres.target import FAILURES as PG
+from applier.targets.sqlite.target import FAILURES as SQLITE
 from tests.plugins.clusters import ScratchDb
 
 

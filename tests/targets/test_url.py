@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.engine import make_url
 
-from applier.targets.url import parse_target_url
+from applier.url import parse_target_url
 
 URLS = [
     "sqlite://",

@@ -25,7 +25,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from applier.decoder.messages import Column, Relation
-from applier.targets.values import sqlite_text_converters
+from applier.targets.backends import backend
+from applier.targets.sqlite.values import sqlite_text_converters
+from applier.url import Kind
 
 _EMPTY = pa.scalar(b"", pa.binary())
 _PREFIX = {tag: pa.scalar(tag, pa.binary()) for tag in (b"i", b"f", b"s", b"x")}
@@ -82,11 +84,11 @@ def canonical_rows_batch(rows: list[tuple[Any, ...]], names: list[str]) -> pa.Re
     return pa.RecordBatch.from_arrays([pa.array([canon(v) for v in col], pa.binary()) for col in cols], names=names)
 
 
-def display(value: bytes | None, dialect: str) -> Any:
-    """A canonical value for people (and JSON): text, number, or None."""
+def display(value: bytes | None, kind: Kind) -> Any:
+    """A canonical value of a target of ``kind`` for people (and JSON): text, number, or None."""
     if value is None:
         return None
-    if dialect != "sqlite":
+    if backend(kind).keeps_types:  # PostgreSQL's text
         return value.decode(errors="replace")
     tag, body = value[:1], value[1:]
     if tag == b"i":

@@ -75,9 +75,12 @@ from applier.decoder.messages import Column, Relation
 from applier.errors import ApplyError
 from applier.migrate.spark.session import copy_streams
 from applier.migrate.spark.source import pg_in_snapshot, pinned_dsn, range_query, read_pg_range
+from applier.targets.backend import Backend
+from applier.targets.backends import backend
 from applier.targets.binary import binary_copy_safe
-from applier.targets.values import sqlite_text_converters
+from applier.targets.sqlite.values import sqlite_text_converters
 from applier.text import one_line
+from applier.url import Kind
 
 SQLITE_LOCK_WAIT = 86400.0  # seconds the SQLite writer waits for the write lock
 SQLITE_READERS = 2  # partitions read (and held) at once for a SQLite target: the one being written, one ahead
@@ -105,7 +108,7 @@ class CopyPlan:
     """Everything the copy of a table's partitions needs (it travels to the Spark tasks, pickled)."""
 
     source: dict[str, Any]  # applier.migrate.spark.source.pg_plan, parsed: dsn, table, columns, ranges, snapshot …
-    dialect: str  # the target's: 'postgresql' or 'sqlite'
+    kind: Kind  # the target's
     target: str  # libpq DSN, or the SQLite file
     table: str  # quoted target table
     columns: list[str]  # quoted target columns, in the source's order
@@ -137,11 +140,11 @@ class PartDone:
     skipped: bool
 
 
-def partitions_for(dialect: str, pages: int, partitions: int) -> int:
+def partitions_for(target: Backend, pages: int, partitions: int) -> int:
     """How many partitions to ask ``ctid_ranges`` for a table of ``pages`` heap pages: ``partitions``
     (``spark.partitions``), or more for a SQLite target so that none exceeds ``SQLITE_PART_PAGES`` (see the
     module header: how long the write lock is held)."""
-    if dialect != "sqlite":
+    if target.copies_by_spark:
         return partitions
     return max(partitions, -(-pages // SQLITE_PART_PAGES))
 
@@ -499,7 +502,7 @@ def copy_partitions(spark: Any, plan: CopyPlan, done: Collection[int], label: st
     parts = [p for p in range(plan.partitions) if p not in done]
     if not parts:
         return []
-    if plan.dialect == "sqlite":
+    if not backend(plan.kind).copies_by_spark:
         try:
             return copy_sqlite_partitions(plan, parts)
         except Exception as exc:  # noqa: BLE001 - either end's error, as one line

@@ -84,7 +84,9 @@ from applier.migrate.spark.session import is_local, spark_for
 from applier.migrate.sync import TargetDb, count_in_snapshot, read_tables_in_snapshot, slot_row
 from applier.source.base import Source, SourceError
 from applier.source.walsender import WalSender
+from applier.targets.backends import backend_of
 from applier.text import quote_ident
+from applier.url import Kind
 
 log = logging.getLogger("applier.verify")
 
@@ -300,7 +302,7 @@ _SUMS = ("n", "s1", "s2", "s3")
 
 
 def compare(spark: Any, source_plan: str, target_plan: str, target_format: str, columns: list[str],
-            key: list[str], dialect: str, max_keys: int, label: str) -> TableResult:
+            key: list[str], kind: Kind, max_keys: int, label: str) -> TableResult:
     """Compare one table (see the module header); fills a TableResult (table names left to the caller)."""
     from pyspark.sql import functions as F
 
@@ -330,14 +332,14 @@ def compare(spark: Any, source_plan: str, target_plan: str, target_format: str, 
         res.differing_ranges = len(differing)
         if differing:
             differing_keys(src.where(F.col("bucket").isin(differing)), tgt.where(F.col("bucket").isin(differing)),
-                           columns, key, dialect, max_keys, res)
+                           columns, key, kind, max_keys, res)
         log.debug("%s: differing keys found in %.1fs", label, time.monotonic() - t0)
         return res
     finally:
         sc.setJobDescription(None)
 
 
-def differing_keys(src: Any, tgt: Any, columns: list[str], key: list[str], dialect: str, max_keys: int,
+def differing_keys(src: Any, tgt: Any, columns: list[str], key: list[str], target_kind: Kind, max_keys: int,
                    res: TableResult) -> None:
     """Job 2 (see the module header) over both sides' rows (``_prepared``) of the differing ranges: fills the
     differing keys' counts and the first ``max_keys`` of them into ``res``."""
@@ -375,7 +377,7 @@ def differing_keys(src: Any, tgt: Any, columns: list[str], key: list[str], diale
     def values(row: Any) -> dict[str, Any] | None:
         if row is None:
             return None
-        return {c: display(row[f"c{i}"], dialect) for i, c in enumerate(columns)}
+        return {c: display(row[f"c{i}"], target_kind) for i, c in enumerate(columns)}
 
     for r in first:
         a, b = values(r["a_row"]), values(r["b_row"])
@@ -411,7 +413,7 @@ def compare_on_servers(spark: Any, source_plan: str, target_plan: str, columns: 
             narrowed = json.dumps({**p, "where": f"({p['where']}) AND {only}" if p.get("where") else only})
             sides.append(_prepared(spark.read.format("applier_pg").option("plan", narrowed).load(), len(columns),
                                    key_idx))
-        differing_keys(sides[0], sides[1], columns, key, "postgresql", max_keys, res)
+        differing_keys(sides[0], sides[1], columns, key, Kind.POSTGRESQL, max_keys, res)
         log.debug("%s: differing keys found in %.1fs", label, time.monotonic() - t0)
         return res
     finally:
@@ -422,7 +424,7 @@ def compare_on_servers(spark: Any, source_plan: str, target_plan: str, columns: 
 
 def check_spark_target(cfg: Config) -> None:
     """A SQLite target file is read by the Spark workers: it needs a local master."""
-    if cfg.target_dialect == "sqlite" and not is_local(cfg.spark["master"]):
+    if backend_of(cfg).local_file and not is_local(cfg.spark["master"]):
         raise ConfigError(f"{cfg.where('spark', 'master')}: verifying a SQLite target needs a local Spark master "
                           f"(local[*]), not {cfg.spark['master']!r}: the workers read the file")
 
@@ -467,7 +469,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
         target = TargetDb(cfg)
         try:
             same_encoding = False  # PostgreSQL on both sides: the key ranges can be hashed on the servers
-            if target.dialect != "sqlite":
+            if target.backend.keeps_types:
                 with source_connect(cfg) as conn:
                     same_encoding = server_encoding(conn) == server_encoding(target.conn)
             for t in tables:
@@ -488,22 +490,25 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                 # a column the column lists leave out holds what the copy and the stream leave in it: NULL
                 nulls = [c for c in target.columns_without_default(t) if c in t.unpublished]
                 qcols = [quote_ident(c) for c in cols]
-                sqlite = target.dialect == "sqlite"
+                kind = target.backend.kind
+                mapped = not target.backend.keeps_types  # compared as the kind's mapping of the source's values
                 src_plan = pg_plan(cfg.source["dsn"], t.qname, qcols + ["NULL"] * len(nulls), pages=t.pages,
                                    partitions=nparts, snapshot=info.snapshot_name, where=t.rowfilter,
                                    app="applier-verify source", only=t.only,
                                    canonical_types=[c.type_oid for c in compared] + [25] * len(nulls)
-                                   if sqlite else None)
+                                   if mapped else None)
                 qcols += [quote_ident(c) for c in nulls]
-                if sqlite:
+                if kind is Kind.SQLITE:
                     tgt_plan = sqlite_plan(target.where, qtarget, qcols, sqlite_rowid_ranges(target.conn, qtarget, nparts))
                     fmt = "applier_sqlite"
-                else:
+                elif kind is Kind.POSTGRESQL:
                     tgt_plan = pg_plan(target.where, qtarget, qcols, pages=target.pages(t), partitions=nparts,
                                        app="applier-verify target", only=not target.partitioned(t))
                     fmt = "applier_pg"
+                else:
+                    raise ConfigError(f"{cfg.where('target', 'url')}: verify cannot read a target of kind {kind}")
                 say(f"comparing {t.qualified}")
-                on_servers = not sqlite and same_encoding and same_types(
+                on_servers = not mapped and same_encoding and same_types(
                     [(c.name, c.type_schema, c.type_name, c.type_mod) for c in compared],
                     target_types(target.conn, qtarget))
                 try:
@@ -511,7 +516,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                         res = compare_on_servers(spark, src_plan, tgt_plan, cols + nulls, t.key_columns, max_keys,
                                                  t.qualified)
                     else:
-                        res = compare(spark, src_plan, tgt_plan, fmt, cols + nulls, t.key_columns, target.dialect,
+                        res = compare(spark, src_plan, tgt_plan, fmt, cols + nulls, t.key_columns, kind,
                                       max_keys, t.qualified)
                 except Exception as exc:  # noqa: BLE001 - one table's failure is reported, the others go on
                     from applier.migrate.spark.copy import spark_error_line  # start-up time: pyspark

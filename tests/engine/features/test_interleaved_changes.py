@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from applier.errors import ApplyError
-from applier.targets.postgres import PIPELINE_DEPTH, PostgresTarget
+from applier.targets.postgres.target import PIPELINE_DEPTH, PostgresTarget
 
 from .conftest import Rig
 from .test_conflicts import recorded, tname

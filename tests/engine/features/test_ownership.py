@@ -25,7 +25,7 @@ from applier.engine.runner import Runner
 from applier.errors import InUseError
 from applier.source.base import SlotInUseError
 from applier.targets import claim
-from applier.targets.claim import pg_lock_key
+from applier.targets.postgres.claim import pg_lock_key
 from tests.engine.features.conftest import Rig, applier_argv, run_cli
 from tests.plugins.cli import clean_env
 

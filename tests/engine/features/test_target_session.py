@@ -18,7 +18,7 @@ import pytest
 from applier.decoder.messages import PgOutputMessage, Relation
 from applier.errors import ApplyError
 from applier.lsn import LSN
-from applier.targets import postgres
+from applier.targets.postgres import target as postgres
 
 from .conftest import Rig
 

@@ -21,7 +21,7 @@ from applier.admin import init, status
 from applier.config import ConfigError
 from applier.decoder.messages import StreamPrepare
 from applier.embedded import Cluster
-from applier.targets.postgres import PostgresTarget
+from applier.targets.postgres.target import PostgresTarget
 from tests.plugins.clusters import ScratchDb
 
 from .conftest import BIG, TpRig

@@ -2,7 +2,7 @@
 
 SQLite has no schemas: a source table of schema ``public`` keeps its bare name,
 any other is named ``schema.table`` as one quoted identifier (``target.tables``
-maps names otherwise). Values follow the mapping in ``applier.targets.values``.
+maps names otherwise). Values follow the mapping in ``applier.targets.sqlite.values``.
 A commit is durable when it returns (``synchronous = FULL``), so the applied
 position may be confirmed to the source at once.
 """
@@ -17,15 +17,17 @@ from typing import Any
 from applier.decoder.messages import Relation, TupleData, Type
 from applier.errors import ApplyError, MissingTable
 from applier.lsn import LSN
-from applier.progress.store import SQLITE_SQL
+from applier.progress.store import progress_sql
 from applier.targets.base import SQLITE, Binding, LocalRow, TargetBase, present_columns, source_name
-from applier.targets.claim import FileClaim, claim_target, target_holder
 from applier.targets.contract import Failures
 from applier.targets.follow import ADD_COLUMNS_HINT
-from applier.targets.naming import target_table
-from applier.targets.url import parse_target_url
-from applier.targets.values import sqlite_declared, sqlite_text_converters
+from applier.targets.sqlite.claim import FileClaim, sqlite_claim, sqlite_holder
+from applier.targets.sqlite.naming import sqlite_target_table
+from applier.targets.sqlite.values import sqlite_declared, sqlite_text_converters
 from applier.text import quote_ident
+from applier.url import Kind, parse_target_url
+
+SQLITE_SQL = progress_sql("?", "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'applier_sync_tables'")
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -76,11 +78,11 @@ class SqliteTarget(TargetBase):
 
     def target_table(self, rel: Relation) -> tuple[str | None, str]:
         """(None, table) on the target for a source relation (applier.targets.naming)."""
-        return target_table(rel, "sqlite", self.table_map)
+        return sqlite_target_table(rel, self.table_map)
 
     def follow(self, rel: Relation, types: dict[int, Type], lsn: LSN, no_ddl: str | None = None) -> None:
         """Make the target table fit ``rel`` (see ``SchemaFollower``): ADD COLUMN with the mapped declared type
-        (``applier.targets.values.sqlite_declared``). A type change needs nothing and is never refused: SQLite holds
+        (``applier.targets.sqlite.values.sqlite_declared``). A type change needs nothing and is never refused: SQLite holds
         no value to a declared type's precision or length (the declared type only picks the column's affinity), so
         each value is stored as the source's type now gives it, under that affinity, as any value is with
         ``schema_changes = "error"``. A missing table is left to ``bind``."""
@@ -114,7 +116,7 @@ class SqliteTarget(TargetBase):
         if binary:
             # here, not at the top: start-up time (text mode never loads the binary converters)
             from applier.targets.binary import binary_converters, value_texts
-            convert = binary_converters(rel, types, "sqlite", self.money_text)
+            convert = binary_converters(rel, types, Kind.SQLITE, self.money_text)
         else:
             convert = sqlite_text_converters(rel)
         b = Binding(rel, table, quote_ident(table), convert, SQLITE)
@@ -206,12 +208,12 @@ class SqliteTarget(TargetBase):
         """Hold this progress row while this target is open (a lock file); InUseError naming the holder if taken.
         ``held``: this process holds it already (``claim.ProcessClaim``)."""
         if not held:
-            self._claim = claim_target("sqlite", None, self.path, self.name, command)
+            self._claim = sqlite_claim(self.path, self.name, command)
 
     def holder(self, name: str | None = None) -> str | None:
         """Who applies to this progress row now (None: nobody); ``name``: who holds that claim key instead
         (``claim.copy_claim_name``)."""
-        return target_holder("sqlite", None, self.path, name or self.name)
+        return sqlite_holder(self.path, name or self.name)
 
     def close(self) -> None:
         """Roll back anything open, close the file and give up the claim."""

@@ -1,4 +1,8 @@
-"""Target URLs, read without importing SQLAlchemy.
+"""Target URLs, read without importing SQLAlchemy, and the kinds of target they name (the registry by scheme).
+
+``SCHEMES`` is the one table from a URL scheme to a target ``Kind``; each kind's ``Backend`` lives in its own
+folder, ``applier/targets/<kind>/`` (found by ``applier.targets.backends``). This module is on the ground floor:
+``applier.config`` checks ``target.url`` through it, and nothing here imports the rest of applier.
 
 ``run`` and ``catchup`` start faster without SQLAlchemy (its import alone is
 ~0.2 s, a tenth of a one-shot catch-up of 200,000 rows), so the apply path
@@ -12,6 +16,7 @@ checks that both read every URL alike.
 from __future__ import annotations
 
 import re
+from enum import StrEnum
 from typing import NamedTuple
 from urllib.parse import parse_qsl, unquote
 
@@ -23,6 +28,25 @@ _URL = re.compile(
     (?:\?(?P<query>.*))?""",
     re.X,
 )
+
+
+class Kind(StrEnum):
+    """A kind of target database; its value is its canonical URL scheme."""
+
+    POSTGRESQL = "postgresql"
+    SQLITE = "sqlite"
+
+
+# The registry: URL scheme -> kind of target (psql's postgres:// is PostgreSQL's too).
+SCHEMES: dict[str, Kind] = {"postgresql": Kind.POSTGRESQL, "postgres": Kind.POSTGRESQL, "sqlite": Kind.SQLITE}
+
+
+def kind_of(url: str) -> Kind:
+    """The kind of target ``url`` names; ValueError if it is no database URL or of no known kind."""
+    scheme = parse_target_url(url).backend
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown kind of target {scheme!r}: expected one of {', '.join(sorted(SCHEMES))}")
+    return SCHEMES[scheme]
 
 
 class TargetURL(NamedTuple):

@@ -79,7 +79,7 @@ from applier._cmodule import rowpath
 from applier.decoder.messages import BINARY, NULL, Relation, TupleData, Type, pg_timestamp
 from applier.errors import ApplyError, Conflicted, FinalError, MissingTable, TargetUnreachable
 from applier.lsn import LSN
-from applier.progress.store import PG_SQL
+from applier.progress.store import progress_sql
 from applier.rows import one_row
 from applier.targets.base import (
     POSTGRES,
@@ -91,13 +91,13 @@ from applier.targets.base import (
     present_columns,
     source_name,
 )
-from applier.targets.claim import claim_target, target_holder
 from applier.targets.contract import Failures
 from applier.targets.follow import ADD_COLUMNS_HINT, column_changes, kinds_clash, rewrites
-from applier.targets.naming import target_table
-from applier.targets.url import parse_target_url
+from applier.targets.postgres.claim import pg_claim, pg_holder
+from applier.targets.postgres.naming import pg_target_table
 from applier.targets.values import FIRST_USER_OID
 from applier.text import one_line, quote_ident
+from applier.url import Kind, parse_target_url
 
 log = logging.getLogger("applier.targets")
 
@@ -284,6 +284,7 @@ PREPARED_MAX = 500
 # The progress write, a compare-and-set (``ProgressSQL.advance``): a row another process moved since this session
 # read it is not written, and the statement fails with this text (as ``_counted``'s), so the COMMIT after it in the
 # pipeline does not run either.
+PG_SQL = progress_sql("%s", "SELECT to_regclass('applier_sync_tables') IS NOT NULL")
 _MOVED_MARK = "applier-progress-moved"
 _ADVANCE = f"WITH p AS ({PG_SQL.advance} RETURNING 1) SELECT (SELECT CASE WHEN count(*) = 1 THEN '0/0' " \
            f"ELSE '{_MOVED_MARK}' END FROM p)::pg_lsn"
@@ -544,7 +545,7 @@ class PostgresTarget(TargetBase):
 
     def target_table(self, rel: Relation) -> tuple[str | None, str]:
         """(schema, table) on the target for a source relation (applier.targets.naming)."""
-        return target_table(rel, "postgresql", self.table_map)
+        return pg_target_table(rel, self.table_map)
 
     def _names(self, rel: Relation) -> tuple[str, str]:
         """(the target table as shown in messages, quoted) of a source relation."""
@@ -678,7 +679,7 @@ class PostgresTarget(TargetBase):
                 value_texts,
             )
             register_pg_binary(self.cur)
-            convert: list[Any] = binary_converters(rel, types, "postgresql")
+            convert: list[Any] = binary_converters(rel, types, Kind.POSTGRESQL)
         else:
             convert = [bytes.decode] * len(rel.columns)
         b = Binding(rel, shown, qtable, convert, POSTGRES, text_compare)
@@ -1014,7 +1015,7 @@ class PostgresTarget(TargetBase):
 
         A stale holder's session also held the replication origin: set up here once it is gone."""
         if not held:
-            claim_target("postgresql", self.conn, "", self.name, command)
+            pg_claim(self.conn, self.name, command)
         if self.use_origin and not self.has_origin:
             self.has_origin = self._setup_origin()
             self._detect_origin()
@@ -1022,7 +1023,7 @@ class PostgresTarget(TargetBase):
     def holder(self, name: str | None = None) -> str | None:
         """Who applies to this progress row now (None: nobody); ``name``: who holds that claim key instead
         (``claim.copy_claim_name``)."""
-        return target_holder("postgresql", self.conn, "", name or self.name)
+        return pg_holder(self.conn, name or self.name)
 
     def close(self) -> None:
         """Roll back anything open and close the connection."""

@@ -1,0 +1,1 @@
+"""The PostgreSQL target kind: its engine target (``target``), claim, naming rule and ``Backend`` (``backend``)."""
