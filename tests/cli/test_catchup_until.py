@@ -84,13 +84,15 @@ def test_until_between_prepare_and_commit_prepared(source_db: ScratchDb, tmp_pat
 
 def test_until_past_the_source_waits_for_it(rig: Rig) -> None:
     rig.src("INSERT INTO t VALUES (1, 'x')")
-    ahead = LSN(LSN.parse(rig.src("SELECT pg_current_wal_insert_lsn()::text")[0][0]) + 1)
+    # a margin the server's own WAL (a running-xacts record every 15 s, autovacuum) does not cross in the wait
+    ahead = LSN(LSN.parse(rig.src("SELECT pg_current_wal_insert_lsn()::text")[0][0]) + 65536)
     proc = rig.start("catchup", "--until", str(ahead))
     try:
         time.sleep(4)
         assert proc.poll() is None, proc.communicate()  # still waiting: the source has not reached it
         assert ids(rig) == [1]  # what lies before it is applied meanwhile
-        rig.src("INSERT INTO t VALUES (2, 'x')")  # committed past the position: ends the wait, not applied
+        # committed past the position (~300 kB of WAL): ends the wait, not applied
+        rig.src("INSERT INTO t SELECT 2, string_agg(md5(g::text), '') FROM generate_series(1, 10000) AS g")
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
