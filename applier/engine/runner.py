@@ -407,7 +407,7 @@ class Runner:
                 metrics=self.metrics)
             source = open_source(cfg, progress, self.wrap_source)  # first: is this the source of the progress?
             if self.metrics is not None:
-                engine.prepared_waiting = prepared_count(target)
+                engine.twophase.waiting = prepared_count(target)
                 self.metrics.watch(engine, source)
             self._connected(progress.lsn)
             target.source_system = source.system_id
