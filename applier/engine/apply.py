@@ -14,7 +14,8 @@ Invariants:
   applied before (the server resent it) and is skipped whole;
 - nothing is confirmed here: the runner confirms ``target.durable_lsn()``;
 - on any error the open target transaction is rolled back whole and an
-  ``ApplyError`` names the operation, table, key, transaction and LSN.
+  ``ApplyError`` names the operation, table, key, transaction and LSN;
+- a message kind without a handler here is a ``FinalError`` naming the kind and the LSN.
 
 The engine asks, as worker.c asks tablesync.c:
 - ``applier.engine.joingate``: whether a change to a table joining the stream (``applier sync --table``)
@@ -156,7 +157,19 @@ class ApplyEngine:
                 return
         if kind is Relation or kind is Type:
             self.raw_message = (False, raw)
-        self._handlers[kind](msg)
+        handler = self._handlers.get(kind)
+        if handler is None:
+            raise self.unhandled(msg)
+        handler(msg)
+
+    def unhandled(self, msg: PgOutputMessage) -> FinalError:
+        """The error of a message kind the engine has no handler for: the same in every session (final), naming
+        the kind and the LSN of the transaction in hand (or the end of the last one)."""
+        txn = self.txn
+        where = (f"in transaction {txn.xid} finished at {txn.final_lsn}" if txn is not None
+                 else f"after the transaction ending at {self.last_commit_end}")
+        return FinalError(f"pgoutput message {type(msg).__name__} {where}: the apply engine has no handler for "
+                          f"this message kind")
 
     def set_careful(self, careful: bool, group_delay: float) -> None:
         """Careful mode: one row per statement and one source transaction per target transaction."""
@@ -483,7 +496,10 @@ class ApplyEngine:
         for in_stream, raw in recs:
             msg = decode_message(raw, in_stream)
             self.raw_message = (in_stream, raw)
-            handlers[type(msg)](msg)
+            handler = handlers.get(type(msg))
+            if handler is None:
+                raise self.unhandled(msg)
+            handler(msg)
 
     def replay_isolated(self, blob: bytes) -> None:
         """Replay a kept prepared transaction with its own relation cache (it carries its definitions)."""
