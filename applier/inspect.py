@@ -12,7 +12,9 @@ from typing import Any
 import psycopg
 
 from applier.config import Config
-from applier.decoder import Decoder, Keepalive, XLogData, render_message
+from applier.decoder.messages import Keepalive, XLogData
+from applier.decoder.pgoutput import Decoder
+from applier.decoder.render import render_message
 from applier.lsn import LSN
 from applier.source.base import Source, SourceError, StreamOptions
 from applier.source.recorded import RecordWriter

@@ -35,7 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from applier.decoder import Decoder, Keepalive, XLogData
+from applier.decoder.messages import Keepalive, XLogData
+from applier.decoder.pgoutput import Decoder
 from applier.embedded import Cluster, find_install
 from applier.lsn import LSN
 from applier.source.base import StreamOptions

@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 import psycopg
 
 from applier.config import Config, ConfigError, load_config
-from applier.decoder import DecodeError
+from applier.decoder.pgoutput import DecodeError
 from applier.engine.spool import SpoolFull
 from applier.errors import ApplyError, InUseError, ProgressMoved, SlotLost, Unreachable
 from applier.logs import TextFormatter, use_format

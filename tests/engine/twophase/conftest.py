@@ -31,7 +31,8 @@ from psycopg import sql as psql
 
 from applier.admin import init, status
 from applier.config import Config, load_config
-from applier.decoder import Decoder, XLogData
+from applier.decoder.messages import XLogData
+from applier.decoder.pgoutput import Decoder
 from applier.engine.runner import Runner, Summary
 from applier.inspect import stream_options
 from applier.lsn import LSN
