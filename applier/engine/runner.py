@@ -67,11 +67,11 @@ from applier.engine.apply import ApplyEngine
 from applier.engine.heartbeat import CATCHUP_EVERY, Heartbeat
 from applier.engine.spool import SpoolFull
 from applier.errors import ApplyError, Conflicted, ConflictStopped, FinalError, SlotLost, TableWait
-from applier.inspect import current_wal_insert_lsn, stream_options
+from applier.inspect import current_wal_insert_lsn
 from applier.lsn import LSN
 from applier.progress.store import Progress, prune_conflicts
 from applier.rows import one_row
-from applier.source.base import SlotInUseError, Source, SourceError
+from applier.source.base import SlotInUseError, Source, SourceError, stream_options
 from applier.source.chunks import ChunkReader
 from applier.source.sql import SqlSlotSource
 from applier.source.walsender import SLOT_STATE, WalSender, session_dsn, slot_state
