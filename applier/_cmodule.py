@@ -5,12 +5,18 @@ where a C compiler exists. It is used when it imports and ``APPLIER_PURE_PYTHON`
 is unset (or ``0``); otherwise every caller runs the pure-Python twin of each of
 its functions, with the same results and the same errors. Decided once, at
 import: the row path never changes within a process.
+
+Every module picks its twin in one way, at import, beside the pure function:
+``name = twin("compiled_name", name_pure)``.
 """
 
 from __future__ import annotations
 
 import os
 from types import ModuleType
+from typing import TypeVar, cast
+
+F = TypeVar("F")
 
 
 def _load() -> tuple[ModuleType | None, str]:
@@ -25,6 +31,11 @@ def _load() -> tuple[ModuleType | None, str]:
 
 rowpath, _why = _load()
 IMPLEMENTATION = "compiled" if rowpath is not None else "pure"
+
+
+def twin(name: str, pure: F) -> F:
+    """``applier._rowpath``'s function ``name`` when the compiled row path runs, else ``pure`` (its twin)."""
+    return cast(F, getattr(rowpath, name)) if rowpath is not None else pure
 
 
 def describe() -> str:

@@ -43,28 +43,22 @@ from libc.string cimport memcpy
 cdef extern from "Python.h":
     object PyType_GenericAlloc(PyTypeObject* t, Py_ssize_t n)
 
-# The message classes, bound on first use (``_bind``): importing applier.decoder here would run that
-# package's __init__, which imports this module through applier._cmodule: a cycle at import time.
+from applier.decoder import messages
+from applier.lsn import LSN
+
+# The message classes, bound at import: applier.decoder.messages and applier.lsn import nothing that imports
+# this module (applier.decoder's __init__ imports none of its modules; pgoutput and framing import this one
+# through applier._cmodule).
 cdef object _new_int = int.__new__
-cdef object _Begin = None
-cdef object _Commit = None
-cdef object _Insert = None
-cdef object _Update = None
-cdef object _Delete = None
-cdef object _TupleData = None
-cdef object _XLogData = None
-cdef object _Keepalive = None
-cdef object _LSN = None
-
-
-cdef int _bind() except -1:
-    global _Begin, _Commit, _Insert, _Update, _Delete, _TupleData, _XLogData, _Keepalive, _LSN
-    from applier.decoder import messages
-    from applier.lsn import LSN
-    _Begin, _Commit, _Insert, _Update = messages.Begin, messages.Commit, messages.Insert, messages.Update
-    _Delete, _TupleData, _XLogData = messages.Delete, messages.TupleData, messages.XLogData
-    _Keepalive, _LSN = messages.Keepalive, LSN
-    return 0
+cdef object _Begin = messages.Begin
+cdef object _Commit = messages.Commit
+cdef object _Insert = messages.Insert
+cdef object _Update = messages.Update
+cdef object _Delete = messages.Delete
+cdef object _TupleData = messages.TupleData
+cdef object _XLogData = messages.XLogData
+cdef object _Keepalive = messages.Keepalive
+cdef object _LSN = LSN
 
 
 cdef object _K = "K"
@@ -133,8 +127,6 @@ def read_frame(data):
     cdef const uint8_t* p
     cdef Py_ssize_t n
     cdef uint8_t reply
-    if _XLogData is None:
-        _bind()
     PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
     try:
         p = <const uint8_t*>view.buf
@@ -162,8 +154,6 @@ def read_decoded(get_copy_data, fast, bint in_stream, list buf, Py_ssize_t most,
     cdef uint64_t top = 0
     cdef uint64_t end
     cdef object got, frame, msg, payload
-    if _XLogData is None:
-        _bind()
     while len(buf) < most and size < limit:
         got = get_copy_data(1)
         if type(got) is not tuple or len(<tuple>got) != 2:
@@ -262,8 +252,6 @@ def fast_decode(data, bint in_stream=False):
     cdef Py_ssize_t pos, at
     cdef uint8_t kind, part
     cdef object oid, old, new, xid = None
-    if _Insert is None:
-        _bind()
     if end < 1:
         return None
     kind = buf[0]

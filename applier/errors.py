@@ -15,8 +15,8 @@ class ApplyError(RuntimeError):
 
 class FinalError(ApplyError):
     """A change applier refuses whatever the retry (a schema verdict of ``apply.schema_changes``, made from the
-    target's catalog and the Relation message, the same in every session): the runner does not retry it row by
-    row, since that cannot change the verdict."""
+    target's catalog and the Relation message, the same in every session; a message kind the engine has no
+    handler for): the runner does not retry it row by row, since that cannot change the verdict."""
 
 
 class Conflicted(ApplyError):

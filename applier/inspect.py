@@ -12,25 +12,15 @@ from typing import Any
 import psycopg
 
 from applier.config import Config
-from applier.decoder import Decoder, Keepalive, XLogData, render_message
-from applier.decoder.messages import ENDS_TRANSACTION, kind_of
+from applier.decoder.messages import ENDS_TRANSACTION, Keepalive, XLogData, kind_of
+from applier.decoder.pgoutput import Decoder
+from applier.decoder.render import render_message
 from applier.lsn import LSN
-from applier.source.base import Source, SourceError, StreamOptions
+from applier.source.base import Source, SourceError, stream_options
 from applier.source.recorded import RecordWriter
 from applier.source.sql import SqlSlotSource
 from applier.source.walsender import WalSender
 from applier.text import one_line
-
-
-def stream_options(cfg: Config) -> StreamOptions:
-    """The pgoutput options the config asks for."""
-    s = cfg.source
-    streaming = s["streaming"]
-    if isinstance(streaming, str):
-        streaming = {"on": True, "off": False}.get(streaming, streaming)
-    return StreamOptions(publications=tuple(s["publications"]), proto_version=s["proto_version"],
-                         binary=s["binary"], streaming=streaming, two_phase=s["two_phase"],
-                         messages=True, origin=s["origin"])
 
 
 def open_peek_source(cfg: Config) -> SqlSlotSource:

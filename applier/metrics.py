@@ -247,9 +247,9 @@ class Metrics:
 
     def _prepared(self) -> float:
         engine = self._engine
-        if engine is None or engine.prepared_waiting is None:
+        if engine is None or engine.twophase.waiting is None:
             return self._waiting
-        return float(engine.prepared_waiting)
+        return float(engine.twophase.waiting)
 
 
 class Probe:

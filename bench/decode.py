@@ -35,8 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from applier.decoder import Decoder, Keepalive, XLogData
-from applier.decoder.messages import ENDS_TRANSACTION, kind_of
+from applier.decoder.messages import ENDS_TRANSACTION, Keepalive, XLogData, kind_of
+from applier.decoder.pgoutput import Decoder
 from applier.embedded import Cluster, find_install
 from applier.lsn import LSN
 from applier.source.base import StreamOptions

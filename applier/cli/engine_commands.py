@@ -9,8 +9,8 @@ from typing import Annotated
 
 import typer
 
+from applier.cli.apply_command import apply
 from applier.cli.guard import CONNECTION, SLOT_GONE
-from applier.cli.quick import apply
 from applier.cli.root import (
     ConfigOpt,
     DsnOpt,

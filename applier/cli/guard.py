@@ -8,7 +8,7 @@ operating section and ``applier --help`` show the same table). An interrupt
 (SIGINT, Ctrl-C) is one line and exit 130, on every command.
 
 Nothing here imports typer: ``applier catchup`` and ``applier run`` start
-without it (``applier.cli.quick``), and the typer commands use the same
+without it (``applier.cli.apply_command``), and the typer commands use the same
 functions, so both ways in print the same lines and exit with the same codes.
 """
 
@@ -23,14 +23,14 @@ from typing import Any, NoReturn
 import psycopg
 
 from applier.config import Config, ConfigError, load_config
-from applier.decoder import DecodeError
+from applier.decoder.pgoutput import DecodeError
 from applier.engine.spool import SpoolFull
 from applier.errors import ApplyError, InUseError, ProgressMoved, SlotLost, Unreachable
 from applier.logs import TextFormatter, use_format
 from applier.source.base import SourceError
 from applier.text import one_line, redact_text
 
-# The shared options' names (``applier.cli.root`` declares them on typer; ``applier.cli.quick`` reads them).
+# The shared options' names (``applier.cli.root`` declares them on typer; ``applier.cli.apply_command`` reads them).
 CONFIG = ("--config", "-c")
 DSN = ("--dsn",)
 SLOT = ("--slot",)

@@ -1,7 +1,7 @@
 """The entry point of the ``applier`` script.
 
 A plain ``applier catchup`` or ``applier run`` command line runs without typer
-(``applier.cli.quick``: typer and the pydantic it builds validators with are a
+(``applier.cli.apply_command``: typer and the pydantic it builds validators with are a
 third of a one-shot catch-up's start); every other command line, ``--help`` and
 the usage errors included, goes to the typer app (``applier.cli.app``).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from applier.cli import quick
+from applier.cli import apply_command
 from applier.cli.guard import interrupted
 
 __all__ = ["main"]
@@ -20,9 +20,9 @@ def main() -> None:
     """Entry point of the ``applier`` script; an interrupt before a command runs (while it starts) ends as one
     during it does (``guard.interrupted``)."""
     try:
-        call = quick.parse(sys.argv[1:])
+        call = apply_command.parse(sys.argv[1:])
         if call is not None:
-            quick.run(call)
+            apply_command.run(call)
             return
         # here, not at the top: start-up time (catchup and run above do without typer and pydantic)
         from applier.cli.app import app

@@ -2,7 +2,7 @@
 
 How every command runs (config, logging, known errors as one line and the exit code of their kind) is
 ``applier.cli.guard``, shared with the typer-free way into ``catchup`` and ``run``
-(``applier.cli.quick``). Command modules (``*_commands``) import this one and
+(``applier.cli.apply_command``). Command modules (``*_commands``) import this one and
 register on ``app``; ``applier.cli.app`` imports them all (imports run one way:
 app → commands → root → guard).
 """

@@ -1,12 +1,7 @@
-"""The decoder: bytes from a walsender into typed, immutable messages. Pure, no I/O."""
+"""The decoder: bytes from a walsender into typed, immutable messages. Pure, no I/O.
 
-from applier.decoder.framing import Frame, encode_standby_status, read_frame
-from applier.decoder.messages import *  # noqa: F403
-from applier.decoder.messages import Keepalive, XLogData
-from applier.decoder.pgoutput import DecodeError, Decoder, decode_message
-from applier.decoder.render import render_message
-
-__all__ = [
-    "DecodeError", "Decoder", "Frame", "Keepalive", "XLogData",
-    "decode_message", "encode_standby_status", "read_frame", "render_message",
-]
+``messages`` (the message types), ``framing`` (replication frames), ``pgoutput`` (pgoutput
+messages), ``render`` (their text). Importing this package imports none of them, so that a module
+can take ``applier.decoder.messages`` without the decoding modules (the compiled row path,
+``applier._rowpath``, does: ``pgoutput`` and ``framing`` import it through ``applier._cmodule``).
+"""

@@ -12,7 +12,7 @@ import struct
 import time
 from collections.abc import Callable
 
-from applier._cmodule import rowpath
+from applier._cmodule import twin
 from applier.decoder.messages import PG_EPOCH_UNIX, Keepalive, XLogData
 from applier.decoder.pgoutput import DecodeError
 from applier.lsn import LSN
@@ -29,15 +29,8 @@ Frame = XLogData | Keepalive
 
 def read_frame(data: bytes | memoryview) -> Frame:
     """Parse one CopyData payload from a walsender (a memoryview is read in place; the payload is copied out)."""
-    if _read_c is not None:
-        frame = _read_c(data)
-        if frame is not None:
-            return frame
-    return read_frame_pure(data)
-
-
-# the compiled twin (applier._cmodule): XLogData and well-formed keepalives; None for anything else
-_read_c: Callable[[bytes | memoryview], Frame | None] | None = rowpath.read_frame if rowpath is not None else None
+    frame = _read_first(data)
+    return frame if frame is not None else read_frame_pure(data)
 
 
 def read_frame_pure(data: bytes | memoryview) -> Frame:
@@ -59,6 +52,11 @@ def read_frame_pure(data: bytes | memoryview) -> Frame:
             raise DecodeError("Primary keepalive", "reply", 17, f"expected 0 or 1, got {reply}")
         return Keepalive(LSN(end), ts, bool(reply))
     raise DecodeError("CopyData", "kind", 0, f"unknown frame kind {bytes(data[:1])!r}")
+
+
+# compiled or pure (applier._cmodule): the compiled one reads XLogData and well-formed keepalives and returns None
+# for anything else (``read_frame`` then reads it with the pure one, which reads every frame or raises)
+_read_first: Callable[[bytes | memoryview], Frame | None] = twin("read_frame", read_frame_pure)
 
 
 def now_pg_micros() -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
-from applier._cmodule import rowpath
+from applier._cmodule import twin
 from applier.decoder.messages import (
     BINARY,
     NULL,
@@ -472,8 +472,7 @@ def fast_decode_pure(data: bytes, in_stream: bool = False) -> PgOutputMessage | 
     return fast(data) if fast is not None else None
 
 
-# the compiled twin when it is built and not turned off (applier._cmodule)
-fast_decode: FastDecode = rowpath.fast_decode if rowpath is not None else fast_decode_pure
+fast_decode: FastDecode = twin("fast_decode", fast_decode_pure)  # compiled or pure (applier._cmodule)
 
 
 def decode_message(data: bytes, in_stream: bool = False) -> PgOutputMessage:

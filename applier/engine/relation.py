@@ -5,8 +5,8 @@ As PostgreSQL's relation.c does for its subscriber, this module owns the remoteâ
 - ``bindings``: each relation OID bound to its target table (``target.bind``), made on first use;
 - ``gated``: bindings of tables that join the stream at a snapshot (``applier sync --table``: the
   binding's ``join``, read when bound), kept out of ``bindings`` so that the engine's per-row lookup
-  misses them and decides each change (``ApplyEngine.held``); ``promote`` moves one to ``bindings``
-  once every later change is the stream's;
+  misses them and the join gate decides each change (``applier.engine.joingate``); ``promote`` moves
+  one to ``bindings`` once every later change is the stream's;
 - ``meta_raw``: the raw bytes of those Relation and Type messages, so that a prepared transaction
   kept in the target's table carries the definitions its changes need (``meta_blob``).
 

@@ -69,10 +69,10 @@ from applier.engine.apply import ApplyEngine
 from applier.engine.heartbeat import CATCHUP_EVERY, Heartbeat
 from applier.engine.spool import SpoolFull
 from applier.errors import ApplyError, Conflicted, ConflictStopped, FinalError, SlotLost, TableWait, Unreachable
-from applier.inspect import current_wal_insert_lsn, stream_options
+from applier.inspect import current_wal_insert_lsn
 from applier.lsn import LSN
 from applier.progress.store import Progress
-from applier.source.base import SlotInUseError, Source, SourceError
+from applier.source.base import SlotInUseError, Source, SourceError, stream_options
 from applier.source.base import is_transient as source_transient
 from applier.source.chunks import ChunkReader
 from applier.source.sql import SqlSlotSource
@@ -390,7 +390,7 @@ class Runner:
                 metrics=self.metrics)
             source = open_source(cfg, progress, self.wrap_source)  # first: is this the source of the progress?
             if self.metrics is not None:
-                engine.prepared_waiting = prepared_count(target)
+                engine.twophase.waiting = prepared_count(target)
                 self.metrics.watch(engine, source)
             self._connected(progress.lsn)
             target.stream_from(source.system_id, cfg.source["slot"], source.money_text)

@@ -14,6 +14,9 @@ Contract every source keeps:
   decoded, appended to ``buf`` in one call while they are changes ``decoder.fast`` takes; returns the
   payload bytes then in ``buf`` and ``FULL`` (``buf`` holds ``most`` frames or ``limit`` bytes) or the next
   frame as ``read(0.0)`` would give it, not in ``buf``. ``applier.source.chunks`` uses it when present.
+
+Every source asks the server for the pgoutput options ``stream_options(cfg)`` reads from the config
+(``StreamOptions``, in the server's vocabulary by ``as_pairs``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from applier.config import Config
 from applier.decoder.framing import Frame
 from applier.errors import InUseError, Unreachable
 from applier.lsn import LSN
@@ -115,6 +119,17 @@ class StreamOptions:
         if self.origin is not None and server_version_num >= 160000:
             pairs.append(("origin", self.origin))
         return pairs
+
+
+def stream_options(cfg: Config) -> StreamOptions:
+    """The pgoutput options the config asks for."""
+    s = cfg.source
+    streaming = s["streaming"]
+    if isinstance(streaming, str):
+        streaming = {"on": True, "off": False}.get(streaming, streaming)
+    return StreamOptions(publications=tuple(s["publications"]), proto_version=s["proto_version"],
+                         binary=s["binary"], streaming=streaming, two_phase=s["two_phase"],
+                         messages=True, origin=s["origin"])
 
 
 def max_proto_version(server_version_num: int) -> int:

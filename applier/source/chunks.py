@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from applier.decoder import Decoder, XLogData
 from applier.decoder.framing import Frame
+from applier.decoder.messages import XLogData
+from applier.decoder.pgoutput import Decoder
 from applier.lsn import LSN
 from applier.source.base import FULL, Source
 

@@ -31,7 +31,7 @@ import psycopg
 from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from applier._cmodule import rowpath
+from applier._cmodule import twin
 from applier.decoder.framing import Frame, encode_standby_status, read_frame
 from applier.decoder.messages import Keepalive, PgOutputMessage, XLogData
 from applier.decoder.pgoutput import DecodeError, Decoder
@@ -69,8 +69,7 @@ def read_decoded_pure(get_copy_data: Callable[[int], tuple[int, Any]],
     return size, taken, top, None
 
 
-# the compiled twin when it is built and not turned off (applier._cmodule)
-read_decoded_c = rowpath.read_decoded if rowpath is not None else read_decoded_pure
+read_decoded = twin("read_decoded", read_decoded_pure)  # compiled or pure (applier._cmodule)
 
 
 def session_dsn(dsn: str) -> str:
@@ -220,11 +219,11 @@ class WalSender:
     def read_decoded(self, buf: list[Any], most: int, limit: int, size: int,
                      decoder: Decoder) -> tuple[int, Frame | None | Full]:
         """Frames straight into ``buf``, decoded, while they are changes ``decoder``'s fast path takes, in one call
-        (``read_decoded_c``: compiled, or its twin); (payload bytes in ``buf``, what comes next): ``FULL`` when
+        (``read_decoded``: compiled, or its twin); (payload bytes in ``buf``, what comes next): ``FULL`` when
         ``buf`` holds ``most`` frames or ``limit`` bytes, else the next frame as ``read(0.0)`` gives it (None:
         nothing more has arrived), which ``buf`` does not have yet."""
         try:
-            size, taken, top, got = read_decoded_c(self.pgconn.get_copy_data, decoder.fast, decoder.in_stream, buf,
+            size, taken, top, got = read_decoded(self.pgconn.get_copy_data, decoder.fast, decoder.in_stream, buf,
                                                    most, limit, size)
         except psycopg.Error as exc:
             self.streaming = False

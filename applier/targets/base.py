@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from operator import itemgetter
 from typing import Any, NamedTuple
 
-from applier._cmodule import rowpath
+from applier._cmodule import twin
 from applier.decoder.messages import NULL, UNCHANGED_TOAST, Relation, TupleData
 from applier.errors import ApplyError, Conflicted, FinalError, ProgressMoved
 from applier.lsn import LSN
@@ -204,10 +204,8 @@ class Binding:
         return out
 
     def value_rows(self, rows: Sequence[TupleData], idx: Sequence[int]) -> list[Any]:
-        """``values`` of each row (the compiled row path's ``value_rows`` when it is in use)."""
-        if rowpath is not None:
-            return rowpath.value_rows(self.convert, rows, idx)  # type: ignore[no-any-return]
-        return [self.values(t, idx) for t in rows]
+        """``values`` of each row."""
+        return value_rows(self.convert, rows, idx)
 
     def describe_key(self, t: TupleData | None, idx: Sequence[int]) -> str:
         """'(a)=(1)'-style text of a tuple's key, for error messages."""
@@ -319,6 +317,27 @@ class Binding:
         kinds = t.kinds
         nulls = tuple(kinds[i] == NULL for i in idx)
         return nulls, self.values(t, [i for i, n in zip(idx, nulls, strict=True) if not n])
+
+
+def value_rows_pure(convert: Sequence[Converter | None], rows: Sequence[TupleData],
+                    idx: Sequence[int]) -> list[list[Any]]:
+    """Driver parameters for the columns ``idx`` of each row (``convert``: one converter per column, None: the
+    value as it came); twin of ``applier._rowpath.value_rows``."""
+    out = []
+    for t in rows:
+        vals = t.values
+        row = []
+        for i in idx:
+            v = vals[i]
+            if v is not None:
+                c = convert[i]
+                v = c(v) if c is not None else v
+            row.append(v)
+        out.append(row)
+    return out
+
+
+value_rows = twin("value_rows", value_rows_pure)
 
 
 def _no_key(values: Sequence[bytes | None]) -> tuple[()]:

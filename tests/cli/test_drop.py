@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from applier.config import load_config
-from applier.inspect import stream_options
 from applier.lsn import LSN
 from applier.progress.store import CONTROL_TABLES
+from applier.source.base import stream_options
 from applier.source.walsender import WalSender, session_dsn
 from tests.cli.opsrig import SLOT, Rig
 from tests.plugins.clusters import ScratchDb

@@ -6,7 +6,7 @@ a real ``applier catchup`` (the script's entry point, a real source, a SQLite or
 one row to apply) in a subprocess that lists the modules it imported, and checks the row arrived
 and none of those were imported. bench/startup.py measures the time itself.
 
-The typer-free way in (``applier.cli.quick``) must read a command line as typer does, or hand it
+The typer-free way in (``applier.cli.apply_command``) must read a command line as typer does, or hand it
 to typer: the other tests pin both.
 """
 
@@ -22,7 +22,7 @@ import pytest
 import typer.main
 
 from applier.admin import init
-from applier.cli import quick
+from applier.cli import apply_command
 from applier.cli.app import app
 from applier.config import load_config
 from applier.embedded import find_install
@@ -100,26 +100,26 @@ def test_catchup_imports_no_heavy_library(source: ScratchDb, pg_target_db: Scrat
     ["catchup", "extra"], ["catchup", "-c", "x.toml", "-v"], ["-v", "-v", "catchup"], ["-x", "catchup"], [],
 ])
 def test_other_command_lines_go_to_typer(argv: list[str]) -> None:
-    assert quick.parse(argv) is None
+    assert apply_command.parse(argv) is None
 
 
 def test_plain_apply_command_lines_are_read_as_typer_reads_them() -> None:
-    assert quick.parse(["catchup"]) == quick.Call(False, True, {})
-    assert quick.parse(["-v", "run", "--config=a.toml", "--dsn", "host=h dbname=d", "-p", "p1",
-                        "--publication=p2", "--slot", "s", "--target", "sqlite:///r.db"]) == quick.Call(
+    assert apply_command.parse(["catchup"]) == apply_command.Call(False, True, {})
+    assert apply_command.parse(["-v", "run", "--config=a.toml", "--dsn", "host=h dbname=d", "-p", "p1",
+                        "--publication=p2", "--slot", "s", "--target", "sqlite:///r.db"]) == apply_command.Call(
         True, False, {"config": Path("a.toml"), "dsn": "host=h dbname=d", "publication": ["p1", "p2"], "slot": "s",
                       "target": "sqlite:///r.db"})
-    assert quick.parse(["--verbose", "catchup", "-c", "a.toml"]) == quick.Call(True, True, {"config": Path("a.toml")})
-    assert quick.parse(["catchup", "--until", "0/1"]) == quick.Call(False, True, {"until": "0/1"})
-    assert quick.parse(["run", "--until", "0/1"]) is None  # catchup's alone: typer refuses it for run
+    assert apply_command.parse(["--verbose", "catchup", "-c", "a.toml"]) == apply_command.Call(True, True, {"config": Path("a.toml")})
+    assert apply_command.parse(["catchup", "--until", "0/1"]) == apply_command.Call(False, True, {"until": "0/1"})
+    assert apply_command.parse(["run", "--until", "0/1"]) is None  # catchup's alone: typer refuses it for run
 
 
-@pytest.mark.parametrize("command", quick.COMMANDS)
-def test_quick_options_are_the_typer_commands_options(command: str) -> None:
+@pytest.mark.parametrize("command", apply_command.COMMANDS)
+def test_the_typer_free_options_are_the_typer_commands_options(command: str) -> None:
     group = typer.main.get_command(app)
     cmd = group.commands[command]  # type: ignore[attr-defined]
     typer_options = {opt: p.name for p in cmd.params for opt in p.opts}
-    assert typer_options == (quick.CATCHUP_OPTIONS if command == "catchup" else quick.OPTIONS)
+    assert typer_options == (apply_command.CATCHUP_OPTIONS if command == "catchup" else apply_command.OPTIONS)
     # (--version is typer's alone: a command line with it is not a plain catchup/run line)
-    assert {opt for p in group.params for opt in p.opts} - {"--version"} == set(quick.VERBOSE)
-    assert quick.parse(["--version", command]) is None
+    assert {opt for p in group.params for opt in p.opts} - {"--version"} == set(apply_command.VERBOSE)
+    assert apply_command.parse(["--version", command]) is None

@@ -14,7 +14,6 @@ from typing import Any
 
 import psycopg
 
-from applier.decoder import Decoder, render_message
 from applier.decoder.messages import (
     NULL,
     TEXT,
@@ -29,6 +28,8 @@ from applier.decoder.messages import (
     TupleData,
     pg_timestamp,
 )
+from applier.decoder.pgoutput import Decoder
+from applier.decoder.render import render_message
 from tests.plugins.clusters import ScratchDb
 
 # Enough rows to overflow logical_decoding_work_mem (64kB on the test clusters) many times.

@@ -31,19 +31,21 @@ import psycopg
 import pytest
 from psycopg import pq
 
-from applier.decoder import DecodeError, Decoder, Keepalive, XLogData, encode_standby_status, read_frame
-from applier.decoder.framing import now_pg_micros
+from applier.decoder.framing import encode_standby_status, now_pg_micros, read_frame
 from applier.decoder.messages import (
     Begin,
     Commit,
     Insert,
+    Keepalive,
     Relation,
     StreamAbort,
     StreamCommit,
     StreamStop,
     TupleData,
+    XLogData,
     pg_timestamp,
 )
+from applier.decoder.pgoutput import DecodeError, Decoder
 from applier.lsn import LSN
 from tests.decoder.live import BIG, Source, check_streamed, check_transaction, in_transaction, texts
 

@@ -27,8 +27,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from applier.decoder import DecodeError, Decoder, Keepalive, XLogData, decode_message, read_frame
 from applier.decoder import messages as m
+from applier.decoder.framing import read_frame
+from applier.decoder.messages import Keepalive, XLogData
+from applier.decoder.pgoutput import DecodeError, Decoder, decode_message
 from applier.decoder.render import render_message
 from applier.lsn import LSN
 

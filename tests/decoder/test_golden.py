@@ -44,7 +44,6 @@ from typing import Any
 import psycopg
 import pytest
 
-from applier.decoder import DecodeError, Decoder, decode_message, render_message
 from applier.decoder.messages import (
     BINARY,
     KIND_OF,
@@ -75,6 +74,8 @@ from applier.decoder.messages import (
     decision_position,
     pg_timestamp,
 )
+from applier.decoder.pgoutput import DecodeError, Decoder, decode_message
+from applier.decoder.render import render_message
 from applier.lsn import LSN
 from tests.decoder.live import (
     BIG,

@@ -15,10 +15,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from applier.decoder import DecodeError, Decoder
 from applier.decoder import messages as m
 from applier.decoder.framing import read_frame_pure
-from applier.decoder.pgoutput import fast_decode_pure
+from applier.decoder.pgoutput import DecodeError, Decoder, fast_decode_pure
 from applier.source.walsender import read_decoded_pure
 from applier.targets.base import SQLITE, Binding
 from applier.targets.postgres.target import copy_binary_pure, copy_data_pure

@@ -14,8 +14,8 @@ import time
 import psycopg
 import pytest
 
-from applier.decoder import Decoder, Keepalive
-from applier.decoder.messages import AT_RECORD_END, Begin, BeginPrepare, Commit, Insert, Message
+from applier.decoder.messages import AT_RECORD_END, Begin, BeginPrepare, Commit, Insert, Keepalive, Message
+from applier.decoder.pgoutput import Decoder
 from applier.lsn import LSN
 from applier.source.base import SourceError, StreamOptions
 from applier.source.sql import SqlSlotSource

@@ -18,8 +18,8 @@ import time
 import psycopg
 import pytest
 
-from applier.decoder import Decoder, Keepalive, XLogData
-from applier.decoder.messages import Begin, Commit, Insert, PgOutputMessage, Relation
+from applier.decoder.messages import Begin, Commit, Insert, Keepalive, PgOutputMessage, Relation, XLogData
+from applier.decoder.pgoutput import Decoder
 from applier.errors import SlotLost
 from applier.lsn import LSN
 from applier.source.base import SourceError, StreamOptions

@@ -12,7 +12,7 @@ Refusals are one line each: no completed sync, a two-phase config, a table
 that is not published or does not exist.
 
 How each test fails without the engine's gate (checked by disabling
-``ApplyEngine.held``): (a)-(c) the stream's changes before the snapshot are
+``JoinGate.held``): (a)-(c) the stream's changes before the snapshot are
 applied on top of the copy (duplicate key: catchup fails, the daemon stops),
 and the daemon does not wait for the table (missing table errors).
 """

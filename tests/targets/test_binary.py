@@ -19,8 +19,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from applier.decoder import Decoder
 from applier.decoder.messages import BINARY, TEXT, Insert, Relation, Type
+from applier.decoder.pgoutput import Decoder
 from applier.errors import ApplyError
 from applier.targets.base import POSTGRES, SQLITE, Binding
 from applier.targets.binary import (

@@ -64,7 +64,7 @@ import contextlib
 import logging
 import re
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -75,7 +75,7 @@ from psycopg.errors import UniqueViolation, error_from_result
 from psycopg.generators import fetch_many
 from psycopg.generators import send as psycopg_send
 
-from applier._cmodule import rowpath
+from applier._cmodule import twin
 from applier.decoder.messages import BINARY, NULL, Relation, TupleData, Type, pg_timestamp
 from applier.errors import ApplyError, Conflicted, FinalError, MissingTable, TargetUnreachable
 from applier.lsn import LSN
@@ -168,9 +168,7 @@ def copy_data_pure(rows: Iterable[Sequence[bytes | None]]) -> bytes:
     return b"\n".join(lines)
 
 
-# the compiled twin when it is built and not turned off (applier._cmodule)
-copy_data: Callable[[Iterable[Sequence[bytes | None]]], bytes] = (
-    rowpath.copy_data if rowpath is not None else copy_data_pure)
+copy_data = twin("copy_data", copy_data_pure)
 
 
 # COPY's binary format (the data of `COPY … FROM STDIN (FORMAT binary)`): a signature and header, then the tuples
@@ -198,8 +196,7 @@ def copy_binary_pure(rows: Iterable[TupleData]) -> bytes:
     return bytes(out)
 
 
-# the compiled twin when it is built and not turned off (applier._cmodule)
-copy_binary: Callable[[Iterable[TupleData]], bytes] = rowpath.copy_binary if rowpath is not None else copy_binary_pure
+copy_binary = twin("copy_binary", copy_binary_pure)
 
 
 def _copy_escape(v: bytes) -> bytes:

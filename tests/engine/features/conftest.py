@@ -23,8 +23,8 @@ import pytest
 
 from applier.admin import init, read_progress
 from applier.config import Config, load_config
-from applier.decoder import Decoder, XLogData
-from applier.decoder.messages import PgOutputMessage
+from applier.decoder.messages import PgOutputMessage, XLogData
+from applier.decoder.pgoutput import Decoder
 from applier.embedded import find_install
 from applier.engine.apply import ApplyEngine
 from applier.engine.runner import Runner, Summary

@@ -31,10 +31,11 @@ from psycopg import sql as psql
 
 from applier.admin import init, status
 from applier.config import Config, load_config
-from applier.decoder import Decoder, XLogData
+from applier.decoder.messages import XLogData
+from applier.decoder.pgoutput import Decoder
 from applier.engine.runner import Runner, Summary
-from applier.inspect import stream_options
 from applier.lsn import LSN
+from applier.source.base import stream_options
 from applier.source.sql import SqlSlotSource
 from applier.targets.base import prepared_gid, prepared_xid
 from tests.plugins.cli import applier_script, clean_env, toml_value
