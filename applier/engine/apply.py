@@ -234,16 +234,23 @@ class ApplyEngine:
             raise ApplyError(f"Commit at {m.commit_lsn} without a Begin")
         self.finish_txn(txn, m.end_lsn, m.commit_time)
 
+    def applied_before(self, txn: SourceTxn, end_lsn: LSN) -> bool:
+        """Note that the stream passed ``end_lsn``, the end of ``txn``; True (the skip counted) if the target
+        applied ``txn`` before, so nothing more is done with it."""
+        if end_lsn > self.last_commit_end:
+            self.last_commit_end = end_lsn
+        if txn.skip is not Skip.APPLIED_BEFORE:
+            return False
+        self.stats.skipped += 1
+        if not self.group_open:
+            self.pending_since = None
+            self.stats.keep()  # nothing is uncommitted: the skip counts now
+        return True
+
     def finish_txn(self, txn: SourceTxn, end_lsn: LSN, commit_time: int) -> None:
         """Close the source transaction in the group; commit the group when it is full or old."""
         self.txn = None
-        if end_lsn > self.last_commit_end:
-            self.last_commit_end = end_lsn
-        if txn.skip is Skip.APPLIED_BEFORE:
-            self.stats.skipped += 1
-            if not self.group_open:
-                self.pending_since = None
-                self.stats.keep()  # nothing is uncommitted: the skip counts now
+        if self.applied_before(txn, end_lsn):
             return
         if self.careful:
             self.flush_batch()

@@ -68,6 +68,7 @@ class Engine(Protocol):
     group_time: int | None
 
     def should_skip(self, final_lsn: LSN) -> Skip | None: ...
+    def applied_before(self, txn: SourceTxn, end_lsn: LSN) -> bool: ...
     def ensure_group(self) -> None: ...
     def flush_group(self) -> None: ...
     def abort_group(self) -> None: ...
@@ -153,13 +154,7 @@ class TwoPhase:
 
     def _prepare(self, txn: SourceTxn, gid: str, prepare_lsn: LSN, end_lsn: LSN, when: int) -> None:
         e = self.engine
-        if end_lsn > e.last_commit_end:
-            e.last_commit_end = end_lsn
-        if txn.skip is Skip.APPLIED_BEFORE:
-            e.stats.skipped += 1
-            if not e.group_open:
-                e.pending_since = None
-                e.stats.keep()
+        if e.applied_before(txn, end_lsn):
             return
         if txn.skip:
             e.stats.skipped += 1

@@ -194,14 +194,7 @@ class Binding:
         conv = self.convert
         if len(idx) == len(vals) and self.plain_convert:
             return [None if v is None else c(v) for c, v in zip(conv, vals)]  # type: ignore[misc]
-        out = []
-        for i in idx:
-            v = vals[i]
-            if v is not None:
-                c = conv[i]
-                v = c(v) if c is not None else v
-            out.append(v)
-        return out
+        return tuple_values(conv, t, idx)
 
     def value_rows(self, rows: Sequence[TupleData], idx: Sequence[int]) -> list[Any]:
         """``values`` of each row."""
@@ -323,17 +316,19 @@ def value_rows_pure(convert: Sequence[Converter | None], rows: Sequence[TupleDat
                     idx: Sequence[int]) -> list[list[Any]]:
     """Driver parameters for the columns ``idx`` of each row (``convert``: one converter per column, None: the
     value as it came); twin of ``applier._rowpath.value_rows``."""
+    return [tuple_values(convert, t, idx) for t in rows]
+
+
+def tuple_values(convert: Sequence[Converter | None], t: TupleData, idx: Sequence[int]) -> list[Any]:
+    """Driver parameters for the columns ``idx`` of tuple ``t`` (see ``value_rows_pure``)."""
+    vals = t.values
     out = []
-    for t in rows:
-        vals = t.values
-        row = []
-        for i in idx:
-            v = vals[i]
-            if v is not None:
-                c = convert[i]
-                v = c(v) if c is not None else v
-            row.append(v)
-        out.append(row)
+    for i in idx:
+        v = vals[i]
+        if v is not None:
+            c = convert[i]
+            v = c(v) if c is not None else v
+        out.append(v)
     return out
 
 
