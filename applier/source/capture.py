@@ -34,7 +34,9 @@ Tables are described as they are AFTER the command; names are as the catalog
 has them (unquoted). A dropped table (``sql_drop``) is in ``dropped`` with an
 empty ``tables``. Index ``columns`` is null when the index is on expressions.
 If describing fails, the DDL still commits and the message is
-``{"version": 1, "tag": ..., "statement": ..., "error": "<text>", "table": {"oid": ..., "name": ...}}``.
+``{"version": 1, "tag": ..., "statement": ..., "error": "<text>", "table": {"oid": ..., "name": ...}}``
+(``name`` is the command's object identity, schema-qualified; ``table`` is null for a failed drop). If even
+that message cannot be written, the DDL commits with a WARNING and no message.
 TRUNCATE is not DDL and emits nothing. Nothing here applies these documents.
 """
 
@@ -127,9 +129,13 @@ BEGIN
           'tables', tables, 'dropped', '[]'::jsonb)::text);
       END IF;
     EXCEPTION WHEN OTHERS THEN
-      PERFORM pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
-        'version', 1, 'tag', cmd.command_tag, 'statement', current_query(), 'error', SQLERRM,
-        'table', jsonb_build_object('oid', COALESCE(rel, cmd.objid)::bigint, 'name', cmd.object_identity))::text);
+      BEGIN
+        PERFORM pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
+          'version', 1, 'tag', cmd.command_tag, 'statement', current_query(), 'error', SQLERRM,
+          'table', jsonb_build_object('oid', COALESCE(rel, cmd.objid)::bigint, 'name', cmd.object_identity))::text);
+      EXCEPTION WHEN OTHERS THEN
+        RAISE WARNING 'applier DDL capture could not emit a message for %: %', cmd.object_identity, SQLERRM;
+      END;
     END;
   END LOOP;
 END
@@ -157,8 +163,12 @@ BEGIN
         'dropped', dropped)::text);
     END IF;
   EXCEPTION WHEN OTHERS THEN
-    PERFORM pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
-      'version', 1, 'tag', tg_tag, 'statement', current_query(), 'error', SQLERRM, 'table', NULL)::text);
+    BEGIN
+      PERFORM pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
+        'version', 1, 'tag', tg_tag, 'statement', current_query(), 'error', SQLERRM, 'table', NULL)::text);
+    EXCEPTION WHEN OTHERS THEN
+      RAISE WARNING 'applier DDL capture could not emit a message for %: %', tg_tag, SQLERRM;
+    END;
   END;
 END
 $f$;

@@ -92,3 +92,34 @@ def test_uninstall_removes_everything(db):
     assert sql(db, "SELECT count(*) FROM pg_namespace WHERE nspname = 'applier_ddl'") == [(0,)]
     assert capture.uninstall(db.dsn) is False
     assert capture.state(db.dsn) == capture.CaptureState(False, None)
+
+
+def test_a_table_added_to_a_publication_is_described(db):
+    sql(db, "ALTER PUBLICATION p ADD TABLE u")
+    (doc,) = documents(db)
+    assert doc["tag"] == "ALTER PUBLICATION"
+    assert [(t["name"], [c["name"] for c in t["columns"]]) for t in doc["tables"]] == [("u", ["id"])]
+
+
+def test_a_non_superuser_owners_ddl_is_captured_without_execute_on_emit(db):
+    sql(db, "DO $$ DECLARE f regprocedure; BEGIN FOR f IN SELECT oid FROM pg_proc"
+            " WHERE proname = 'pg_logical_emit_message' LOOP"
+            " EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f); END LOOP; END $$")
+    sql(db, "CREATE ROLE capture_owner; ALTER TABLE t OWNER TO capture_owner")
+    try:
+        sql(db, "SET ROLE capture_owner; ALTER TABLE t ALTER COLUMN v SET NOT NULL; RESET ROLE")
+        (doc,) = [d for d in documents(db) if "SET NOT NULL" in d["statement"]]
+        assert [(c["name"], c["not_null"]) for c in doc["tables"][0]["columns"]] == [("id", True), ("v", True)]
+    finally:
+        sql(db, "DROP TABLE t; DROP ROLE capture_owner")
+
+
+def test_a_failing_description_lets_the_ddl_commit_with_error(db):
+    sql(db, "CREATE OR REPLACE FUNCTION applier_ddl.describe(rel oid) RETURNS jsonb LANGUAGE plpgsql AS"
+            " $$ BEGIN RAISE EXCEPTION 'cannot describe %', rel; END $$")
+    (oid,) = sql(db, "SELECT 't'::regclass::oid")[0]
+    sql(db, "ALTER TABLE t ADD COLUMN x int")
+    assert sql(db, "SELECT count(*) FROM pg_attribute WHERE attrelid = 't'::regclass AND attname = 'x'") == [(1,)]
+    (doc,) = documents(db)
+    assert doc["error"] == f"cannot describe {oid}" and doc["tag"] == "ALTER TABLE"
+    assert doc["table"] == {"oid": int(oid), "name": "public.t"}
