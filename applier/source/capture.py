@@ -42,7 +42,9 @@ TRUNCATE is not DDL and emits nothing. Nothing here applies these documents.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 
@@ -192,9 +194,10 @@ class CaptureState:
     installed: bool
     version: int | None
 
-    def line(self) -> str:
-        """One line for ``check`` and ``status``."""
-        return f"DDL capture: installed, version {self.version}" if self.installed else "DDL capture: not installed"
+    @property
+    def detail(self) -> str:
+        """What ``check`` and ``status`` print: ``installed, version 1`` or ``not installed``."""
+        return f"installed, version {self.version}" if self.installed else "not installed"
 
 
 def _connect(dsn: str) -> psycopg.Connection[tuple[object, ...]]:
@@ -214,11 +217,12 @@ def _need_superuser(conn: psycopg.Connection[tuple[object, ...]], what: str) -> 
             " (on a managed service, its event-trigger role: rds_superuser, azure_pg_admin, cloudsqlsuperuser)")
 
 
-def state(dsn: str) -> CaptureState:
-    """Whether ``applier_ddl`` is installed on the source database ``dsn``, and its version."""
-    with _connect(dsn) as conn:
+def state(source: str | psycopg.Connection[Any]) -> CaptureState:
+    """Whether ``applier_ddl`` is installed on the source database (a conninfo or an open connection), and its
+    version."""
+    with _connect(source) if isinstance(source, str) else nullcontext(source) as conn:
         row = conn.execute(
-            "SELECT obj_description(n.oid, 'pg_namespace') FROM pg_namespace n WHERE nspname = %s"
+            "SELECT obj_description(n.oid, 'pg_namespace')::text FROM pg_namespace n WHERE nspname = %s"
             " AND EXISTS (SELECT 1 FROM pg_event_trigger WHERE evtname = 'applier_ddl_end')", [SCHEMA]).fetchone()
     if row is None:
         return CaptureState(False, None)

@@ -59,3 +59,14 @@ def test_catchup_applies_the_dml_around_captured_ddl_as_before(rig: Rig) -> None
     r = rig.applier("catchup")
     assert r.returncode == 0, r.stderr
     assert rig.tgt("SELECT id, v FROM t ORDER BY id") == [(1, "a"), (2, "b")]
+
+
+def test_check_and_status_say_whether_capture_is_installed(rig: Rig) -> None:
+    def lines() -> tuple[list[str], list[str]]:
+        check, status = rig.applier("check"), rig.applier("status")
+        return ([line for line in check.stdout.splitlines() if "DDL capture" in line],
+                [line for line in status.stdout.splitlines() if line.startswith("ddl_capture")])
+
+    assert lines() == (["ok    DDL capture: not installed"], ["ddl_capture: not installed"])
+    assert rig.applier("ddl", "install").returncode == 0
+    assert lines() == (["ok    DDL capture: installed, version 1"], ["ddl_capture: installed, version 1"])
