@@ -123,3 +123,30 @@ def test_a_failing_description_lets_the_ddl_commit_with_error(db):
     (doc,) = documents(db)
     assert doc["error"] == f"cannot describe {oid}" and doc["tag"] == "ALTER TABLE"
     assert doc["table"] == {"oid": int(oid), "name": "public.t"}
+
+
+def test_rename_set_schema_index_and_replica_identity_keep_the_oid(db):
+    sql(db, "CREATE SCHEMA s2")
+    sql(db, "BEGIN; INSERT INTO t VALUES (1, 'a'); CREATE UNIQUE INDEX t_v ON t (v); ALTER TABLE t ALTER COLUMN v SET"
+            " NOT NULL; ALTER TABLE t REPLICA IDENTITY USING INDEX t_v; COMMIT")
+    sql(db, "ALTER TABLE t RENAME TO t2")
+    sql(db, "ALTER TABLE t2 SET SCHEMA s2")
+    docs = documents(db)
+    assert [d["tag"] for d in docs] == ["CREATE INDEX", "ALTER TABLE", "ALTER TABLE", "ALTER TABLE", "ALTER TABLE"]
+    identity = docs[2]["tables"][0]
+    assert (identity["replica_identity"], identity["replica_identity_index"]) == ("i", "t_v")
+    assert [(i["name"], i["unique"], i["columns"]) for i in docs[0]["tables"][0]["indexes"]] == [
+        ("t_pkey", True, ["id"]), ("t_v", True, ["v"])]
+    assert {d["tables"][0]["oid"] for d in docs} == {docs[0]["tables"][0]["oid"]}
+    assert [(d["tables"][0]["schema"], d["tables"][0]["name"]) for d in docs[3:]] == [("public", "t2"), ("s2", "t2")]
+
+
+def test_partitions_created_under_for_all_tables_are_described_with_their_parent(db):
+    sql(db, "CREATE PUBLICATION everything FOR ALL TABLES")
+    sql(db, "CREATE TABLE m (id int, k int) PARTITION BY RANGE (k)")
+    sql(db, "CREATE TABLE m1 PARTITION OF m FOR VALUES FROM (0) TO (10)")
+    docs = documents(db)
+    assert [d["tag"] for d in docs[-2:]] == ["CREATE TABLE", "CREATE TABLE"]
+    parent, part = docs[-2]["tables"][0], docs[-1]["tables"][0]
+    assert (parent["name"], parent["relkind"], parent["parent"]) == ("m", "p", None)
+    assert (part["name"], part["relkind"], part["parent"]) == ("m1", "r", parent["oid"])
