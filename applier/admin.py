@@ -31,6 +31,7 @@ from applier.errors import SlotLost
 from applier.lsn import LSN
 from applier.progress.store import HEAD_REVISION, VERSION_TABLE, Progress, ProgressSQL, prune_conflicts
 from applier.rows import one_row
+from applier.source import capture
 from applier.source.base import SourceError, StreamOptions
 from applier.source.walsender import SLOT_STATE, WalSender, slot_state
 from applier.targets import opener
@@ -322,6 +323,8 @@ def status(cfg: Config) -> dict[str, Any]:
             "(pg_current_wal_lsn() - s.restart_lsn)::bigint, s.wal_status "
             "FROM pg_replication_slots s LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid "
             "WHERE s.slot_name = %s", [cfg.source["slot"]]).fetchone()
+        if conn is not None:
+            out["ddl_capture"] = capture.state(conn).detail
         if row is None or conn is None:
             out["slot_exists"] = None if conn is None else False
         else:

@@ -35,6 +35,7 @@ from applier.errors import InUseError, SlotLost
 from applier.lsn import LSN
 from applier.migrate.schema import check_table, read_source_tables
 from applier.rows import one_row
+from applier.source import capture
 from applier.source.base import SourceError
 from applier.source.walsender import SLOT_STATE, WalSender, session_dsn, slot_state
 from applier.targets import opener
@@ -118,6 +119,7 @@ def run_checks(cfg: Config) -> list[Result]:
         c.run("source privileges", lambda: check_replication_privilege(cfg, _conn(c)), src)
         c.run("wal_level", lambda: check_wal_level(cfg, _conn(c)), src)
         c.run("publications", lambda: check_publications(cfg, _conn(c)), src)
+        c.run("DDL capture", lambda: capture.state(_conn(c)).detail, src)
         c.run("replication connection", replication, ("source privileges",))
         c.run("slot", slot, src)
         c.run("slot state", lambda: _slot_state(cfg, _conn(c)), ("slot",))

@@ -5,9 +5,9 @@ Imports run one way: this module imports the command modules, which import ``app
 
 from __future__ import annotations
 
-from applier.cli import engine_commands, ops_commands, spark_commands, stream_commands
+from applier.cli import ddl_commands, engine_commands, ops_commands, spark_commands, stream_commands
 from applier.cli.root import app
 
-COMMAND_MODULES = (engine_commands, ops_commands, spark_commands, stream_commands)  # each registers its commands on ``app``
+COMMAND_MODULES = (ddl_commands, engine_commands, ops_commands, spark_commands, stream_commands)  # each registers its commands on ``app``
 
 __all__ = ["app"]

@@ -17,7 +17,8 @@ from applier.progress.store import CONTROL_TABLES
 from tests.cli.opsrig import SLOT, Rig
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 
-CHECKS = ["config", "source connection", "source privileges", "wal_level", "publications", "replication connection",
+CHECKS = ["config", "source connection", "source privileges", "wal_level", "publications", "DDL capture",
+          "replication connection",
           "slot", "slot state", "target", "slot and progress", "target tables", "claim"]
 
 

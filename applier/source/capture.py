@@ -1,0 +1,254 @@
+"""DDL capture on the source: event triggers that describe each DDL on a published table as a logical message.
+
+``install(dsn)`` creates the schema ``applier_ddl`` on the source with a SECURITY
+DEFINER plpgsql function (owned by the installer, so any user running DDL can
+emit through it even when EXECUTE on ``pg_logical_emit_message`` is revoked
+from PUBLIC) and two event triggers (``ddl_command_end``, ``sql_drop``).
+``uninstall(dsn)`` drops both triggers and the schema; ``state(dsn)`` says
+whether it is installed and its version. Event triggers need a superuser.
+
+The contract (document version 1). For each DDL command that touches a
+published table (listed in ``pg_publication_rel``, in a schema of a TABLES IN
+SCHEMA publication, or any FOR ALL TABLES publication exists), including ALTER
+PUBLICATION ... ADD/DROP/SET TABLE, the trigger writes ONE transactional message
+``pg_logical_emit_message(true, 'applier.ddl', <json>)`` in the DDL's own
+transaction::
+
+    {"version": 1,
+     "tag": "ALTER TABLE",                 -- the command tag
+     "statement": "...",                  -- current_query(): may hold several statements
+     "tables": [{"oid": 16384, "schema": "public", "name": "t",
+                 "relkind": "r",          -- r, p (partitioned); "parent": oid of a partition's parent or null
+                 "parent": null,
+                 "columns": [{"attnum": 1, "name": "id", "type": "integer", "type_oid": 23,
+                              "typmod": -1, "type_name": "pg_catalog.int4", "not_null": true,
+                              "default": null, "identity": "", "generated": null}],
+                 "primary_key": ["id"],   -- in key order
+                 "replica_identity": "d", -- d, n, f, i
+                 "replica_identity_index": null,
+                 "indexes": [{"name": "t_pkey", "definition": "CREATE UNIQUE INDEX ...",
+                              "unique": true, "primary": true, "columns": ["id"]}]}],
+     "dropped": [{"oid": 16384, "schema": "public", "name": "t"}]}
+
+Tables are described as they are AFTER the command; names are as the catalog
+has them (unquoted). A dropped table (``sql_drop``) is in ``dropped`` with an
+empty ``tables``. Index ``columns`` is null when the index is on expressions.
+If describing fails, the DDL still commits and the message is
+``{"version": 1, "tag": ..., "statement": ..., "error": "<text>", "table": {"oid": ..., "name": ...}}``
+(``name`` is the command's object identity, schema-qualified; ``table`` is null for a failed drop). If even
+that message cannot be written, the DDL commits with a WARNING and no message.
+TRUNCATE is not DDL and emits nothing. Nothing here applies these documents.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from applier.source.base import SourceError, SourceUnreachable
+from applier.text import one_line
+
+VERSION = 1
+SCHEMA = "applier_ddl"
+PREFIX = "applier.ddl"
+
+_SQL = r"""
+CREATE SCHEMA applier_ddl;
+COMMENT ON SCHEMA applier_ddl IS 'applier DDL capture, version 1';
+REVOKE ALL ON SCHEMA applier_ddl FROM PUBLIC;
+
+CREATE FUNCTION applier_ddl.published(rel oid) RETURNS boolean LANGUAGE sql STABLE AS $f$
+  SELECT EXISTS (SELECT 1 FROM pg_publication WHERE puballtables)
+      OR EXISTS (SELECT 1 FROM pg_publication_rel WHERE prrelid = rel
+                 OR prrelid IN (SELECT relid FROM pg_partition_ancestors(rel)))
+      OR EXISTS (SELECT 1 FROM pg_publication_namespace n JOIN pg_class c ON c.relnamespace = n.pnnspid
+                 WHERE c.oid = rel)
+$f$;
+
+CREATE FUNCTION applier_ddl.describe(rel oid) RETURNS jsonb LANGUAGE sql STABLE AS $f$
+  SELECT jsonb_build_object(
+    'oid', c.oid::bigint, 'schema', n.nspname, 'name', c.relname, 'relkind', c.relkind,
+    'parent', (SELECT i.inhparent::bigint FROM pg_inherits i WHERE i.inhrelid = c.oid AND c.relispartition LIMIT 1),
+    'columns', COALESCE((SELECT jsonb_agg(jsonb_build_object(
+         'attnum', a.attnum, 'name', a.attname, 'type', format_type(a.atttypid, a.atttypmod),
+         'type_oid', a.atttypid::bigint, 'typmod', a.atttypmod,
+         'type_name', tn.nspname || '.' || t.typname, 'not_null', a.attnotnull,
+         'default', CASE WHEN a.attgenerated = '' THEN pg_get_expr(d.adbin, d.adrelid) END,
+         'identity', a.attidentity::text,
+         'generated', CASE WHEN a.attgenerated <> '' THEN pg_get_expr(d.adbin, d.adrelid) END) ORDER BY a.attnum)
+       FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid JOIN pg_namespace tn ON tn.oid = t.typnamespace
+       LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+       WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped), '[]'::jsonb),
+    'primary_key', COALESCE((SELECT jsonb_agg(a.attname ORDER BY k.ord)
+       FROM pg_index x CROSS JOIN LATERAL unnest(x.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord)
+       JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = k.attnum
+       WHERE x.indrelid = c.oid AND x.indisprimary), '[]'::jsonb),
+    'replica_identity', c.relreplident,
+    'replica_identity_index', (SELECT ic.relname FROM pg_index x JOIN pg_class ic ON ic.oid = x.indexrelid
+       WHERE x.indrelid = c.oid AND x.indisreplident),
+    'indexes', COALESCE((SELECT jsonb_agg(jsonb_build_object(
+         'name', ic.relname, 'definition', pg_get_indexdef(x.indexrelid), 'unique', x.indisunique,
+         'primary', x.indisprimary,
+         'columns', CASE WHEN x.indexprs IS NULL AND 0 <> ALL (x.indkey::int2[]) THEN
+           (SELECT jsonb_agg(a.attname ORDER BY k.ord)
+              FROM unnest(x.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord)
+              JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = k.attnum) END) ORDER BY ic.relname)
+       FROM pg_index x JOIN pg_class ic ON ic.oid = x.indexrelid WHERE x.indrelid = c.oid), '[]'::jsonb))
+  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = rel
+$f$;
+
+CREATE FUNCTION applier_ddl.on_ddl() RETURNS event_trigger LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog AS $f$
+DECLARE
+  cmd record;
+  rel oid;
+  rels oid[];
+  tables jsonb;
+BEGIN
+  FOR cmd IN SELECT * FROM pg_event_trigger_ddl_commands() LOOP
+    rel := NULL;
+    BEGIN
+      IF cmd.classid = 'pg_class'::regclass THEN
+        SELECT CASE WHEN c.relkind = 'i' OR c.relkind = 'I' THEN (SELECT indrelid FROM pg_index WHERE indexrelid = c.oid)
+                    WHEN c.relkind IN ('r', 'p') THEN c.oid END
+          INTO rel FROM pg_class c WHERE c.oid = cmd.objid;
+        rels := CASE WHEN rel IS NOT NULL AND applier_ddl.published(rel) THEN ARRAY[rel] ELSE '{}' END;
+      ELSIF cmd.classid = 'pg_publication_rel'::regclass THEN
+        rels := ARRAY(SELECT prrelid FROM pg_publication_rel WHERE oid = cmd.objid);
+      ELSIF cmd.classid = 'pg_publication_namespace'::regclass THEN
+        rels := ARRAY(SELECT c.oid FROM pg_class c JOIN pg_publication_namespace n ON n.pnnspid = c.relnamespace
+                      WHERE n.oid = cmd.objid AND c.relkind IN ('r', 'p') ORDER BY c.oid);
+      ELSE
+        rels := '{}';
+      END IF;
+      IF cardinality(rels) > 0 THEN
+        SELECT jsonb_agg(applier_ddl.describe(r) ORDER BY r) INTO tables FROM unnest(rels) AS r;
+        PERFORM pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
+          'version', 1, 'tag', cmd.command_tag, 'statement', current_query(),
+          'tables', tables, 'dropped', '[]'::jsonb)::text);
+      END IF;
+    EXCEPTION WHEN OTHERS THEN
+      BEGIN
+        PERFORM pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
+          'version', 1, 'tag', cmd.command_tag, 'statement', current_query(), 'error', SQLERRM,
+          'table', jsonb_build_object('oid', COALESCE(rel, cmd.objid)::bigint, 'name', cmd.object_identity))::text);
+      EXCEPTION WHEN OTHERS THEN
+        RAISE WARNING 'applier DDL capture could not emit a message for %: %', cmd.object_identity, SQLERRM;
+      END;
+    END;
+  END LOOP;
+END
+$f$;
+
+CREATE FUNCTION applier_ddl.on_drop() RETURNS event_trigger LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog AS $f$
+DECLARE
+  dropped jsonb;
+BEGIN
+  BEGIN
+    SELECT jsonb_agg(jsonb_build_object('oid', o.objid::bigint, 'schema', o.schema_name, 'name', o.object_name)
+                     ORDER BY o.objid) INTO dropped
+      FROM pg_event_trigger_dropped_objects() o
+     WHERE o.object_type IN ('table', 'partitioned table') AND (
+           EXISTS (SELECT 1 FROM pg_publication WHERE puballtables)
+        OR EXISTS (SELECT 1 FROM pg_publication_namespace pn JOIN pg_namespace n ON n.oid = pn.pnnspid
+                   WHERE n.nspname = o.schema_name)
+        OR EXISTS (SELECT 1 FROM pg_event_trigger_dropped_objects() p
+                   WHERE p.object_type = 'publication relation'
+                     AND p.address_names[1] = o.address_names[1] AND p.address_names[2] = o.address_names[2]));
+    IF dropped IS NOT NULL THEN
+      PERFORM pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
+        'version', 1, 'tag', tg_tag, 'statement', current_query(), 'tables', '[]'::jsonb,
+        'dropped', dropped)::text);
+    END IF;
+  EXCEPTION WHEN OTHERS THEN
+    BEGIN
+      PERFORM pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
+        'version', 1, 'tag', tg_tag, 'statement', current_query(), 'error', SQLERRM, 'table', NULL)::text);
+    EXCEPTION WHEN OTHERS THEN
+      RAISE WARNING 'applier DDL capture could not emit a message for %: %', tg_tag, SQLERRM;
+    END;
+  END;
+END
+$f$;
+
+CREATE EVENT TRIGGER applier_ddl_end ON ddl_command_end EXECUTE FUNCTION applier_ddl.on_ddl();
+CREATE EVENT TRIGGER applier_ddl_drop ON sql_drop EXECUTE FUNCTION applier_ddl.on_drop();
+"""
+
+_DROP = "DROP EVENT TRIGGER IF EXISTS applier_ddl_end; DROP EVENT TRIGGER IF EXISTS applier_ddl_drop; " \
+        "DROP SCHEMA IF EXISTS applier_ddl CASCADE"
+
+
+class CaptureError(SourceError):
+    """Capture cannot be installed or removed (a missing privilege): one line naming what is needed."""
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureState:
+    """Whether capture is installed on a source database, and its document version."""
+
+    installed: bool
+    version: int | None
+
+    @property
+    def detail(self) -> str:
+        """What ``check`` and ``status`` print: ``installed, version 1`` or ``not installed``."""
+        return f"installed, version {self.version}" if self.installed else "not installed"
+
+
+def _connect(dsn: str) -> psycopg.Connection[tuple[object, ...]]:
+    try:
+        return psycopg.connect(dsn, autocommit=True)
+    except psycopg.OperationalError as exc:
+        raise SourceUnreachable(f"source: {one_line(str(exc))}") from exc
+
+
+def _need_superuser(conn: psycopg.Connection[tuple[object, ...]], what: str) -> None:
+    row = conn.execute("SELECT current_user, rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()
+    assert row is not None
+    user, superuser = row
+    if not superuser:
+        raise CaptureError(
+            f"DDL capture {what}: user {user} is not a superuser; event triggers need SUPERUSER"
+            " (on a managed service, its event-trigger role: rds_superuser, azure_pg_admin, cloudsqlsuperuser)")
+
+
+def state(source: str | psycopg.Connection[Any]) -> CaptureState:
+    """Whether ``applier_ddl`` is installed on the source database (a conninfo or an open connection), and its
+    version."""
+    with _connect(source) if isinstance(source, str) else nullcontext(source) as conn:
+        row = conn.execute(
+            "SELECT obj_description(n.oid, 'pg_namespace')::text FROM pg_namespace n WHERE nspname = %s"
+            " AND EXISTS (SELECT 1 FROM pg_event_trigger WHERE evtname = 'applier_ddl_end')", [SCHEMA]).fetchone()
+    if row is None:
+        return CaptureState(False, None)
+    comment = str(row[0] or "")
+    version = int(comment.rsplit(" ", 1)[-1]) if comment.rsplit(" ", 1)[-1].isdigit() else None
+    return CaptureState(True, version)
+
+
+def install(dsn: str) -> bool:
+    """Install (or replace) capture on the source; True when an installed copy was replaced."""
+    replaced = state(dsn).installed
+    with _connect(dsn) as conn:
+        _need_superuser(conn, "install")
+        with conn.transaction():
+            conn.execute(_DROP)
+            conn.execute(_SQL)
+    return replaced
+
+
+def uninstall(dsn: str) -> bool:
+    """Remove capture from the source; False when it was not installed."""
+    if not state(dsn).installed:
+        with _connect(dsn) as conn:
+            conn.execute("SELECT 1")
+        return False
+    with _connect(dsn) as conn:
+        _need_superuser(conn, "uninstall")
+        conn.execute(_DROP)
+    return True
