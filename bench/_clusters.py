@@ -41,8 +41,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from applier.embedded import Cluster, PgInstall
 from applier.lsn import LSN
+from applier.sandbox.clusters import Cluster, PgInstall
 
 # Both clusters: durable (the embedded defaults are fsync = off, full_page_writes = off),
 # no checkpoint and no autovacuum in the middle of a measurement.

@@ -52,9 +52,9 @@ from psycopg import sql
 from applier._cmodule import IMPLEMENTATION
 from applier.admin import init
 from applier.config import load_config
-from applier.embedded import Cluster, find_install
 from applier.inspect import stream_options
 from applier.lsn import LSN
+from applier.sandbox.clusters import Cluster, find_install
 from applier.text import one_line as _one_line
 
 POLL_S = 0.01

@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 
 from applier.decoder import Decoder, Keepalive, XLogData
-from applier.embedded import Cluster, find_install
 from applier.lsn import LSN
+from applier.sandbox.clusters import Cluster, find_install
 from applier.source.base import StreamOptions
 from applier.source.recorded import RecordedSource, RecordWriter
 from applier.source.walsender import WalSender

@@ -32,9 +32,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from applier.embedded import find_install
 from applier.migrate.add_table import sync_tables
 from applier.migrate.sync import sync
+from applier.sandbox.clusters import find_install
 from applier.targets.claim import claim_target, copy_claim_name
 from applier.targets.postgres import libpq_dsn
 from tests.plugins.cli import applier_script, clean_env, write_toml
