@@ -42,8 +42,8 @@ import psycopg
 from psycopg import sql
 
 from applier.decoder.messages import MessageKind
-from applier.embedded import Cluster, PgInstall
 from applier.lsn import LSN
+from applier.sandbox.clusters import Cluster, PgInstall
 
 # Both clusters: durable (the embedded defaults are fsync = off, full_page_writes = off),
 # no checkpoint and no autovacuum in the middle of a measurement.

@@ -20,7 +20,7 @@ from typing import Any
 
 from _clusters import client_argv, run_client
 
-from applier.embedded import Cluster
+from applier.sandbox.clusters import Cluster
 
 DB = "bench"
 

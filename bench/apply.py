@@ -52,8 +52,8 @@ from psycopg import sql
 from applier._cmodule import IMPLEMENTATION
 from applier.admin import init
 from applier.config import load_config
-from applier.embedded import Cluster, find_install
 from applier.lsn import LSN
+from applier.sandbox.clusters import Cluster, find_install
 from applier.source.base import stream_options
 from applier.text import one_line as _one_line
 

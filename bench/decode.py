@@ -37,8 +37,8 @@ from pathlib import Path
 
 from applier.decoder.messages import ENDS_TRANSACTION, Keepalive, XLogData, kind_of
 from applier.decoder.pgoutput import Decoder
-from applier.embedded import Cluster, find_install
 from applier.lsn import LSN
+from applier.sandbox.clusters import Cluster, find_install
 from applier.source.base import StreamOptions
 from applier.source.recorded import RecordedSource, RecordWriter
 from applier.source.walsender import WalSender

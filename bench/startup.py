@@ -53,7 +53,7 @@ from _clusters import applier_argv, client_env, timed_run, write_config  # noqa:
 import applier  # noqa: E402
 from applier.admin import init  # noqa: E402
 from applier.config import load_config  # noqa: E402
-from applier.embedded import Cluster, find_install  # noqa: E402
+from applier.sandbox.clusters import Cluster, find_install  # noqa: E402
 
 GOAL_S = 0.15  # issue 14: process start to the first replication command
 TABLE = "CREATE TABLE t (id int PRIMARY KEY, v text)"

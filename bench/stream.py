@@ -33,8 +33,8 @@ from _clusters import (  # noqa: E402
 
 from applier.admin import init  # noqa: E402
 from applier.config import load_config  # noqa: E402
-from applier.embedded import find_install  # noqa: E402
 from applier.lsn import LSN  # noqa: E402
+from applier.sandbox.clusters import find_install  # noqa: E402
 
 TABLE = "CREATE TABLE big (id bigint PRIMARY KEY, a int, b text)"
 

@@ -48,8 +48,8 @@ from typing import Any
 import psycopg
 
 from applier.config import load_config
-from applier.embedded import Cluster, find_install
 from applier.migrate.spark import copy as spark_copy
+from applier.sandbox.clusters import Cluster, find_install
 
 TABLES = ("orders", "wide")
 SCHEMA = """

@@ -34,8 +34,8 @@ from typing import Any
 from sync import counts, load_source, table_sizes  # bench/sync.py: the same tables
 
 from applier.config import load_config
-from applier.embedded import Cluster, find_install
 from applier.migrate.spark import rangehash
+from applier.sandbox.clusters import Cluster, find_install
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -205,6 +205,6 @@ def demo(
       applier demo --rows 100000 --target-file /tmp/demo.db
     """
     # here, not at the top: start-up time (`applier --help` and the other commands do not load the engine)
-    from applier.demo import run_demo
+    from applier.sandbox.demo import run_demo
 
     run_guarded(run_demo, rows, out, typer.echo)

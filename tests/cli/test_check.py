@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from applier.embedded import PgInstall, find_install
 from applier.progress.store import CONTROL_TABLES
+from applier.sandbox.clusters import PgInstall, find_install
 from tests.cli.opsrig import SLOT, Rig
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 

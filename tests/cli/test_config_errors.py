@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from applier.embedded import find_install
+from applier.sandbox.clusters import find_install
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 
 SECRET = "sekret"

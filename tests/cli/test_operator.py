@@ -25,7 +25,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from applier.embedded import find_install
+from applier.sandbox.clusters import find_install
 from tests.cli.test_config_errors import closed_port
 from tests.plugins.cli import applier_script, clean_env, write_toml
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db

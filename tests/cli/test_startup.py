@@ -25,7 +25,7 @@ from applier.admin import init
 from applier.cli import apply_command
 from applier.cli.app import app
 from applier.config import load_config
-from applier.embedded import find_install
+from applier.sandbox.clusters import find_install
 from tests.plugins.cli import clean_env
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 

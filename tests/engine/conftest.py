@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from applier.config import Config, load_config
-from applier.embedded import find_install
+from applier.sandbox.clusters import find_install
 from tests.plugins.cli import applier_script, clean_env  # noqa: F401 - re-exported to the tests
 from tests.plugins.clusters import ScratchDb
 

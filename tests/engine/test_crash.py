@@ -45,8 +45,8 @@ import psycopg
 import pytest
 
 from applier.admin import init, read_progress
-from applier.embedded import Cluster, find_install
 from applier.lsn import LSN
+from applier.sandbox.clusters import Cluster, find_install
 from tests.engine import workload as wl
 from tests.engine.conftest import NEWEST_PG, Target, applier_script, clean_env, make_cfg
 from tests.plugins.cli import write_toml

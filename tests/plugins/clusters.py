@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from applier.embedded import Cluster, PgInstall, find_install, find_installs
+from applier.sandbox.clusters import Cluster, PgInstall, find_install, find_installs
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 from applier.config import Config, load_config
-from applier.embedded import Cluster, find_install
+from applier.sandbox.clusters import Cluster, find_install
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 
 

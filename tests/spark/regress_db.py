@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from applier.embedded import Cluster
+from applier.sandbox.clusters import Cluster
 
 # ../shared beside the checkout (as CI lays it out), or PG_REGRESS_DIR
 PG_REGRESS = Path(os.environ.get("PG_REGRESS_DIR") or Path(__file__).resolve().parents[3] / "shared" / "pg-regress")

@@ -32,9 +32,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from applier.embedded import find_install
 from applier.migrate.add_table import sync_tables
 from applier.migrate.sync import sync
+from applier.sandbox.clusters import find_install
 from applier.targets.claim import copy_claim_name
 from applier.targets.postgres.claim import pg_claim
 from applier.targets.postgres.target import libpq_dsn

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from applier.embedded import find_install
 from applier.migrate.sync import sync
+from applier.sandbox.clusters import find_install
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 from tests.spark.conftest import make_config
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from applier.embedded import find_install
 from applier.engine.runner import Runner
 from applier.migrate.spark.verify import verify
 from applier.migrate.sync import sync
+from applier.sandbox.clusters import find_install
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config
 

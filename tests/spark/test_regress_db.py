@@ -37,10 +37,10 @@ import pytest
 from psycopg import sql
 
 from applier.config import Config
-from applier.embedded import Cluster
 from applier.engine.runner import Runner
 from applier.migrate.spark.verify import verify
 from applier.migrate.sync import sync
+from applier.sandbox.clusters import Cluster
 from applier.targets.postgres.target import libpq_dsn
 from tests.plugins.clusters import ScratchDb, scratch_db
 from tests.spark.conftest import make_config, target_exec

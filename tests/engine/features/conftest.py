@@ -25,11 +25,11 @@ from applier.admin import init, read_progress
 from applier.config import Config, load_config
 from applier.decoder.messages import PgOutputMessage, XLogData
 from applier.decoder.pgoutput import Decoder
-from applier.embedded import find_install
 from applier.engine.apply import ApplyEngine
 from applier.engine.runner import Runner, Summary
 from applier.inspect import decode_stream, open_peek_source
 from applier.lsn import LSN
+from applier.sandbox.clusters import find_install
 from applier.targets import opener
 from tests.plugins.cli import toml_value
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db

@@ -19,10 +19,10 @@ import psycopg
 import pytest
 
 from applier.config import ConfigError
-from applier.embedded import Cluster
 from applier.engine.runner import Runner
 from applier.errors import ApplyError
 from applier.lsn import LSN
+from applier.sandbox.clusters import Cluster
 from tests.plugins.clusters import scratch_db
 
 from .conftest import Rig, run_cli

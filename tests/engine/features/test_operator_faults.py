@@ -20,12 +20,12 @@ import pytest
 
 from applier.admin import check_source, check_target, init, status
 from applier.config import Config, ConnectError
-from applier.embedded import find_install
 from applier.engine.runner import Runner, Summary
 from applier.errors import ConflictStopped, InUseError, ProgressMoved, SlotLost
 from applier.lsn import LSN
 from applier.metrics import Metrics
 from applier.migrate.sync import sync
+from applier.sandbox.clusters import find_install
 from applier.source.base import stream_options
 from applier.source.walsender import WalSender
 from applier.targets import opener

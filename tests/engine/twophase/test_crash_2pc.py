@@ -33,7 +33,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from applier.embedded import find_installs
+from applier.sandbox.clusters import find_installs
 
 from .conftest import TpRig, applier_script, clean_env, run_cli
 

@@ -20,7 +20,7 @@ import pytest
 from applier.admin import init, status
 from applier.config import ConfigError
 from applier.decoder.messages import StreamPrepare
-from applier.embedded import Cluster
+from applier.sandbox.clusters import Cluster
 from applier.targets.postgres.target import PostgresTarget
 from tests.plugins.clusters import ScratchDb
 

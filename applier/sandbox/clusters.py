@@ -81,7 +81,7 @@ _DEFAULT_SETTINGS: dict[str, str] = {
 }
 
 _HBA = """\
-# Written by applier.embedded: throwaway cluster, loopback only, no passwords.
+# Written by applier.sandbox.clusters: throwaway cluster, loopback only, no passwords.
 local all all trust
 local replication all trust
 host all all 127.0.0.1/32 trust

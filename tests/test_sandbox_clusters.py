@@ -1,4 +1,4 @@
-"""Real throwaway servers from applier.embedded: configuration, privileges, slots, lifecycle.
+"""Real throwaway servers from applier.sandbox.clusters: configuration, privileges, slots, lifecycle.
 
 No mocks: every test starts actual PostgreSQL processes for each available major version.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from applier.embedded import Cluster, PgInstall, find_install, find_installs
+from applier.sandbox.clusters import Cluster, PgInstall, find_install, find_installs
 from tests.plugins.clusters import ScratchDb
 
 

@@ -1,6 +1,6 @@
 """The demo behind ``applier demo``: a throwaway source, a SQLite target, changes flowing.
 
-It starts a PostgreSQL server from the installed binaries (``applier.embedded``),
+It starts a PostgreSQL server from the installed binaries (``applier.sandbox.clusters``),
 creates a small schema and a publication, initializes applier, makes changes
 (inserts, updates, deletes, in many transactions), catches up, and prints both
 sides so a person sees the replica match the source.
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from applier.admin import init
 from applier.config import load_config
-from applier.embedded import Cluster, find_install
 from applier.engine.runner import Runner
+from applier.sandbox.clusters import Cluster, find_install
 from applier.targets.sqlite.target import SqliteTarget  # noqa: F401 - the demo's target kind
 
 SCHEMA = """
