@@ -266,3 +266,18 @@ def test_the_cycle_finder_reads_cython_imports_and_package_inits(tmp_path: Path)
     (pkg / "sub" / "leaf.py").write_text("")
     (pkg / "fast.pyx").write_text("from libc.stdint cimport uint8_t\n\ncdef int bind():\n    from pkg.sub import leaf\n")
     assert cycles(import_graph(pkg)) == [["pkg.fast", "pkg.sub", "pkg.sub.user"]]
+
+
+# -- the sandbox (throwaway clusters, the demo) sits beside the core ---------------------------------------------
+
+CORE = ("applier.decoder", "applier.source", "applier.engine", "applier.targets", "applier.migrate",
+        "applier.progress")
+
+
+def test_the_core_never_imports_the_sandbox() -> None:
+    # only the `applier demo` command (the CLI) reaches applier.sandbox; replication never starts a server
+    graph = import_graph(PACKAGE)
+    found = sorted(f"{mod} imports {dep}" for mod, deps in graph.items() if mod.startswith(CORE)
+                   for dep in deps if dep.startswith("applier.sandbox"))
+    assert found == []
+    assert any(dep.startswith("applier.sandbox") for dep in graph["applier.cli.engine_commands"])  # the check sees
