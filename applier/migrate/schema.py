@@ -425,12 +425,15 @@ def check_pg_table(conn: psycopg.Connection[Any], table: SourceTable, schema: st
         elif have[c.name][0] != c.type_name:
             problems.append(f"column {c.name}: source type {c.type_sql}, target type {have[c.name][0]}")
     problems += [plain_where_generated(c) for c in table.generated if c.name in have and not have[c.name][3]]
+    return problems + unfilled_columns(table, have)
+
+
+def unfilled_columns(table: SourceTable, have: dict[str, tuple[Any, bool, bool, bool]]) -> list[str]:
+    """The problems of target columns the source does not publish that are NOT NULL without a default (``have``:
+    each target column's (type, NOT NULL, has a default, …))."""
     published = {c.name for c in table.columns}
-    for col, (_, notnull, hasdef, _generated) in have.items():
-        if col not in published and notnull and not hasdef:
-            problems.append(f"column {col}: NOT NULL on the target without a default, and the source does not "
-                            f"publish it")
-    return problems
+    return [f"column {col}: NOT NULL on the target without a default, and the source does not publish it"
+            for col, (_, notnull, hasdef, _) in have.items() if col not in published and notnull and not hasdef]
 
 
 def check_sqlite_table(conn: sqlite3.Connection, table: SourceTable, name: str) -> list[str] | None:
@@ -449,12 +452,7 @@ def check_sqlite_table(conn: sqlite3.Connection, table: SourceTable, name: str) 
             problems.append(f"column {c.name}: declared {have[c.name][0] or '(none)'} ({aff} affinity) would change "
                             f"the mapped {decl} values of source type {c.type_sql}")
     problems += [plain_where_generated(c) for c in table.generated if c.name in have]  # table_info: plain ones only
-    published = {c.name for c in table.columns}
-    for col, (_, notnull, hasdef, _pk) in have.items():
-        if col not in published and notnull and not hasdef:
-            problems.append(f"column {col}: NOT NULL on the target without a default, and the source does not "
-                            f"publish it")
-    return problems
+    return problems + unfilled_columns(table, have)
 
 
 def prepare_pg_tables(conn: psycopg.Connection[Any], tables: list[SourceTable], table_map: dict[str, str],
