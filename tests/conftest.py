@@ -1,1 +1,43 @@
+"""Session-wide test set-up: the cluster fixtures, and the order tests are handed to parallel workers.
+
+Under pytest-xdist (``-n N --dist worksteal``, pyproject.toml) each worker first gets one contiguous share of the
+collected tests. The slow ones (Spark jobs, the kill loops) are spread so that each share starts with an equal part
+of them: left in collection order they would all fall to the last worker and run alone at the end of the run.
+Which tests run is unchanged, only their order.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
 pytest_plugins = ["tests.plugins.clusters"]
+
+# tests that take tens of seconds each: the Spark jobs and the SIGKILL loops
+SLOW = ("tests/spark/", "tests/engine/test_crash.py", "tests/engine/twophase/test_crash_2pc.py",
+        "tests/engine/test_randomized.py")
+
+
+def shares(total: int, workers: int) -> list[int]:
+    """The size of each worker's first share of ``total`` tests, as xdist's worksteal scheduler cuts them."""
+    out = []
+    for i in range(workers):
+        out.append(total // (workers - i))
+        total -= out[-1]
+    return out
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2:
+        return
+    slow = [i for i in items if i.nodeid.startswith(SLOW)]
+    fast = [i for i in items if not i.nodeid.startswith(SLOW)]
+    ordered: list[pytest.Item] = []
+    for k, size in enumerate(shares(len(items), workers)):
+        lead = slow[k::workers]
+        take = max(0, size - len(lead))
+        ordered += lead + fast[:take]
+        del fast[:take]
+    items[:] = ordered + fast
