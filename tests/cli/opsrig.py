@@ -45,6 +45,14 @@ class Rig(TargetSide):
                                 "target": {"url": url}, "apply": {"work_dir": str(tmp / "work")}})
         return rig
 
+    @classmethod
+    def initialized(cls, source: ScratchDb, tmp: Path) -> Rig:
+        """``make`` with a SQLite target, then ``applier init`` (asserted to succeed)."""
+        rig = cls.make(source, None, tmp)
+        r = rig.applier("init")
+        assert r.returncode == 0, r.stderr
+        return rig
+
     def applier(self, *args: str, config: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """``applier ARGS -c CONFIG`` (this rig's config, or ``config``), run to its end."""
         return subprocess.run([applier_script(), *args, "-c", str(config or self.config)], capture_output=True,

@@ -18,10 +18,7 @@ from tests.plugins.clusters import ScratchDb
 
 @pytest.fixture
 def rig(source_db: ScratchDb, tmp_path: Path) -> Iterator[Rig]:
-    rig = Rig.make(source_db, None, tmp_path)
-    r = rig.applier("init")
-    assert r.returncode == 0, r.stderr
-    yield rig
+    yield Rig.initialized(source_db, tmp_path)
 
 
 def ids(rig: Rig) -> list[int]:
