@@ -54,6 +54,9 @@ SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
         "group_commit_delay": (float, 0.05),
         "heartbeat_interval": (float, 60.0),
         "schema_changes": (str, "error"),
+        # a table that starts to be published while applier runs (``applier.engine.ddl``): "wait" for
+        # ``applier sync --table``, "sync" (created and joined by applier), or "error" (stop)
+        "new_tables": (str, "wait"),
     },
     "spark": {
         "master": (str, "local[*]"),
@@ -77,6 +80,21 @@ SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
         "delete_origin_differs": (str, "apply_remote"),
         "prune_after": (str, None),
     },
+    # what ``apply.schema_changes = "follow"`` does with each class of captured DDL (``applier.ddl.changes``):
+    # apply it, skip it (logged and counted; the target keeps what it has), or stop with an error
+    "ddl": {
+        "create_table": (str, "apply"),
+        "drop_table": (str, "skip"),  # a replica keeps a dropped table's rows until someone drops it
+        "rename_table": (str, "apply"),
+        "add_column": (str, "apply"),
+        "drop_column": (str, "apply"),
+        "rename_column": (str, "apply"),
+        "alter_type": (str, "apply"),
+        "not_null": (str, "apply"),
+        "default": (str, "apply"),
+        "index": (str, "apply"),
+        "replica_identity": (str, "apply"),
+    },
 }
 
 CONFLICT_TYPES = ("insert_exists", "update_exists", "multiple_unique_conflicts", "update_missing", "delete_missing",
@@ -85,7 +103,9 @@ POLICIES = ("error", "skip", "apply_remote", "keep_local")
 
 _CHOICES = {
     ("apply", "on_error"): ("retry", "stop"),
-    ("apply", "schema_changes"): ("error", "add_columns"),
+    ("apply", "schema_changes"): ("error", "add_columns", "follow"),
+    ("apply", "new_tables"): ("wait", "sync", "error"),
+    **{("ddl", k): ("apply", "skip", "error") for k in SCHEMA["ddl"]},
     ("source", "origin"): ("any", "none"),
     ("target", "two_phase_mode"): ("prepare", "table"),
     ("target", "synchronous_commit"): ("on", "off", "local", "remote_write", "remote_apply"),
@@ -141,6 +161,7 @@ class Config:
     metrics: dict[str, Any] = field(default_factory=lambda: {"listen": None})
     log: dict[str, Any] = field(default_factory=lambda: {"format": "text"})
     conflicts: dict[str, Any] = field(default_factory=lambda: {k: d for k, (_, d) in SCHEMA["conflicts"].items()})
+    ddl: dict[str, Any] = field(default_factory=lambda: {k: d for k, (_, d) in SCHEMA["ddl"].items()})
 
     @property
     def target_kind(self) -> Kind:
@@ -277,13 +298,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if url is None:
         return Config(values["source"], values["target"], values["apply"], values["spark"],
                       Path(path) if path is not None else None, origin, values["metrics"], values["log"],
-                      values["conflicts"])
+                      values["conflicts"], values["ddl"])
     values["target"]["url"] = _check_target_url(url, origin.get("target.url", fname))
     if not values["source"]["publications"]:
         raise ConfigError(f"{fname}: source.publications must name at least one publication")
     return Config(values["source"], values["target"], values["apply"], values["spark"],
                   Path(path) if path is not None else None, origin, values["metrics"], values["log"],
-                      values["conflicts"])
+                      values["conflicts"], values["ddl"])
 
 
 def _check_target_url(url: str, where: str) -> str:

@@ -9,12 +9,12 @@ from typing import Any, NamedTuple
 from applier.lsn import LSN
 
 # The newest alembic revision of the control tables (tests check it against migrations/).
-HEAD_REVISION = "0005"
+HEAD_REVISION = "0006"
 VERSION_TABLE = "applier_alembic_version"
 # Every control table at HEAD_REVISION, alembic's last (``applier drop --control-tables`` drops them in this order);
 # each but the last has the ``name`` column of apply.name.
-CONTROL_TABLES = ("applier_conflicts", "applier_sync_tables", "applier_sync_parts", "applier_sync", "applier_prepared",
-                  "applier_progress", VERSION_TABLE)
+CONTROL_TABLES = ("applier_ddl_log", "applier_ddl_tables", "applier_conflicts", "applier_sync_tables",
+                  "applier_sync_parts", "applier_sync", "applier_prepared", "applier_progress", VERSION_TABLE)
 
 
 class Progress(NamedTuple):
@@ -62,6 +62,14 @@ class ProgressSQL(NamedTuple):
     prune_conflicts: str
     count_conflicts: str
     latest_conflicts: str  # (name, limit) -> the newest rows, newest first
+    # applier_ddl_tables (``applier.engine.ddl``): (name) -> (source_oid, shape); (name, oid, schema, table, shape,
+    # lsn, at) upserted; (name, oid) deleted. applier_ddl_log: (name, lsn, table, class, result, change, statement,
+    # at); (name) -> the newest row (lsn, table, class, result, change, statement, at)
+    known_shapes: str
+    keep_shape: str
+    forget_shape: str
+    record_ddl: str
+    last_ddl: str
 
 
 def _upsert(ph: str, also: str = "", where: str = "") -> str:
@@ -112,6 +120,16 @@ def progress_sql(ph: str, has_sync_tables: str) -> ProgressSQL:
                          f"GROUP BY conflict_type ORDER BY conflict_type"),
         latest_conflicts=(f"SELECT recorded_at, conflict_type, table_name, key, resolution, commit_lsn, xid "
                           f"FROM applier_conflicts WHERE name = {ph} ORDER BY id DESC LIMIT {ph}"),
+        known_shapes=f"SELECT source_oid, shape FROM applier_ddl_tables WHERE name = {ph}",
+        keep_shape=(f"INSERT INTO applier_ddl_tables (name, source_oid, schema_name, table_name, shape, lsn, updated_at) "
+                    f"VALUES ({', '.join([ph] * 7)}) ON CONFLICT (name, source_oid) DO UPDATE SET "
+                    f"schema_name = excluded.schema_name, table_name = excluded.table_name, shape = excluded.shape, "
+                    f"lsn = excluded.lsn, updated_at = excluded.updated_at"),
+        forget_shape=f"DELETE FROM applier_ddl_tables WHERE name = {ph} AND source_oid = {ph}",
+        record_ddl=(f"INSERT INTO applier_ddl_log (name, lsn, table_name, ddl_class, result, change, statement, "
+                    f"applied_at) VALUES ({', '.join([ph] * 8)})"),
+        last_ddl=(f"SELECT lsn, table_name, ddl_class, result, change, statement, applied_at FROM applier_ddl_log "
+                  f"WHERE name = {ph} ORDER BY id DESC LIMIT 1"),
     )
 
 

@@ -45,6 +45,8 @@ from operator import itemgetter
 from typing import Any, NamedTuple
 
 from applier._cmodule import twin
+from applier.ddl.changes import Change
+from applier.ddl.shape import TableShape
 from applier.decoder.messages import NULL, UNCHANGED_TOAST, Relation, TupleData
 from applier.errors import ApplyError, Conflicted, FinalError, ProgressMoved
 from applier.lsn import LSN
@@ -694,6 +696,28 @@ class TargetBase:
                                  f"{one_line(exc)}") from exc
             log.info("schema change followed: target table %s: %s (source table %s, transaction finished at %s)",
                      table, what, src, lsn)
+
+    # -- the shapes of followed source tables (``SchemaWriter``; ``write_ddl`` and ``target_exists`` are each kind's)
+
+    def known_shapes(self) -> dict[int, TableShape]:
+        """The applier_ddl_tables rows of this applier, by source table OID."""
+        cur = self.conn.cursor()
+        cur.execute(self.sql.known_shapes, [self.name])
+        return {int(oid): TableShape.from_json(shape) for oid, shape in cur.fetchall()}
+
+    def keep_shape(self, shape: TableShape, lsn: LSN) -> None:
+        """Record the shape of a followed source table, in the open transaction."""
+        self.cur.execute(self.sql.keep_shape, [self.name, shape.oid, shape.schema, shape.name, shape.to_json(),
+                                               str(lsn), utc_now()])
+
+    def forget_shape(self, oid: int) -> None:
+        """Forget the shape of a source table (dropped on the source), in the open transaction."""
+        self.cur.execute(self.sql.forget_shape, [self.name, oid])
+
+    def record_ddl(self, lsn: LSN, change: Change, result: str, statement: str | None) -> None:
+        """Add an applier_ddl_log row, in the open transaction."""
+        self.cur.execute(self.sql.record_ddl, [self.name, str(lsn), change.table.qualified, str(change.klass), result,
+                                               change.describe(), statement, utc_now()])
 
     def table_join(self, rel: Relation) -> Join | None:
         """The applier_sync_tables row of source table ``rel`` (``applier sync --table``), or None: no row (or a

@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
+from applier.ddl.changes import Change
+from applier.ddl.shape import TableShape
 from applier.decoder.messages import Relation, TupleData, Type
 from applier.lsn import LSN
 from applier.progress.store import Progress
@@ -195,7 +197,30 @@ class SchemaFollower(Protocol):
     def follow(self, rel: Relation, types: dict[int, Type], lsn: LSN, no_ddl: str | None = None) -> None: ...
 
 
-class Target(RowWriter, Transactions, ControlStore, TwoPhase, ConflictProbe, Claim, SchemaFollower, Protocol):
+class SchemaWriter(Protocol):
+    """Captured schema changes (``apply.schema_changes = "follow"``, ``applier.engine.ddl``), in the open transaction.
+
+    - ``write_ddl(change, lsn)`` makes the target table of ``change.table`` (named by the kind's naming rule and
+      ``target.tables``) what the change says, in the open target transaction, so that it commits or rolls back
+      with the rows around it (SQLite: a documented table rebuild where ALTER TABLE cannot). A change the target
+      cannot take (a type it lacks, a narrowing that would lose values, a lock not granted in time) is an
+      ``ApplyError`` naming the target table, the change (``Change.describe``) and the LSN; the caller rolls back.
+    - ``target_exists(shape)``: whether the target table of a source table exists.
+    - ``known_shapes()``: the ``applier_ddl_tables`` rows of this applier, by source table OID (read at start);
+      ``keep_shape(shape, lsn)`` and ``forget_shape(oid)`` write them in the open transaction.
+    - ``record_ddl(lsn, change, result, statement)`` writes one ``applier_ddl_log`` row in the open transaction.
+    """
+
+    def write_ddl(self, change: Change, lsn: LSN) -> None: ...
+    def target_exists(self, shape: TableShape) -> bool: ...
+    def known_shapes(self) -> dict[int, TableShape]: ...
+    def keep_shape(self, shape: TableShape, lsn: LSN) -> None: ...
+    def forget_shape(self, oid: int) -> None: ...
+    def record_ddl(self, lsn: LSN, change: Change, result: str, statement: str | None) -> None: ...
+
+
+class Target(RowWriter, Transactions, ControlStore, TwoPhase, ConflictProbe, Claim, SchemaFollower, SchemaWriter,
+             Protocol):
     """A target of the engine: every role, and the session's own two.
 
     - ``stream_from(source_system, slot, money_text)``: the source this session applies from, told once it is

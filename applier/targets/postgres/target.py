@@ -76,6 +76,8 @@ from psycopg.generators import fetch_many
 from psycopg.generators import send as psycopg_send
 
 from applier._cmodule import twin
+from applier.ddl.changes import Change
+from applier.ddl.shape import TableShape
 from applier.decoder.messages import BINARY, NULL, Relation, TupleData, Type, pg_timestamp
 from applier.errors import ApplyError, Conflicted, FinalError, MissingTable, TargetUnreachable
 from applier.lsn import LSN
@@ -549,6 +551,14 @@ class PostgresTarget(TargetBase):
         schema, table = self.target_table(rel)
         return (f"{schema}.{table}" if schema else table,
                 (quote_ident(schema) + "." if schema else "") + quote_ident(table))
+
+    def write_ddl(self, change: Change, lsn: LSN) -> None:
+        """Write one captured schema change (see ``SchemaWriter``): not yet."""
+        raise FinalError(f"{change.describe()} at LSN {lsn}: this target does not follow captured DDL yet")
+
+    def target_exists(self, shape: TableShape) -> bool:
+        """Whether the target table of source table ``shape`` exists (see ``SchemaWriter``): not yet."""
+        raise FinalError(f"source table {shape.qualified}: this target does not follow captured DDL yet")
 
     def follow(self, rel: Relation, types: dict[int, Type], lsn: LSN, no_ddl: str | None = None) -> None:
         """Make the target table fit ``rel`` (see ``SchemaFollower``): ADD COLUMN with the source's type (format_type of a

@@ -14,8 +14,10 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
+from applier.ddl.changes import Change
+from applier.ddl.shape import TableShape
 from applier.decoder.messages import Relation, TupleData, Type
-from applier.errors import ApplyError, MissingTable
+from applier.errors import ApplyError, FinalError, MissingTable
 from applier.lsn import LSN
 from applier.progress.store import progress_sql
 from applier.targets.base import SQLITE, Binding, LocalRow, TargetBase, present_columns, source_name
@@ -79,6 +81,14 @@ class SqliteTarget(TargetBase):
     def target_table(self, rel: Relation) -> tuple[str | None, str]:
         """(None, table) on the target for a source relation (applier.targets.naming)."""
         return sqlite_target_table(rel, self.table_map)
+
+    def write_ddl(self, change: Change, lsn: LSN) -> None:
+        """Write one captured schema change (see ``SchemaWriter``): not yet."""
+        raise FinalError(f"{change.describe()} at LSN {lsn}: this target does not follow captured DDL yet")
+
+    def target_exists(self, shape: TableShape) -> bool:
+        """Whether the target table of source table ``shape`` exists (see ``SchemaWriter``): not yet."""
+        raise FinalError(f"source table {shape.qualified}: this target does not follow captured DDL yet")
 
     def follow(self, rel: Relation, types: dict[int, Type], lsn: LSN, no_ddl: str | None = None) -> None:
         """Make the target table fit ``rel`` (see ``SchemaFollower``): ADD COLUMN with the mapped declared type
