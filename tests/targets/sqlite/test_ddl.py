@@ -1,0 +1,285 @@
+"""The SQLite target's DDL writer (``applier.targets.sqlite.ddl``) on a real SQLite file.
+
+Shapes come from a real source (capture installed, ``applier_ddl.describe(oid)`` before and after a DDL there,
+``diff``), so the chain capture → diff → writer is what is tested; each change is written to a SQLite target table
+holding rows, inside ``begin()``/``commit()``, and the table is then read as a user would (``PRAGMA table_xinfo``,
+``index_list``, the rows in order). A few cases need no server (a shape built by hand).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from applier.ddl.changes import (
+    AddColumn,
+    AlterType,
+    Change,
+    CreateTable,
+    DropColumn,
+    RenameColumn,
+    RenameTable,
+    SetDefault,
+    SetNotNull,
+    diff,
+)
+from applier.ddl.shape import ColumnShape, TableShape
+from applier.errors import ApplyError
+from applier.lsn import LSN
+from applier.source import capture
+from applier.targets.sqlite.target import SqliteTarget
+from tests.plugins.clusters import ScratchDb
+
+AT = LSN(0x16B3748)
+
+
+@pytest.fixture
+def target(tmp_path: Path) -> Iterator[SqliteTarget]:
+    t = SqliteTarget(f"sqlite:///{tmp_path / 'target.db'}", "test")
+    yield t
+    t.close()
+
+
+def q(t: SqliteTarget, sql: str) -> list[tuple[Any, ...]]:
+    return t.conn.execute(sql).fetchall()
+
+
+def columns(t: SqliteTarget, table: str) -> list[tuple[Any, ...]]:
+    """(name, declared type, NOT NULL, default, position in the key) of each column."""
+    return [(r[1], r[2], r[3], r[4], r[5]) for r in q(t, f"PRAGMA table_xinfo(\"{table}\")")]
+
+
+def indexes(t: SqliteTarget, table: str) -> dict[str, tuple[bool, list[str]]]:
+    """The named indexes of a table: unique, columns."""
+    return {r[1]: (bool(r[2]), [c[2] for c in q(t, f"PRAGMA index_info(\"{r[1]}\")")])
+            for r in q(t, f"PRAGMA index_list(\"{table}\")") if r[3] == "c"}
+
+
+def write(t: SqliteTarget, *changes: Change) -> None:
+    t.begin()
+    try:
+        for c in changes:
+            t.write_ddl(c, AT)
+    except BaseException:
+        t.rollback()
+        raise
+    t.commit(AT)
+
+
+class Source:
+    """A source table ``t`` with capture installed: its shape as capture describes it, before and after DDL."""
+
+    def __init__(self, db: ScratchDb, create: str) -> None:
+        self.db = db
+        self.sql(create)
+        self.sql("CREATE PUBLICATION p FOR ALL TABLES")
+        capture.install(db.dsn)
+        self.oid = int(self.sql("SELECT 't'::regclass::oid")[0][0])
+
+    def sql(self, query: str) -> list[tuple[Any, ...]]:
+        return self.db.cluster.execute(query, self.db.dbname)
+
+    def shape(self) -> TableShape:
+        (doc,) = self.sql(f"SELECT applier_ddl.describe({self.oid})::text")[0]
+        return TableShape.from_json(json.dumps(json.loads(doc) | {"captured": True}))
+
+    def alter(self, ddl: str) -> list[Change]:
+        """The changes ``ddl`` makes, as the engine would get them."""
+        before = self.shape()
+        self.sql(ddl)
+        return diff(before, self.shape())
+
+
+@pytest.fixture
+def src(source_db: ScratchDb) -> Source:
+    return Source(source_db, "CREATE TABLE t (id int PRIMARY KEY, name text NOT NULL, score numeric(6,2) DEFAULT 1.5,"
+                             " flag boolean DEFAULT true, made timestamptz DEFAULT now(),"
+                             " n bigint GENERATED ALWAYS AS IDENTITY)")
+
+
+def created(t: SqliteTarget, src: Source) -> None:
+    """The table created from the source's shape, holding two rows and a target-only column and index."""
+    write(t, CreateTable(src.shape()))
+    t.conn.execute("ALTER TABLE t ADD COLUMN note TEXT DEFAULT 'target only'")
+    t.conn.execute("CREATE INDEX t_note ON t (note)")
+    t.conn.execute("INSERT INTO t (id, name, score, flag, n) VALUES (1, 'a', '2.50', 1, 1), (2, 'b', NULL, 0, 2)")
+    t.conn.execute("UPDATE t SET note = 'kept' WHERE id = 2")
+
+
+def test_create_table_maps_types_keeps_constant_defaults_not_null_and_the_key(target: SqliteTarget,
+                                                                               src: Source) -> None:
+    src.sql("CREATE UNIQUE INDEX t_name ON t (name)")
+    src.sql("CREATE INDEX t_lower ON t (lower(name))")
+    write(target, CreateTable(src.shape()))
+    assert columns(target, "t") == [("id", "INTEGER", 1, None, 1), ("name", "TEXT", 1, None, 0),
+                                    ("score", "TEXT", 0, "'1.5'", 0), ("flag", "INTEGER", 0, "1", 0),
+                                    ("made", "TEXT", 0, None, 0), ("n", "INTEGER", 1, None, 0)]
+    assert indexes(target, "t") == {"t_name": (True, ["name"])}  # the expression index is skipped
+    assert target.target_exists(src.shape())
+    target.conn.execute("INSERT INTO t (id, name, n) VALUES (1, 'a', 1)")
+    assert q(target, "SELECT score, flag FROM t") == [("1.5", 1)]
+
+
+def rows(t: SqliteTarget, table: str = "t") -> list[tuple[Any, ...]]:
+    return q(t, f"SELECT * FROM \"{table}\" ORDER BY 1")
+
+
+def test_add_rename_and_drop_columns_keep_the_rows(target: SqliteTarget, src: Source) -> None:
+    created(target, src)
+    (add,) = src.alter("ALTER TABLE t ADD COLUMN qty int NOT NULL DEFAULT 7")
+    assert isinstance(add, AddColumn)
+    (rename,) = src.alter("ALTER TABLE t RENAME COLUMN name TO label")
+    assert isinstance(rename, RenameColumn)
+    (drop,) = src.alter("ALTER TABLE t DROP COLUMN flag")
+    assert isinstance(drop, DropColumn)
+    write(target, add, rename, drop)
+    assert [c[:4] for c in columns(target, "t")] == [
+        ("id", "INTEGER", 1, None), ("label", "TEXT", 1, None), ("score", "TEXT", 0, "'1.5'"),
+        ("made", "TEXT", 0, None), ("n", "INTEGER", 1, None), ("note", "TEXT", 0, "'target only'"),
+        ("qty", "INTEGER", 1, "7")]
+    assert rows(target) == [(1, "a", "2.50", None, 1, "target only", 7), (2, "b", None, None, 2, "kept", 7)]
+    assert indexes(target, "t") == {"t_note": (False, ["note"])}
+
+
+def test_rename_table_keeps_rows_and_indexes(target: SqliteTarget, src: Source) -> None:
+    created(target, src)
+    (rename,) = src.alter("ALTER TABLE t RENAME TO t2")
+    assert isinstance(rename, RenameTable)
+    write(target, rename)
+    assert not q(target, "SELECT 1 FROM sqlite_master WHERE name = 't'")
+    assert rows(target, "t2")[1] == (2, "b", None, 0, None, 2, "kept")
+    assert indexes(target, "t2") == {"t_note": (False, ["note"])}
+    assert target.target_exists(rename.table)
+
+
+def test_a_type_change_of_another_affinity_rebuilds_the_table_keeping_what_the_target_has(
+        target: SqliteTarget, src: Source) -> None:
+    created(target, src)
+    write(target, *src.alter("CREATE INDEX t_score ON t (score)"))
+    target.conn.execute("CREATE TRIGGER t_touch AFTER UPDATE ON t BEGIN UPDATE t SET note = 'touched' "
+                        "WHERE id = new.id AND note IS NOT 'touched'; END")
+    (alter,) = src.alter("ALTER TABLE t ALTER COLUMN score TYPE double precision")
+    assert isinstance(alter, AlterType)
+    write(target, alter)
+    assert columns(target, "t")[2] == ("score", "REAL", 0, "'1.5'", 0)
+    assert rows(target) == [(1, "a", 2.5, 1, None, 1, "target only"), (2, "b", None, 0, None, 2, "kept")]
+    assert indexes(target, "t") == {"t_note": (False, ["note"]), "t_score": (False, ["score"])}
+    assert [c[4] for c in columns(target, "t")] == [1, 0, 0, 0, 0, 0, 0]  # the key stays
+    target.conn.execute("UPDATE t SET name = 'c' WHERE id = 1")  # the trigger stays
+    assert q(target, "SELECT note FROM t WHERE id = 1") == [("touched",)]
+
+
+def test_a_type_change_within_an_affinity_writes_nothing(target: SqliteTarget, src: Source) -> None:
+    created(target, src)
+    before = q(target, "SELECT sql FROM sqlite_master WHERE name = 't'")
+    (alter,) = src.alter("ALTER TABLE t ALTER COLUMN id TYPE bigint")
+    write(target, alter)
+    assert q(target, "SELECT sql FROM sqlite_master WHERE name = 't'") == before
+
+
+def test_not_null_and_default_through_the_rebuild(target: SqliteTarget, src: Source) -> None:
+    created(target, src)
+    changes = src.alter("ALTER TABLE t ALTER COLUMN score SET DEFAULT 3, ALTER COLUMN name DROP NOT NULL, "
+                        "ALTER COLUMN flag SET NOT NULL")
+    assert sorted(type(c).__name__ for c in changes) == ["SetDefault", "SetNotNull", "SetNotNull"]
+    write(target, *changes)
+    assert [c[:4] for c in columns(target, "t")][1:4] == [
+        ("name", "TEXT", 0, None), ("score", "TEXT", 0, "'3'"), ("flag", "INTEGER", 1, "1")]
+    assert rows(target) == [(1, "a", "2.50", 1, None, 1, "target only"), (2, "b", None, 0, None, 2, "kept")]
+
+
+def test_set_not_null_over_a_null_fails_in_one_line_and_changes_nothing(target: SqliteTarget, src: Source) -> None:
+    created(target, src)
+    target.conn.execute("INSERT INTO t (id, name, n) VALUES (3, 'x', 3)")
+    before = q(target, "SELECT sql FROM sqlite_master"), rows(target)
+    changes = src.alter("ALTER TABLE t ALTER COLUMN made SET DEFAULT '2020-01-01', ALTER COLUMN score SET NOT NULL")
+    setnn = next(c for c in changes if isinstance(c, SetNotNull))
+    with pytest.raises(ApplyError) as err:
+        write(target, *changes)
+    assert str(err.value) == (f"target table 't': {setnn.describe()} at LSN {AT}: column 'score' holds NULL in 1 "
+                              f"row(s)")
+    assert (q(target, "SELECT sql FROM sqlite_master"), rows(target)) == before
+
+
+def test_set_primary_key_and_drop_a_key_column(target: SqliteTarget, src: Source) -> None:
+    created(target, src)
+    changes = src.alter("ALTER TABLE t DROP CONSTRAINT t_pkey, ADD PRIMARY KEY (n)")
+    assert [type(c).__name__ for c in changes] == ["SetPrimaryKey"]
+    write(target, *changes)
+    assert [c[0] for c in columns(target, "t") if c[4]] == ["n"]
+    changes = src.alter("ALTER TABLE t DROP COLUMN n")
+    write(target, *changes)
+    assert [c[0] for c in columns(target, "t")] == ["id", "name", "score", "flag", "made", "note"]
+    assert [c[0] for c in columns(target, "t") if c[4]] == []
+    assert rows(target) == [(1, "a", "2.50", 1, None, "target only"), (2, "b", None, 0, None, "kept")]
+
+
+def test_drop_an_indexed_column_drops_its_indexes(target: SqliteTarget, src: Source) -> None:
+    created(target, src)
+    write(target, *src.alter("CREATE UNIQUE INDEX t_name ON t (name, flag)"))
+    assert indexes(target, "t")["t_name"] == (True, ["name", "flag"])
+    changes = src.alter("ALTER TABLE t DROP COLUMN flag")
+    write(target, *changes)
+    assert indexes(target, "t") == {"t_note": (False, ["note"])}
+    assert rows(target) == [(1, "a", "2.50", None, 1, "target only"), (2, "b", None, None, 2, "kept")]
+
+
+def test_index_names_clash_across_tables(target: SqliteTarget, src: Source) -> None:
+    created(target, src)
+    target.conn.execute("CREATE TABLE other (x int)")
+    target.conn.execute("CREATE INDEX t_made ON other (x)")
+    (create,) = src.alter("CREATE INDEX t_made ON t (made)")
+    write(target, create)
+    assert indexes(target, "t")["t.t_made"] == (False, ["made"])
+    (drop,) = src.alter("DROP INDEX t_made")
+    write(target, drop)
+    assert "t.t_made" not in indexes(target, "t") and indexes(target, "other") == {"t_made": (False, ["x"])}
+
+
+# -- without a server ------------------------------------------------------------------------------------------------
+
+INT4, TEXT = 23, 25
+
+
+def shape(*cols: ColumnShape, key: tuple[str, ...] = ("id",)) -> TableShape:
+    return TableShape(1, "s", "t", cols, primary_key=key)
+
+
+ID = ColumnShape("id", "integer", INT4, not_null=True, attnum=1)
+
+
+def test_a_table_outside_public_is_named_schema_dot_table_or_as_mapped(tmp_path: Path) -> None:
+    t = SqliteTarget(f"sqlite:///{tmp_path / 'm.db'}", "test", {"s.u": "mapped"})
+    try:
+        write(t, CreateTable(shape(ID)), CreateTable(TableShape(2, "s", "u", (ID,))))
+        assert {r[0] for r in q(t, "SELECT name FROM sqlite_master WHERE type = 'table'")} == {"s.t", "mapped"}
+    finally:
+        t.close()
+
+
+def test_add_a_not_null_column_without_a_default(target: SqliteTarget) -> None:
+    write(target, CreateTable(shape(ID)))
+    v = ColumnShape("v", "text", TEXT, not_null=True, attnum=2)
+    write(target, AddColumn(shape(ID, v), v))  # an empty table: the rebuild takes it
+    assert columns(target, "s.t")[1] == ("v", "TEXT", 1, None, 0)
+    target.conn.execute("INSERT INTO \"s.t\" VALUES (1, 'a')")
+    w = ColumnShape("w", "text", TEXT, not_null=True, default="now()", attnum=3)
+    with pytest.raises(ApplyError, match=r"^target table 's.t': add column 'w' text to s.t at LSN 0/16B3748: column "
+                                         r"'w' is NOT NULL without a default SQLite can use, and the table holds 1 "
+                                         r"row\(s\) that would have NULL in it$"):
+        write(target, AddColumn(shape(ID, v, w), w))
+    assert [c[0] for c in columns(target, "s.t")] == ["id", "v"]
+
+
+def test_a_change_to_a_missing_column_fails_in_one_line(target: SqliteTarget) -> None:
+    write(target, CreateTable(shape(ID)))
+    gone = ColumnShape("gone", "text", TEXT, attnum=2)
+    with pytest.raises(ApplyError, match=r"^target table 's.t': drop column 'gone' of s.t at LSN 0/16B3748: "
+                                         r"no such column: 'gone'$"):
+        write(target, DropColumn(shape(ID), gone))
+    with pytest.raises(ApplyError, match="no such column"):
+        write(target, SetDefault(shape(ID), ColumnShape("gone", "text", TEXT, default="'x'::text"), gone))
