@@ -4,9 +4,8 @@ target transaction (``SchemaWriter.write_ddl``), and whether a source table's ta
 Contract:
 - the target table is named by the SQLite naming rule (``applier.targets.sqlite.naming``, ``target.tables``); a
   column's declared type is the engine's mapping (``applier.targets.sqlite.values.sqlite_declared_type``);
-- each change runs inside a savepoint of the open transaction and never commits: it is released when the change
-  is written and rolled back to when it fails, so a failure leaves the target as it was before the change; the
-  caller commits or rolls back with the rows around it;
+- each change is written in the open transaction and never commits: the caller commits it with the rows around
+  it, or rolls the whole transaction back when a change fails (nothing of it stays);
 - CREATE TABLE: NOT NULL, the primary key, constant defaults (one SQLite evaluates as the source would: a number,
   a string, true/false, NULL, perhaps cast; any other, ``nextval(…)``, ``now()``, is left out, logged); identity
   and generated columns are plain columns (logged); plain and unique indexes on columns (expression, partial or
@@ -255,17 +254,13 @@ class SqliteSchemaWriter:
         return self._table_sql(sqlite_shape_table(shape, self.table_map)) is not None
 
     def write(self, change: Change, lsn: LSN) -> None:
-        """Write ``change`` in the open transaction (a savepoint around it); one-line ApplyError/FinalError."""
+        """Write ``change`` in the open transaction; a one-line ApplyError/FinalError (the caller rolls back)."""
         table = sqlite_shape_table(change.table, self.table_map)
-        self.conn.execute("SAVEPOINT applier_ddl")
         try:
             self._write(change, table)
         except (Refused, sqlite3.Error, ValueError) as exc:
-            self.conn.execute("ROLLBACK TO applier_ddl")
-            self.conn.execute("RELEASE applier_ddl")
             error = FinalError if isinstance(exc, Refused) and exc.final else ApplyError
             raise error(f"target table {table!r}: {change.describe()} at LSN {lsn}: {one_line(exc)}") from None
-        self.conn.execute("RELEASE applier_ddl")
 
     def _write(self, change: Change, table: str) -> None:  # noqa: C901 - one branch per kind of change
         q = quote_ident(table)
