@@ -9,6 +9,7 @@ holding rows, inside ``begin()``/``commit()``, and the table is then read as a u
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from applier.ddl.shape import ColumnShape, TableShape
 from applier.errors import ApplyError, FinalError
 from applier.lsn import LSN
 from applier.source import capture
+from applier.targets.sqlite.ddl import sqlite_default
 from applier.targets.sqlite.target import SqliteTarget
 from tests.plugins.clusters import ScratchDb
 
@@ -319,3 +321,30 @@ def test_drop_table_index_and_replica_identity(target: SqliteTarget, src: Source
     assert indexes(target, "t") == {"t_note": (False, ["note"])}
     write(target, DropTable(src.shape()))
     assert not target.target_exists(src.shape())
+
+
+@pytest.mark.parametrize(("type_oid", "default", "sqlite"), [
+    (INT4, "7", "7"), (INT4, "'-1'::integer", "-1"), (1700, "'-1.5'::numeric", "'-1.5'"), (1700, "1.5", "'1.5'"),
+    (16, "true", "1"), (16, "false", "0"), (TEXT, "'it''s'::text", "'it''s'"), (17, "'\\x01ff'::bytea", "X'01ff'"),
+    (701, "0.25", "0.25"), (TEXT, "NULL::text", "NULL"), (1082, "'2020-01-02'::date", "'2020-01-02'"),
+    (INT4, "nextval('t_id_seq'::regclass)", None), (1184, "now()", None), (1184, "CURRENT_TIMESTAMP", None),
+    (TEXT, "('a'::text || 'b'::text)", None), (INT4, None, None),
+])
+def test_constant_defaults_are_stored_as_the_engine_stores_the_value(type_oid: int, default: str | None,
+                                                                     sqlite: str | None) -> None:
+    assert sqlite_default(ColumnShape("c", "", type_oid, default=default)) == sqlite
+
+
+def test_a_rebuild_keeps_the_rest_of_a_column_and_a_without_rowid_table(target: SqliteTarget) -> None:
+    target.conn.execute('CREATE TABLE "s.t" (id INTEGER NOT NULL, v TEXT COLLATE NOCASE NOT NULL '
+                        'CHECK (length(v) < 5), "w,x" TEXT DEFAULT \'a,b\', PRIMARY KEY (id)) WITHOUT ROWID')
+    target.conn.execute('INSERT INTO "s.t" VALUES (1, \'abc\', \'z\')')
+    v = ColumnShape("v", "text", TEXT, attnum=2)
+    write(target, SetNotNull(shape(ID, v), v))
+    (sql,) = q(target, "SELECT sql FROM sqlite_master WHERE name = 's.t'")[0]
+    assert sql == ('CREATE TABLE "s.t" (id INTEGER NOT NULL, v TEXT COLLATE NOCASE CHECK (length(v) < 5), '
+                   '"w,x" TEXT DEFAULT \'a,b\', PRIMARY KEY (id)) WITHOUT ROWID')
+    assert q(target, 'SELECT * FROM "s.t"') == [(1, "abc", "z")]
+    target.conn.execute('INSERT INTO "s.t" (id) VALUES (2)')  # NULL allowed now; the CHECK stays
+    with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
+        target.conn.execute('INSERT INTO "s.t" (id, v) VALUES (3, \'toolong\')')
