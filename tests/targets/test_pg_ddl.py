@@ -5,6 +5,7 @@ transaction, checked in the target's catalog and rows; a failing change is one l
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import psycopg
@@ -199,4 +200,50 @@ def test_a_lock_held_elsewhere_is_one_line_not_a_hang(
     assert str(caught.value) == ("target table public.t: add column 'a' integer to public.t at LSN 0/16B3748: "
                                  "canceling statement due to lock timeout")
     assert [c[0] for c in columns(pg, "t")] == ["id", "v"]
+    assert pg.execute("SELECT count(*) FROM t").fetchone() == (2,)
+
+
+def test_a_mapped_table_is_changed_under_its_target_name(
+        source: Source, target_db: ScratchDb, pg: psycopg.Connection[Any]) -> None:
+    """``target.tables`` names the target table of a shape as it does a relation's."""
+    source.conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    mapped = PostgresTarget(target_db.url, "applier", table_map={"public.t": "r.t_copy"})
+    try:
+        apply(mapped, [CreateTable(source.shape("t"))])
+        apply(mapped, source.change("t", "ALTER TABLE t ADD COLUMN w int; CREATE INDEX t_w ON t (w)"))
+        assert mapped.target_exists(source.shape("t"))
+    finally:
+        mapped.close()
+    assert [c[0] for c in columns(pg, "r.t_copy")] == ["id", "v", "w"]
+    assert pg.execute("SELECT indexdef FROM pg_indexes WHERE indexname = 't_w'").fetchone() == (
+        "CREATE INDEX t_w ON r.t_copy USING btree (w)",)
+    assert pg.execute("SELECT to_regclass('public.t')").fetchone() == (None,)
+
+
+def test_a_generation_expression_changes_from_postgresql_17(
+        source: Source, target: PostgresTarget, pg: psycopg.Connection[Any]) -> None:
+    source.conn.execute("CREATE TABLE t (id int PRIMARY KEY, g int GENERATED ALWAYS AS (id * 2) STORED)")
+    apply(target, [CreateTable(source.shape("t"))])
+    pg.execute("INSERT INTO t (id) VALUES (5)")
+    new = source.shape("t")
+    g = new.column("g")
+    assert g is not None
+    changed = replace(new, columns=(new.columns[0], replace(g, generated="(id * 3)")))  # capture's SET EXPRESSION
+    changes = diff(new, changed)
+    if pg.info.server_version >= 170000:
+        apply(target, changes)
+        assert pg.execute("SELECT g FROM t").fetchone() == (15,)
+    else:
+        with pytest.raises(FinalError, match=r"^target table public\.t: column 'g' of public\.t now has generated "
+                                             r"as \(id \* 3\) at LSN 0/16B3748: PostgreSQL 15 cannot change a "
+                                             r"generation expression \(SET EXPRESSION needs 17\)$"):
+            apply(target, changes)
+        assert pg.execute("SELECT g FROM t").fetchone() == (10,)
+
+
+def test_an_index_gone_on_the_target_already_is_nothing_to_do(
+        source: Source, target: PostgresTarget, pg: psycopg.Connection[Any]) -> None:
+    created(source, target, pg, "CREATE TABLE t (id int PRIMARY KEY, v text); CREATE INDEX t_v ON t (v)", "t")
+    pg.execute("DROP INDEX t_v")
+    apply(target, source.change("t", "DROP INDEX t_v"))
     assert pg.execute("SELECT count(*) FROM t").fetchone() == (2,)
