@@ -105,7 +105,8 @@ class DdlWriter:
             self.conn.execute("SELECT set_config('lock_timeout', %s, true)", [before[0] if before else "0"])
         except psycopg.Error as exc:
             cls = FinalError if exc.sqlstate in _FINAL else ApplyError
-            raise cls(f"target table {label}: {change.describe()} at LSN {lsn}: {one_line(exc)}") from None
+            said = one_line(exc.diag.message_primary or exc)  # the server's message, without its LINE/caret lines
+            raise cls(f"target table {label}: {change.describe()} at LSN {lsn}: {said}") from None
         except _Refused as exc:
             raise FinalError(f"target table {label}: {change.describe()} at LSN {lsn}: {exc}") from None
 
