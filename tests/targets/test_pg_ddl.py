@@ -211,6 +211,7 @@ def test_a_mapped_table_is_changed_under_its_target_name(
     try:
         apply(mapped, [CreateTable(source.shape("t"))])
         apply(mapped, source.change("t", "ALTER TABLE t ADD COLUMN w int; CREATE INDEX t_w ON t (w)"))
+        apply(mapped, source.change("t", "ALTER TABLE t REPLICA IDENTITY USING INDEX t_pkey"))
         assert mapped.target_exists(source.shape("t"))
     finally:
         mapped.close()
@@ -218,6 +219,8 @@ def test_a_mapped_table_is_changed_under_its_target_name(
     assert pg.execute("SELECT indexdef FROM pg_indexes WHERE indexname = 't_w'").fetchone() == (
         "CREATE INDEX t_w ON r.t_copy USING btree (w)",)
     assert pg.execute("SELECT to_regclass('public.t')").fetchone() == (None,)
+    assert pg.execute("SELECT i.relname FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid"
+                      " WHERE x.indrelid = 'r.t_copy'::regclass AND x.indisreplident").fetchone() == ("t_pkey",)
 
 
 def test_a_generation_expression_changes_from_postgresql_17(

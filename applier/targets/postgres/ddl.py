@@ -190,7 +190,7 @@ class DdlWriter:
             self._run(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")
         parts = [self._column(c, label, lsn) for c in shape.columns]
         if shape.primary_key:
-            parts.append(f"PRIMARY KEY ({', '.join(map(quote_ident, shape.primary_key))})")
+            parts.append(self._primary_key(shape, schema))
         self._run(f"CREATE TABLE {qt} ({', '.join(parts)})")
         for ix in shape.indexes:
             if not ix.primary:
@@ -238,7 +238,17 @@ class DdlWriter:
         if row is not None:
             self._run(f"ALTER TABLE {qt} DROP CONSTRAINT {quote_ident(str(row[0]))}")
         if change.table.primary_key:
-            self._run(f"ALTER TABLE {qt} ADD PRIMARY KEY ({', '.join(map(quote_ident, change.table.primary_key))})")
+            schema = self.target_of(change.table.schema, change.table.name)[0]
+            self._run(f"ALTER TABLE {qt} ADD {self._primary_key(change.table, schema)}")
+
+    def _primary_key(self, shape: TableShape, schema: str | None) -> str:
+        """The primary key clause, its constraint named as the source's key index (a replica identity USING INDEX
+        names it) unless that name is taken in the target schema (then the server names it)."""
+        cols = f"PRIMARY KEY ({', '.join(map(quote_ident, shape.primary_key))})"
+        name = next((i.name for i in shape.indexes if i.primary), None)
+        if name is None or self._exists(qualified(schema, name)):
+            return cols
+        return f"CONSTRAINT {quote_ident(name)} {cols}"
 
     def _create_index(self, ix: IndexShape, schema: str | None, qt: str, label: str, lsn: LSN) -> None:
         m = _INDEX.match(ix.definition)
