@@ -250,3 +250,13 @@ def test_an_index_gone_on_the_target_already_is_nothing_to_do(
     pg.execute("DROP INDEX t_v")
     apply(target, source.change("t", "DROP INDEX t_v"))
     assert pg.execute("SELECT count(*) FROM t").fetchone() == (2,)
+
+
+def test_an_index_name_taken_on_the_target_lets_the_server_name_it(
+        source: Source, target: PostgresTarget, pg: psycopg.Connection[Any]) -> None:
+    created(source, target, pg, "CREATE TABLE t (id int PRIMARY KEY, v text)", "t")
+    pg.execute("CREATE TABLE other (v text); CREATE INDEX t_v ON other (v)")
+    apply(target, source.change("t", "CREATE INDEX t_v ON t (v) WHERE v <> 'x'"))
+    assert pg.execute("SELECT indexdef FROM pg_indexes WHERE tablename = 't' AND indexname <> 't_pkey'").fetchall() == [
+        ("CREATE INDEX t_v_idx ON public.t USING btree (v) WHERE (v <> 'x'::text)",)]
+    assert pg.execute("SELECT tablename FROM pg_indexes WHERE indexname = 't_v'").fetchone() == ("other",)
