@@ -387,9 +387,10 @@ def differing_keys(src: Any, tgt: Any, columns: list[str], key: list[str], targe
 
 
 def compare_on_servers(spark: Any, source_plan: str, target_plan: str, columns: list[str], key: list[str],
-                       max_keys: int, label: str) -> TableResult:
-    """Compare one table of a PostgreSQL target with the per-range sums computed on the servers
-    (``applier.migrate.spark.rangehash``); only the rows of the differing ranges are read, by job 2."""
+                       kind: Kind, max_keys: int, label: str) -> TableResult:
+    """Compare one table of a target of ``kind`` that keeps the source's types (PostgreSQL) with the per-range sums
+    computed on the servers (``applier.migrate.spark.rangehash``); only the rows of the differing ranges are read, by
+    job 2."""
     from applier.migrate.spark.rangehash import RANGES, bucket_filter, hash_plan, range_sums  # start-up: pyspark
 
     plans = [json.loads(source_plan), json.loads(target_plan)]
@@ -413,7 +414,7 @@ def compare_on_servers(spark: Any, source_plan: str, target_plan: str, columns: 
             narrowed = json.dumps({**p, "where": f"({p['where']}) AND {only}" if p.get("where") else only})
             sides.append(_prepared(spark.read.format("applier_pg").option("plan", narrowed).load(), len(columns),
                                    key_idx))
-        differing_keys(sides[0], sides[1], columns, key, Kind.POSTGRESQL, max_keys, res)
+        differing_keys(sides[0], sides[1], columns, key, kind, max_keys, res)
         log.debug("%s: differing keys found in %.1fs", label, time.monotonic() - t0)
         return res
     finally:
@@ -513,8 +514,8 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                     target_types(target.conn, qtarget))
                 try:
                     if on_servers:
-                        res = compare_on_servers(spark, src_plan, tgt_plan, cols + nulls, t.key_columns, max_keys,
-                                                 t.qualified)
+                        res = compare_on_servers(spark, src_plan, tgt_plan, cols + nulls, t.key_columns, kind,
+                                                 max_keys, t.qualified)
                     else:
                         res = compare(spark, src_plan, tgt_plan, fmt, cols + nulls, t.key_columns, kind,
                                       max_keys, t.qualified)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from applier.config import Config
 from applier.decoder.messages import Relation, Type
@@ -20,6 +22,9 @@ from applier.targets.sqlite.naming import sqlite_target_table
 from applier.targets.sqlite.target import FAILURES, SQLITE_SQL, SqliteTarget, sqlite_path
 from applier.text import quote_ident
 from applier.url import Kind
+
+if TYPE_CHECKING:  # the source connection's type, for the checker only
+    import psycopg
 
 # What a plain SQLite connection waits for a lock held by another process (the engine's target waits as long).
 SQLITE_TIMEOUT = 60
@@ -112,6 +117,25 @@ class SqliteBackend(Backend):
         if defaulted:  # table_xinfo: table_info leaves generated columns out
             return [r[1] for r in conn.execute(f"PRAGMA table_xinfo({quote_ident(shown)})")]
         return [r[1] for r in conn.execute(f"PRAGMA table_info({quote_ident(shown)})") if r[4] is None]
+
+    def check_table(self, conn: Any, table: Any, schema: str | None, name: str) -> list[str] | None:
+        # function-local imports: start-up time (the table checks and creation, and the source catalog model they
+        # use, serve the operator commands, never the apply path)
+        from applier.targets.sqlite.schema import check_sqlite_table
+
+        return check_sqlite_table(conn, table, name)
+
+    def prepare_tables(self, conn: Any, tables: list[Any], table_map: dict[str, str],
+                       source: Callable[[], AbstractContextManager[psycopg.Connection[Any]]]) -> Any:
+        from applier.targets.sqlite.schema import prepare_sqlite_tables  # start-up time: as check_table
+
+        return prepare_sqlite_tables(conn, tables, table_map)
+
+    def set_sequences(self, conn: Any, seqs: list[Any], tables: dict[tuple[str, str], Any], table_map: dict[str, str],
+                      margin: int, location: str) -> list[Any]:
+        from applier.targets.sqlite.sequences import set_sqlite_sequences  # start-up time: as check_table
+
+        return set_sqlite_sequences(conn, seqs, tables, table_map, margin, location)
 
     def exists(self, conn: Any, shown: str, qname: str) -> bool:
         return bool(conn.execute(f"PRAGMA table_info({quote_ident(shown)})").fetchall())
