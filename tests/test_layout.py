@@ -276,20 +276,10 @@ def kind_choices(package: Path) -> list[str]:
     return sorted(set(found))
 
 
-# Choices by kind not yet moved into their kind's folder (path and member, without the line): each is a known debt,
-# and an entry goes as soon as its code does. verify's per-kind read plan of the target (applier_sqlite / applier_pg)
-# stays until the Spark plan builders (migrate/spark/source.py) sit below applier.targets: its canonical module
-# imports the Backends, so a Backend building the plan would close a cycle.
-NOT_YET_MOVED = frozenset({"migrate/spark/verify.py: Kind.SQLITE", "migrate/spark/verify.py: Kind.POSTGRESQL"})
-
-
 def test_no_code_outside_the_targets_chooses_by_kind() -> None:
     # `if kind is Kind.SQLITE` or `{Kind.POSTGRESQL: …}` outside applier/targets/ is a kind's code in the wrong
     # room: a third kind would need it found and extended; make it a method of the kind's Backend
-    found = kind_choices(PACKAGE)
-    assert [f for f in found if f"{f.split(':')[0]}: {f.split(': ')[1]}" not in NOT_YET_MOVED] == []
-    # a debt paid is struck from the list
-    assert {f"{f.split(':')[0]}: {f.split(': ')[1]}" for f in found} == NOT_YET_MOVED
+    assert kind_choices(PACKAGE) == []
 
 
 def test_the_kind_choice_check_finds_each_choice(tmp_path: Path) -> None:

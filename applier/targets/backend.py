@@ -185,5 +185,11 @@ class Backend(ABC):
         CutoverError (one line) if the kind sets them all or none and that failed."""
 
     @abstractmethod
+    def read_plan(self, conn: Any, location: str, qname: str, columns: list[str], partitions: int) -> tuple[str, str]:
+        """How ``applier verify`` reads target table ``qname`` (its ``columns``: quoted names) at ``location`` in
+        about ``partitions`` parallel ranges: (the Spark data source's format, its ``plan``: see
+        ``applier.migrate.spark.plans``)."""
+
+    @abstractmethod
     def exists(self, conn: Any, shown: str, qname: str) -> bool:
         """Whether target table ``shown`` (quoted: ``qname``) exists."""

@@ -434,7 +434,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
            partitions: int | None = None) -> VerifyReport:
     """Compare every published table at one consistent moment (see the module header)."""
     from applier.migrate.spark.rangehash import same_types, server_encoding, target_types  # start-up: pyspark
-    from applier.migrate.spark.source import pg_plan, sqlite_plan, sqlite_rowid_ranges  # start-up time: pyspark
+    from applier.migrate.spark.source import pg_plan  # start-up time: pyspark
 
     say = say or (lambda line: None)
     nparts = partitions or cfg.spark["partitions"]
@@ -499,15 +499,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                                    canonical_types=[c.type_oid for c in compared] + [25] * len(nulls)
                                    if mapped else None)
                 qcols += [quote_ident(c) for c in nulls]
-                if kind is Kind.SQLITE:
-                    tgt_plan = sqlite_plan(target.where, qtarget, qcols, sqlite_rowid_ranges(target.conn, qtarget, nparts))
-                    fmt = "applier_sqlite"
-                elif kind is Kind.POSTGRESQL:
-                    tgt_plan = pg_plan(target.where, qtarget, qcols, pages=target.pages(t), partitions=nparts,
-                                       app="applier-verify target", only=not target.partitioned(t))
-                    fmt = "applier_pg"
-                else:
-                    raise ConfigError(f"{cfg.where('target', 'url')}: verify cannot read a target of kind {kind}")
+                fmt, tgt_plan = target.backend.read_plan(target.conn, target.where, qtarget, qcols, nparts)
                 say(f"comparing {t.qualified}")
                 on_servers = not mapped and same_encoding and same_types(
                     [(c.name, c.type_schema, c.type_name, c.type_mod) for c in compared],

@@ -11,6 +11,7 @@ import psycopg
 
 from applier.config import Config
 from applier.decoder.messages import Relation, Type
+from applier.migrate.spark.plans import pg_plan
 from applier.rows import one_row
 from applier.targets.backend import Backend
 from applier.targets.base import Converter
@@ -128,6 +129,15 @@ class PostgresBackend(Backend):
         from applier.targets.postgres.sequences import set_pg_sequences  # start-up time: as check_table
 
         return set_pg_sequences(conn, seqs, tables, table_map, margin)
+
+    def read_plan(self, conn: Any, location: str, qname: str, columns: list[str], partitions: int) -> tuple[str, str]:
+        (pages,) = one_row(conn.execute("SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::int",
+                                        [qname]))
+        # a partitioned table's rows are its partitions': read without ONLY
+        partitioned = conn.execute("SELECT 1 FROM pg_class WHERE oid = to_regclass(%s) AND relkind = 'p'",
+                                   [qname]).fetchone() is not None
+        return "applier_pg", pg_plan(location, qname, columns, pages=int(pages), partitions=partitions,
+                                     app="applier-verify target", only=not partitioned)
 
     def exists(self, conn: Any, shown: str, qname: str) -> bool:
         return conn.execute("SELECT to_regclass(%s)", [qname]).fetchone()[0] is not None

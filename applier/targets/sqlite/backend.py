@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from applier.config import Config
 from applier.decoder.messages import Relation, Type
+from applier.migrate.spark.plans import sqlite_plan
 from applier.targets.backend import Backend
 from applier.targets.base import Converter
 from applier.targets.binary import binary_converters
@@ -28,6 +29,19 @@ if TYPE_CHECKING:  # the source connection's type, for the checker only
 
 # What a plain SQLite connection waits for a lock held by another process (the engine's target waits as long).
 SQLITE_TIMEOUT = 60
+
+
+def _rowid_ranges(conn: sqlite3.Connection, qtable: str, partitions: int) -> list[tuple[int | None, int | None]]:
+    """rowid ranges splitting a SQLite table; one unbounded range for WITHOUT ROWID or small tables."""
+    try:
+        lo, hi = conn.execute(f"SELECT min(rowid), max(rowid) FROM {qtable}").fetchone()
+    except sqlite3.OperationalError:  # WITHOUT ROWID
+        return [(None, None)]
+    if lo is None or partitions <= 1 or hi - lo < 10000:
+        return [(None, None)]
+    span = hi - lo + 1
+    bounds = [lo + span * i // partitions for i in range(partitions + 1)]
+    return [(None if i == 0 else bounds[i], None if i == partitions - 1 else bounds[i + 1]) for i in range(partitions)]
 
 
 class SqliteBackend(Backend):
@@ -136,6 +150,9 @@ class SqliteBackend(Backend):
         from applier.targets.sqlite.sequences import set_sqlite_sequences  # start-up time: as check_table
 
         return set_sqlite_sequences(conn, seqs, tables, table_map, margin, location)
+
+    def read_plan(self, conn: Any, location: str, qname: str, columns: list[str], partitions: int) -> tuple[str, str]:
+        return "applier_sqlite", sqlite_plan(location, qname, columns, _rowid_ranges(conn, qname, partitions))
 
     def exists(self, conn: Any, shown: str, qname: str) -> bool:
         return bool(conn.execute(f"PRAGMA table_info({quote_ident(shown)})").fetchall())
