@@ -17,7 +17,7 @@ from typing import Any
 
 from applier.errors import Unreachable
 from applier.text import file_safe
-from applier.url import SCHEMES, Kind, kind_of, parse_target_url
+from applier.url import Kind, canonical_target_url, kind_of
 
 REQUIRED = object()
 
@@ -308,31 +308,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 
 def _check_target_url(url: str, where: str) -> str:
-    """``target.url`` as the commands use it (``postgres://`` and ``postgresql://``, as libpq and psql accept them,
-    read as ``postgresql+psycopg://``); a ConfigError naming ``where`` if it is no file or server to replicate into."""
+    """``target.url`` as the commands use it (``applier.url.canonical_target_url``: each kind's rules); a ConfigError
+    naming ``where`` if it is no file or server to replicate into."""
     try:
-        parsed = parse_target_url(url)
-    except ValueError:
-        raise ConfigError(f"{where}: target.url is not a database URL: expected postgresql://… or sqlite:///…") from None
-    kind = SCHEMES.get(parsed.backend)
-    if kind is None:
-        raise ConfigError(f"{where}: target.url must be a postgresql or sqlite URL, got {parsed.backend}")
-    if kind is Kind.POSTGRESQL:
-        if parsed.driver not in (None, "psycopg"):
-            raise ConfigError(f"{where}: target.url names the driver {parsed.driver!r}; applier connects with psycopg "
-                              f"(postgresql://… or postgresql+psycopg://…)")
-        return "postgresql+psycopg" + url[url.index("://"):]
-    if kind is not Kind.SQLITE:
-        return url
-    if parsed.host is not None:
-        raise ConfigError(f"{where}: target.url {url.partition('?')[0]!r} names no file ({parsed.host!r} is read as a "
-                          f"host): a SQLite URL has three slashes before a relative path (sqlite:///{parsed.host}) and "
-                          f"four before an absolute one (sqlite:////var/lib/replica.db)")
-    db = parsed.database or ""
-    if db in ("", ":memory:") or db.startswith("file::memory:") or parsed.query.get("mode") == "memory":
-        raise ConfigError(f"{where}: target.url {url!r} is an in-memory SQLite database, which vanishes with the "
-                          f"process while the slot stays on the source: name a file (sqlite:///replica.db)")
-    return url
+        return canonical_target_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def parse_listen(text: str, where: str) -> tuple[str, int]:

@@ -1,8 +1,10 @@
 """Target URLs, read without importing SQLAlchemy, and the kinds of target they name (the registry by scheme).
 
 ``SCHEMES`` is the one table from a URL scheme to a target ``Kind``; each kind's ``Backend`` lives in its own
-folder, ``applier/targets/<kind>/`` (found by ``applier.targets.backends``). This module is on the ground floor:
-``applier.config`` checks ``target.url`` through it, and nothing here imports the rest of applier.
+folder, ``applier/targets/<kind>/`` (found by ``applier.targets.backends``), and so does what its URL must be
+(``applier/targets/<kind>/url.py``, in ``URL_RULES``). This module is on the ground floor: ``applier.config``
+checks ``target.url`` through it (``canonical_target_url``), and it imports only the kinds' URL rules, which import
+nothing of applier.
 
 ``run`` and ``catchup`` start faster without SQLAlchemy (its import alone is
 ~0.2 s, a tenth of a one-shot catch-up of 200,000 rows), so the apply path
@@ -16,9 +18,13 @@ checks that both read every URL alike.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from enum import StrEnum
 from typing import NamedTuple
 from urllib.parse import parse_qsl, unquote
+
+from applier.targets.postgres import url as postgres_url
+from applier.targets.sqlite import url as sqlite_url
 
 _URL = re.compile(
     r"""(?P<name>[\w+]+)://
@@ -39,6 +45,11 @@ class Kind(StrEnum):
 
 # The registry: URL scheme -> kind of target (psql's postgres:// is PostgreSQL's too).
 SCHEMES: dict[str, Kind] = {"postgresql": Kind.POSTGRESQL, "postgres": Kind.POSTGRESQL, "sqlite": Kind.SQLITE}
+
+# What each kind's URL must be: (url, driver, host, database, query) -> the URL as the commands use it, or ValueError.
+URL_RULES: dict[Kind, Callable[[str, str | None, str | None, str | None, dict[str, str]], str]] = {
+    Kind.POSTGRESQL: postgres_url.canonical_url, Kind.SQLITE: sqlite_url.canonical_url,
+}
 
 
 def kind_of(url: str) -> Kind:
@@ -79,3 +90,16 @@ def parse_target_url(url: str) -> TargetURL:
         host=m["ipv6host"] or m["ipv4host"] or None, port=int(port) if port else None,
         database=unquote(m["database"]) if m["database"] else None, query=query,
     )
+
+
+def canonical_target_url(url: str) -> str:
+    """``target.url`` as the commands use it (its kind's ``URL_RULES``); ValueError, one line beginning with
+    ``target.url``, if it is no file or server to replicate into."""
+    try:
+        parsed = parse_target_url(url)
+    except ValueError:
+        raise ValueError("target.url is not a database URL: expected postgresql://… or sqlite:///…") from None
+    kind = SCHEMES.get(parsed.backend)
+    if kind is None:
+        raise ValueError(f"target.url must be a postgresql or sqlite URL, got {parsed.backend}")
+    return URL_RULES[kind](url, parsed.driver, parsed.host, parsed.database, parsed.query)

@@ -39,66 +39,33 @@ itself).
 from __future__ import annotations
 
 import logging
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from applier.admin import check_source, check_target, read_progress, source_connect, status, target_db
+from applier.admin import check_source, check_target, read_progress, source_connect, status
 from applier.config import Config, ConfigError
 from applier.engine.runner import Runner, goal_reached
 from applier.errors import ApplyError, InUseError
 from applier.inspect import current_wal_insert_lsn
 from applier.lsn import LSN
-from applier.migrate.schema import SourceTable, target_table_name
-from applier.migrate.sequences import SourceSequence, source_sequences, target_sequence_qname, target_sequence_shown
+from applier.migrate.sequences import CutoverError, SequenceResult, ahead, source_sequences
 from applier.migrate.spark.verify import verify as run_verify
 from applier.migrate.sync import read_tables_in_snapshot
-from applier.rows import one_row
 from applier.source.base import SourceError
 from applier.targets import opener
-from applier.targets.backends import backend
-from applier.text import SAFE_KEYWORDS, one_line, quote_ident, redact_dsn, shell_command
-from applier.url import Kind
+from applier.targets.backends import backend_of
+from applier.text import SAFE_KEYWORDS, redact_dsn, shell_command
 
 log = logging.getLogger("applier.cutover")
 
 POLL = 0.2  # seconds between looks at the progress row of a running `applier run`
-
-
-class CutoverError(ConfigError):
-    """Cutover refused before changing anything on the target's sequences; the message says why and what to do."""
-
-
-@dataclass
-class SequenceResult:
-    """One source sequence on the target.
-
-    ``action``: ``set`` (moved forward to ``target_next``), ``kept`` (already there or past it), ``failed``
-    (``error`` says why), ``none`` (a SQLite table without an AUTOINCREMENT counter: nothing to set).
-    ``target_next`` is what the target's next ``nextval`` (SQLite: the next rowid at least) returns.
-    """
-
-    sequence: str
-    target: str
-    used_by: list[str]
-    source_last_value: int
-    source_is_called: bool
-    source_next: int
-    wanted_next: int
-    target_next: int | None = None
-    action: str = "failed"
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        """The target's next value is where it must be (or there is no counter to set)."""
-        return self.action in ("set", "kept", "none")
 
 
 @dataclass
@@ -302,130 +269,6 @@ def _holder(cfg: Config) -> str | None:
 
 # -- step 2: sequences ----------------------------------------------------------------------------
 
-def _ahead(a: int, b: int, increment: int) -> bool:
-    """``a`` is at or past ``b`` in the direction of ``increment``."""
-    return a >= b if increment > 0 else a <= b
-
-
-def _result(seq: SourceSequence, target: str, margin: int) -> SequenceResult:
-    return SequenceResult(seq.qualified, target, [f"{s}.{t}.{c}" for s, t, c in seq.used_by], seq.last_value,
-                          seq.is_called, seq.next_value, seq.next_value + margin * seq.increment)
-
-
-def _pg_target_sequence(conn: psycopg.Connection[Any], seq: SourceSequence, cfg: Config,
-                        tables: dict[tuple[str, str], SourceTable]) -> tuple[str, str] | None:
-    """(regclass text, name for people) of the target sequence: ``sync``'s name, else the owning column's."""
-    qname = target_sequence_qname(seq, cfg.target["tables"])
-    row = conn.execute("SELECT to_regclass(%s)::text", [qname]).fetchone()
-    if row and row[0]:
-        return row[0], target_sequence_shown(seq, cfg.target["tables"])
-    owner = tables.get((seq.owner[0], seq.owner[1])) if seq.owner is not None else None
-    if seq.owner is not None and owner is not None:
-        _, qtable = target_table_name(owner, backend(Kind.POSTGRESQL), cfg.target["tables"])
-        # the column name is taken literally, the table name as SQL
-        row = conn.execute("SELECT pg_get_serial_sequence(%s, %s) WHERE to_regclass(%s) IS NOT NULL",
-                           [qtable, seq.owner[2], qtable]).fetchone()
-        if row and row[0]:
-            return row[0], row[0]
-    return None
-
-
-def _pg_next(conn: psycopg.Connection[Any], regclass: str) -> tuple[int, int]:
-    """(next nextval, increment) of a target sequence, without calling nextval."""
-    last, called = one_row(conn.execute(f"SELECT last_value, is_called FROM {regclass}"))
-    (inc,) = one_row(conn.execute("SELECT seqincrement FROM pg_sequence WHERE seqrelid = %s::regclass", [regclass]))
-    return (int(last) + int(inc) if called else int(last)), int(inc)
-
-
-def _set_pg(cfg: Config, seqs: list[SourceSequence], tables: dict[tuple[str, str], SourceTable],
-            margin: int) -> list[SequenceResult]:
-    out = []
-    with opener.open(cfg, plain=True, autocommit=True) as conn:
-        assert isinstance(conn, psycopg.Connection)  # ``_SETTERS``: a PostgreSQL target's
-        for seq in seqs:
-            res = _result(seq, target_sequence_shown(seq, cfg.target["tables"]), margin)
-            out.append(res)
-            try:
-                found = _pg_target_sequence(conn, seq, cfg, tables)
-                if found is None:
-                    res.error = (f"the target has no sequence {res.target} (`applier sync` creates it; or create it, "
-                                 f"then run cutover again)")
-                    continue
-                regclass, res.target = found
-                current, inc = _pg_next(conn, regclass)
-                if _ahead(current, res.wanted_next, inc):
-                    res.action, res.target_next = "kept", current
-                    continue
-                # is_called false: the next nextval returns exactly this value
-                conn.execute("SELECT setval(%s::regclass, %s, false)", [regclass, res.wanted_next])
-                res.target_next = _pg_next(conn, regclass)[0]
-                res.action = "set"
-            except psycopg.Error as exc:
-                res.error = f"cannot set it on the target: {one_line(exc)}"
-    return out
-
-
-def _sqlite_autoincrement(conn: sqlite3.Connection, table: str, column: str) -> bool:
-    """``table`` is declared AUTOINCREMENT and ``column`` is its rowid (INTEGER PRIMARY KEY) column."""
-    row = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", [table]).fetchone()
-    if row is None or "AUTOINCREMENT" not in (row[0] or "").upper():
-        return False
-    pk = [r[1] for r in conn.execute(f"PRAGMA table_info({quote_ident(table)})") if r[5]]
-    return pk == [column]
-
-
-def _set_sqlite(cfg: Config, seqs: list[SourceSequence], tables: dict[tuple[str, str], SourceTable],
-                margin: int) -> list[SequenceResult]:
-    """The AUTOINCREMENT counters, in one transaction; CutoverError (one line, nothing changed) on a database
-    error."""
-    try:
-        return _set_sqlite_counters(cfg, seqs, tables, margin)
-    except sqlite3.Error as exc:
-        raise CutoverError(f"setting the SQLite target's AUTOINCREMENT counters failed, none was changed "
-                           f"({opener.location(cfg)}): {one_line(exc)}") from None
-
-
-def _set_sqlite_counters(cfg: Config, seqs: list[SourceSequence], tables: dict[tuple[str, str], SourceTable],
-                         margin: int) -> list[SequenceResult]:
-    out = []
-    with target_db(cfg) as conn:
-        for seq in seqs:
-            counters = []
-            for schema, table, column in seq.used_by:
-                source_table = tables.get((schema, table))
-                if source_table is None:
-                    continue
-                shown, _ = target_table_name(source_table, backend(Kind.SQLITE), cfg.target["tables"])
-                if _sqlite_autoincrement(conn, shown, column):
-                    counters.append(shown)
-            res = _result(seq, ", ".join(counters) or "-", margin)
-            out.append(res)
-            if not counters:
-                res.action = "none"
-                res.error = ("no AUTOINCREMENT counter on the target (SQLite numbers new rows after the largest "
-                             "rowid; a column that is not the rowid gets no values)")
-                continue
-            if seq.increment < 0:
-                res.error = "a descending sequence cannot drive an AUTOINCREMENT counter (it counts up)"
-                continue
-            wanted = res.wanted_next - 1  # sqlite_sequence holds the last value given out
-            nexts, changed = [], False
-            for name in counters:
-                row = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = ?", [name]).fetchone()
-                if row is None:
-                    conn.execute("INSERT INTO sqlite_sequence (name, seq) VALUES (?, ?)", [name, wanted])
-                elif int(row[0]) < wanted:
-                    conn.execute("UPDATE sqlite_sequence SET seq = ? WHERE name = ?", [wanted, name])
-                changed = changed or row is None or int(row[0]) < wanted
-                nexts.append(max(wanted, int(row[0]) if row is not None else wanted) + 1)
-            res.target_next = min(nexts)
-            res.action = "set" if changed else "kept"
-    return out
-
-
-# How each kind of target gets its sequences set.
-_SETTERS: dict[Kind, Callable[[Config, list[SourceSequence], dict[tuple[str, str], SourceTable], int],
-                              list[SequenceResult]]] = {Kind.POSTGRESQL: _set_pg, Kind.SQLITE: _set_sqlite}
 
 
 def _set_sequences(cfg: Config, margin: int) -> list[SequenceResult]:
@@ -434,13 +277,15 @@ def _set_sequences(cfg: Config, margin: int) -> list[SequenceResult]:
     by_name = {(t.schema, t.name): t for t in tables}
     with source_connect(cfg) as conn:
         seqs = source_sequences(conn, tables)
-    results = _SETTERS[cfg.target_kind](cfg, seqs, by_name, margin)
+    with closing(opener.open(cfg, plain=True, autocommit=True)) as target:
+        results = backend_of(cfg).set_sequences(target, seqs, by_name, cfg.target["tables"], margin,
+                                                 opener.location(cfg))
     with source_connect(cfg) as conn:
         now = {s.qualified: s for s in source_sequences(conn, tables)}
     for res in results:
         moved = now.get(res.sequence)
         if (res.ok and res.action != "none" and moved is not None and res.target_next is not None
-                and not _ahead(res.target_next, moved.next_value, moved.increment)):
+                and not ahead(res.target_next, moved.next_value, moved.increment)):
             res.action = "failed"
             res.error = (f"the source sequence moved on to {moved.last_value} after the target's was set "
                          f"(next {res.target_next}): writers are still active on the source; stop them and run "

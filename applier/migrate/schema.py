@@ -1,6 +1,8 @@
 """Published tables: read from the source's catalog, created or checked on the target.
 
-Library code behind ``applier sync`` (and the table list of ``applier verify``).
+Library code behind ``applier sync`` (and the table list of ``applier verify``). What differs by kind of target
+(the CREATE statements, the checks, the creation) is each kind's, in ``applier/targets/<kind>/schema.py``, reached
+through its ``Backend`` (``check_table``, ``prepare_tables``).
 
 What is published: ``pg_publication_tables`` of the configured publications,
 with their column lists (``attnames``) and row filters (``rowfilter``) on
@@ -48,7 +50,6 @@ Every mismatch is reported, by table and column, before anything is written.
 from __future__ import annotations
 
 import re
-import sqlite3
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -58,23 +59,9 @@ import psycopg
 
 from applier.config import ConfigError
 from applier.decoder.messages import Column, Relation
-from applier.migrate.sequences import (
-    SourceSequence,
-    create_statements,
-    identity_sql,
-    nextval_default,
-    setval_statement,
-    source_sequences,
-    target_sequence_qname,
-)
-from applier.migrate.usertypes import plan_types, source_types
 from applier.targets.backend import Backend
 from applier.targets.naming import quoted_name, shown_name
-from applier.targets.postgres.naming import pg_target_table
-from applier.targets.sqlite.naming import sqlite_target_table
-from applier.targets.sqlite.values import sqlite_affinity, sqlite_declared
-from applier.text import one_line, quote_ident
-from applier.url import Kind
+from applier.text import quote_ident
 
 
 class SchemaError(ConfigError):
@@ -198,7 +185,7 @@ def read_source_tables(conn: psycopg.Connection[Any], publications: list[str]) -
     return tables
 
 
-def _one(conn: psycopg.Connection[Any], sql: str, params: list[Any]) -> tuple[Any, ...]:
+def catalog_row(conn: psycopg.Connection[Any], sql: str, params: list[Any]) -> tuple[Any, ...]:
     """The one row a catalog query returns."""
     row = conn.execute(sql, params).fetchone()
     if row is None:
@@ -210,7 +197,7 @@ def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
                 entries: list[tuple[list[str] | None, str | None]], sends_generated: bool) -> SourceTable:
     """``sends_generated``: an 18+ source, whose pgoutput sends the generated columns ``attnames`` lists (before
     18, ``attnames`` lists them too when there is no column list, but they are never sent)."""
-    oid, relkind, replident, reltuples = _one(
+    oid, relkind, replident, reltuples = catalog_row(
         conn, "SELECT c.oid, c.relkind, c.relreplident, c.reltuples::bigint FROM pg_class c "
         "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s", [schema, name])
     listed: set[str] = set()
@@ -283,10 +270,10 @@ def _read_table(conn: psycopg.Connection[Any], schema: str, name: str,
                      "sum(greatest(c.reltuples, 0))::bigint, bool_or(c.reltuples < 0), "
                      "coalesce(sum(pg_table_size(relid)), 0) / current_setting('block_size')::int "
                      "FROM pg_partition_tree(%s) t JOIN pg_class c ON c.oid = t.relid WHERE t.isleaf")
-        pages, leaf_rows, unknown, size = _one(conn, pages_sql, [oid])
+        pages, leaf_rows, unknown, size = catalog_row(conn, pages_sql, [oid])
         estimated = None if unknown else leaf_rows
     else:
-        pages, size = _one(conn, "SELECT pg_relation_size(%s) / current_setting('block_size')::int, "
+        pages, size = catalog_row(conn, "SELECT pg_relation_size(%s) / current_setting('block_size')::int, "
                                  "pg_table_size(%s) / current_setting('block_size')::int", [oid, oid])
         estimated = reltuples if reltuples is not None and reltuples >= 0 else None
     return SourceTable(schema, name, oid, relkind, replident, cols, pk, ident, rowfilter, int(pages or 0),
@@ -303,19 +290,7 @@ def target_table_name(table: SourceTable, backend: Backend, table_map: dict[str,
     return shown_name(schema, name), quoted_name(schema, name)
 
 
-# -- SQLite mapping ------------------------------------------------------------------
-
-def sqlite_declared_types(table: SourceTable) -> list[str]:
-    """The declared SQLite type of each column, from what the engine's converter makes of a value."""
-    return sqlite_declared(table.relation())
-
-
-# Affinities that store every value of a mapped kind unchanged.
-_KEEPS = {"INTEGER": {"INTEGER", "NUMERIC", "BLOB"}, "REAL": {"REAL", "BLOB"}, "TEXT": {"TEXT", "BLOB"},
-          "BLOB": {"INTEGER", "NUMERIC", "BLOB", "REAL", "TEXT"}}
-
-
-# -- create or check --------------------------------------------------------------------
+# -- create or check (each kind's ``Backend.check_table`` / ``prepare_tables``, in ``targets/<kind>/schema.py``) ----
 
 @dataclass
 class Prepared:
@@ -325,93 +300,11 @@ class Prepared:
     existing: list[str] = field(default_factory=list)
 
 
-def pg_create_statements(table: SourceTable, schema: str | None, name: str, sequences: list[SourceSequence],
-                         table_map: dict[str, str], version: int) -> list[str]:
-    """CREATE TABLE (and index / replica identity) statements for a PostgreSQL target of server ``version``.
-
-    Columns in the source's order, the generated ones too; identity columns with their sequence (name and options
-    from ``sequences``); a default ``nextval('…')`` of a sequence in ``sequences`` calls the target's sequence
-    (``applier.migrate.sequences``). A VIRTUAL generated column is STORED on a target before 18.
-    """
-    qt = quoted_name(schema, name)
-    parts = []
-    uses = {u: q for q in sequences for u in q.used_by}
-    for c in sorted(table.columns + table.generated, key=lambda c: c.attnum):
-        s = f"{quote_ident(c.name)} {c.type_sql}"
-        if c.collation:
-            s += f" COLLATE {c.collation}"
-        seq = uses.get((table.schema, table.name, c.name))
-        if c.generated:
-            virtual = c.generated == "v" and version >= 180000
-            s += f" GENERATED ALWAYS AS ({c.expression}) {'VIRTUAL' if virtual else 'STORED'}"
-        elif c.identity and seq is not None:
-            s += " " + identity_sql(seq, table_map)
-        if c.not_null:
-            s += " NOT NULL"
-        if c.default is not None:
-            s += f" DEFAULT {c.default}"
-        elif c.expression is not None and not c.generated and seq is not None:
-            default = nextval_default(c.expression, seq, table_map)
-            if default:
-                s += f" DEFAULT {default}"
-        parts.append(s)
-    if table.primary_key and all(k in {c.name for c in table.columns} for k in table.primary_key):
-        parts.append("PRIMARY KEY (" + ", ".join(quote_ident(k) for k in table.primary_key) + ")")
-    stmts = []
-    if schema:
-        stmts.append(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")
-    stmts.append(f"CREATE TABLE {qt} (" + ", ".join(parts) + ")")
-    if table.replica_identity == "i" and table.identity_index and table.identity_index[1] != table.primary_key:
-        idx, cols = table.identity_index
-        stmts.append(f"CREATE UNIQUE INDEX {quote_ident(idx)} ON {qt} (" + ", ".join(map(quote_ident, cols)) + ")")
-        stmts.append(f"ALTER TABLE {qt} REPLICA IDENTITY USING INDEX {quote_ident(idx)}")
-    elif table.replica_identity == "f":
-        stmts.append(f"ALTER TABLE {qt} REPLICA IDENTITY FULL")
-    elif table.replica_identity == "n":
-        stmts.append(f"ALTER TABLE {qt} REPLICA IDENTITY NOTHING")
-    return stmts
-
-
-def sqlite_create_statements(table: SourceTable, name: str) -> list[str]:
-    """CREATE TABLE (and unique index) statements for a SQLite target."""
-    qt = quote_ident(name)
-    parts = []
-    for c, decl in zip(table.columns, sqlite_declared_types(table), strict=True):
-        parts.append(f"{quote_ident(c.name)} {decl}" + (" NOT NULL" if c.not_null else ""))
-    if table.primary_key and all(k in {c.name for c in table.columns} for k in table.primary_key):
-        parts.append("PRIMARY KEY (" + ", ".join(quote_ident(k) for k in table.primary_key) + ")")
-    stmts = [f"CREATE TABLE {qt} (" + ", ".join(parts) + ")"]
-    if table.identity_index and table.identity_index[1] != table.primary_key:
-        cols = table.identity_index[1]
-        if all(k in {c.name for c in table.columns} for k in cols):
-            stmts.append(f"CREATE UNIQUE INDEX {quote_ident(name + '_replica_identity')} ON {qt} ("
-                         + ", ".join(map(quote_ident, cols)) + ")")
-    return stmts
-
-
 def plain_where_generated(column: SourceColumn) -> str:
     """The problem of a target column that is plain where the source's is generated (and not sent)."""
     return (f"column {column.name}: generated on the source as {column.expression}, a plain column on the target: the "
             f"source does not send its values, so it would stay NULL; make it a generated column on the target or "
             f"drop it")
-
-
-def check_pg_table(conn: psycopg.Connection[Any], table: SourceTable, schema: str | None, name: str) -> list[str] | None:
-    """Problems of an existing PostgreSQL target table (one line each), or None if it does not exist."""
-    reg = _one(conn, "SELECT to_regclass(%s)::oid", [quoted_name(schema, name)])[0]
-    if reg is None:
-        return None
-    have = {r[0]: r[1:] for r in conn.execute(
-        "SELECT attname, format_type(atttypid, NULL), attnotnull, atthasdef OR attidentity <> '' OR attgenerated <> '', "
-        "attgenerated <> '' FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped", [reg])}
-    problems = []
-    for c in table.columns:
-        if c.name not in have:
-            problems.append(f"column {c.name}: missing on the target (source type {c.type_sql})")
-        elif have[c.name][0] != c.type_name:
-            problems.append(f"column {c.name}: source type {c.type_sql}, target type {have[c.name][0]}")
-    problems += [plain_where_generated(c) for c in table.generated if c.name in have and not have[c.name][3]]
-    return problems + unfilled_columns(table, have)
 
 
 def unfilled_columns(table: SourceTable, have: dict[str, tuple[Any, bool, bool, bool]]) -> list[str]:
@@ -422,136 +315,14 @@ def unfilled_columns(table: SourceTable, have: dict[str, tuple[Any, bool, bool, 
             for col, (_, notnull, hasdef, _) in have.items() if col not in published and notnull and not hasdef]
 
 
-def check_sqlite_table(conn: sqlite3.Connection, table: SourceTable, name: str) -> list[str] | None:
-    """Problems of an existing SQLite target table, or None if it does not exist."""
-    rows = conn.execute(f"PRAGMA table_info({quote_ident(name)})").fetchall()
-    if not rows:
-        return None
-    have = {r[1]: (r[2], bool(r[3]), r[4] is not None, r[5] > 0) for r in rows}
-    problems = []
-    for c, decl in zip(table.columns, sqlite_declared_types(table), strict=True):
-        if c.name not in have:
-            problems.append(f"column {c.name}: missing on the target (mapped type {decl})")
-            continue
-        aff = sqlite_affinity(have[c.name][0])
-        if aff not in _KEEPS[decl]:
-            problems.append(f"column {c.name}: declared {have[c.name][0] or '(none)'} ({aff} affinity) would change "
-                            f"the mapped {decl} values of source type {c.type_sql}")
-    problems += [plain_where_generated(c) for c in table.generated if c.name in have]  # table_info: plain ones only
-    return problems + unfilled_columns(table, have)
-
-
-def prepare_pg_tables(conn: psycopg.Connection[Any], tables: list[SourceTable], table_map: dict[str, str],
-                      source: psycopg.Connection[Any]) -> Prepared:
-    """Check every existing target table, then create the missing ones with the user types and sequences they need
-    (read from ``source``: ``applier.migrate.usertypes``, ``applier.migrate.sequences``), all in one target
-    transaction; SchemaError naming every mismatch (table and column, or type) before anything is created, or the
-    statement that failed (then nothing is created)."""
-    problems: list[str] = []
-    missing: list[SourceTable] = []
-    out = Prepared()
-    for t in tables:
-        schema, name = pg_target_table(t.relation(), table_map)
-        shown = shown_name(schema, name)
-        found = check_pg_table(conn, t, schema, name)
-        if found is None:
-            missing.append(t)
-        else:
-            out.existing.append(shown)
-            problems += [f"target table {shown} (source {t.qualified}), {p}" for p in found]
-    shown_of = {t.qualified: shown_name(*pg_target_table(t.relation(), table_map)) for t in missing}
-    types = source_types(source, [(shown_of[t.qualified], c.name, c.type_oid, (t.oid, c.attnum, bool(c.generated)))
-                                  for t in missing for c in t.columns + t.generated])
-    type_sql, type_problems = plan_types(conn, types)
-    problems += type_problems
-    if problems:
-        raise SchemaError("the target does not fit the source:\n  " + "\n  ".join(problems))
-    sequences = source_sequences(source, missing)
-    new_seqs = [q for q in sequences if _one(conn, "SELECT to_regclass(%s)", [target_sequence_qname(q, table_map)])[0]
-                is None]
-    created = {(t.schema, t.name) for t in missing}
-    statements = list(type_sql)
-    statements += [s for q in new_seqs if not q.identity for s in create_statements(q, table_map)]
-    for t in missing:
-        schema, name = pg_target_table(t.relation(), table_map)
-        statements += pg_create_statements(t, schema, name, sequences, table_map, conn.info.server_version)
-        out.created.append(shown_name(schema, name))
-    for q in new_seqs:
-        if q.owner is not None and not q.identity and q.owner[:2] in created:
-            schema, name = pg_target_table(next(t for t in missing if (t.schema, t.name) == q.owner[:2]).relation(),
-                                           table_map)
-            statements.append(f"ALTER SEQUENCE {target_sequence_qname(q, table_map)} OWNED BY "
-                              f"{quoted_name(schema, name)}.{quote_ident(q.owner[2])}")
-        statements.append(setval_statement(q, table_map))
-    stmt = "BEGIN"
-    try:
-        with conn.transaction():
-            for stmt in statements:
-                conn.execute(stmt)
-    except psycopg.Error as exc:
-        raise SchemaError(f"creating the target's tables failed, nothing was created: {one_line(exc)} "
-                          f"(in: {one_line(stmt)[:300]})") from None
-    return out
-
-
-def prepare_sqlite_tables(conn: sqlite3.Connection, tables: list[SourceTable], table_map: dict[str, str]) -> Prepared:
-    """As ``prepare_pg_tables``, for a SQLite target."""
-    problems: list[str] = []
-    missing: list[tuple[SourceTable, str]] = []
-    out = Prepared()
-    for t in tables:
-        name = sqlite_target_table(t.relation(), table_map)[1]
-        if not t.columns:
-            problems.append(f"source table {t.qualified} publishes no columns (all dropped or generated): a SQLite "
-                            f"table needs one; leave it out of the publication or add a column to it")
-            continue
-        found = check_sqlite_table(conn, t, name)
-        if found is None:
-            missing.append((t, name))
-        else:
-            out.existing.append(name)
-            problems += [f"target table {name} (source {t.qualified}), {p}" for p in found]
-    if problems:
-        raise SchemaError("the target does not fit the source:\n  " + "\n  ".join(problems))
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        for t, name in missing:
-            for stmt in sqlite_create_statements(t, name):
-                conn.execute(stmt)
-            out.created.append(name)
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    return out
-
-
-# The table checks and creation of each kind of target (``applier check``, ``applier sync``).
-def _check_pg(conn: Any, table: SourceTable, schema: str | None, name: str) -> list[str] | None:
-    return check_pg_table(conn, table, schema, name)
-
-
-def _check_sqlite(conn: Any, table: SourceTable, schema: str | None, name: str) -> list[str] | None:
-    return check_sqlite_table(conn, table, name)
-
-
-_CHECKS: dict[Kind, Callable[[Any, SourceTable, str | None, str], list[str] | None]] = {
-    Kind.POSTGRESQL: _check_pg, Kind.SQLITE: _check_sqlite,
-}
-
-
 def check_table(backend: Backend, conn: Any, table: SourceTable, schema: str | None, name: str) -> list[str] | None:
     """What does not fit the source in target table ``name`` (``schema``) of a kind of target (None: it does not
-    exist): ``check_pg_table``, ``check_sqlite_table``."""
-    return _CHECKS[backend.kind](conn, table, schema, name)
+    exist): ``Backend.check_table``."""
+    return backend.check_table(conn, table, schema, name)
 
 
 def prepare_tables(backend: Backend, conn: Any, tables: list[SourceTable], table_map: dict[str, str],
                    source: Callable[[], AbstractContextManager[psycopg.Connection[Any]]]) -> Prepared:
-    """``prepare_pg_tables`` (with a connection to the source, from ``source``), ``prepare_sqlite_tables``."""
-    if backend.kind is Kind.SQLITE:
-        return prepare_sqlite_tables(conn, tables, table_map)
-    if backend.kind is Kind.POSTGRESQL:
-        with source() as src:
-            return prepare_pg_tables(conn, tables, table_map, src)
-    raise SchemaError(f"applier cannot create tables on a target of kind {backend.kind}")
+    """Check the target's tables and create the missing ones: ``Backend.prepare_tables``."""
+    done: Prepared = backend.prepare_tables(conn, tables, table_map, source)
+    return done

@@ -17,7 +17,8 @@ target table (so a table mapped to another schema by ``target.tables`` takes its
 name without a schema puts them on the search path too), else in the source sequence's schema.
 
 Used by ``applier sync`` (``applier.migrate.schema`` creates the sequences with the tables) and by
-``applier cutover`` (sets every target sequence past the source's value). Reads only; creating is
+``applier cutover`` (sets every target sequence past the source's value: each kind's ``Backend.set_sequences``
+reports a ``SequenceResult`` per sequence). Reads only; creating is
 ``create_statements`` (DDL text; the caller runs it in its transaction).
 """
 
@@ -221,3 +222,46 @@ def identity_sql(seq: SourceSequence, table_map: dict[str, str]) -> str:
     kind = "ALWAYS" if seq.identity == "a" else "BY DEFAULT"
     return (f"GENERATED {kind} AS IDENTITY (SEQUENCE NAME {target_sequence_qname(seq, table_map)} "
             f"{seq.options_sql(typed=False)})")
+
+
+# -- cutover: setting the target's sequences (each kind's ``Backend.set_sequences``) -------------------------------
+
+class CutoverError(ConfigError):
+    """Cutover refused before changing anything on the target's sequences; the message says why and what to do."""
+
+
+@dataclass
+class SequenceResult:
+    """One source sequence on the target.
+
+    ``action``: ``set`` (moved forward to ``target_next``), ``kept`` (already there or past it), ``failed``
+    (``error`` says why), ``none`` (a SQLite table without an AUTOINCREMENT counter: nothing to set).
+    ``target_next`` is what the target's next ``nextval`` (SQLite: the next rowid at least) returns.
+    """
+
+    sequence: str
+    target: str
+    used_by: list[str]
+    source_last_value: int
+    source_is_called: bool
+    source_next: int
+    wanted_next: int
+    target_next: int | None = None
+    action: str = "failed"
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """The target's next value is where it must be (or there is no counter to set)."""
+        return self.action in ("set", "kept", "none")
+
+
+def ahead(a: int, b: int, increment: int) -> bool:
+    """``a`` is at or past ``b`` in the direction of ``increment``."""
+    return a >= b if increment > 0 else a <= b
+
+
+def sequence_result(seq: SourceSequence, target: str, margin: int) -> SequenceResult:
+    """A ``SequenceResult`` of ``seq`` on target ``target`` (its wanted next value ``margin`` steps on), not set yet."""
+    return SequenceResult(seq.qualified, target, [f"{s}.{t}.{c}" for s, t, c in seq.used_by], seq.last_value,
+                          seq.is_called, seq.next_value, seq.next_value + margin * seq.increment)

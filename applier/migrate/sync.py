@@ -271,11 +271,6 @@ class TargetDb:
         """Rows of the target table (its own: ``own``)."""
         return int(self.execute(f"SELECT count(*) FROM {self.own(table)}")[0][0])
 
-    def pages(self, table: SourceTable) -> int:
-        """Heap pages of a PostgreSQL target table."""
-        return int(self.execute("SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::int",
-                                [self.name_of(table)[1]])[0][0])
-
     # -- sync state -------------------------------------------------------------------
 
     def sync_state(self, name: str) -> dict[str, Any] | None:

@@ -14,6 +14,8 @@ it asks the Backend. A question with no answer for every kind is a missing metho
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar, Union
 
 from applier.config import Config
@@ -159,6 +161,34 @@ class Backend(ABC):
         """What the target role may not do of ``privileges`` to target table ``qname`` (one line, or none); a target
         without roles: none."""
         return []
+
+    # The tables' fit, in the kind's ``schema.py``. The source's tables (``applier.migrate.schema.SourceTable``) and
+    # the outcome (``Prepared``) are typed there: that module imports this one.
+    @abstractmethod
+    def check_table(self, conn: Any, table: Any, schema: str | None, name: str) -> list[str] | None:
+        """What does not fit source table ``table`` in target table ``name`` (``schema``) on plain connection
+        ``conn``, one line each (None: the table does not exist)."""
+
+    @abstractmethod
+    def prepare_tables(self, conn: Any, tables: list[Any], table_map: dict[str, str],
+                       source: Callable[[], AbstractContextManager[psycopg.Connection[Any]]]) -> Any:
+        """Check every existing target table of ``tables``, then create the missing ones (what they need from the
+        source read through a connection from ``source``) in one transaction; the ``Prepared`` outcome. SchemaError
+        naming every mismatch before anything is created, or the statement that failed (then nothing is)."""
+
+    @abstractmethod
+    def set_sequences(self, conn: Any, seqs: list[Any], tables: dict[tuple[str, str], Any], table_map: dict[str, str],
+                      margin: int, location: str) -> list[Any]:
+        """Cutover's step 2 on autocommit plain connection ``conn`` to ``location``: move the target's counterparts of
+        source sequences ``seqs`` (``applier.migrate.sequences.SourceSequence``; ``tables``: the published tables by
+        (schema, name)) forward to the source's next value, ``margin`` steps on; one ``SequenceResult`` per sequence.
+        CutoverError (one line) if the kind sets them all or none and that failed."""
+
+    @abstractmethod
+    def read_plan(self, conn: Any, location: str, qname: str, columns: list[str], partitions: int) -> tuple[str, str]:
+        """How ``applier verify`` reads target table ``qname`` (its ``columns``: quoted names) at ``location`` in
+        about ``partitions`` parallel ranges: (the Spark data source's format, its ``plan``: see
+        ``applier.migrate.spark.plans``)."""
 
     @abstractmethod
     def exists(self, conn: Any, shown: str, qname: str) -> bool:

@@ -389,17 +389,16 @@ class LocalRow(NamedTuple):
 class Dialect:
     """The few places where PostgreSQL and SQLite SQL differ."""
 
-    __slots__ = ("name", "placeholder", "row_id", "row_match")
+    __slots__ = ("placeholder", "row_id", "row_match")
 
-    def __init__(self, name: str, placeholder: str, row_id: str, row_match: str) -> None:
-        self.name = name
+    def __init__(self, placeholder: str, row_id: str, row_match: str) -> None:
         self.placeholder = placeholder
         self.row_id = row_id
         self.row_match = row_match  # WHERE clause finding one row by its ``row_id`` value
 
 
-POSTGRES = Dialect("postgresql", "%s", "ctid", "ctid = %s::tid")
-SQLITE = Dialect("sqlite", "?", "rowid", "rowid = ?")
+POSTGRES = Dialect("%s", "ctid", "ctid = %s::tid")
+SQLITE = Dialect("?", "rowid", "rowid = ?")
 
 
 def overlay(new: TupleData, base: TupleData) -> TupleData:

@@ -20,18 +20,13 @@ pytest.importorskip("pyspark")
 
 from applier.decoder.messages import Keepalive, XLogData, decision_position  # noqa: E402
 from applier.lsn import LSN  # noqa: E402
-from applier.migrate.schema import (  # noqa: E402
-    SourceColumn,
-    SourceTable,
-    default_is_constant,
-    sqlite_affinity,
-    sqlite_declared_types,
-)
+from applier.migrate.schema import SourceColumn, SourceTable, default_is_constant  # noqa: E402
 from applier.migrate.spark.canonical import canon, canonical_rows_batch, display, sqlite_source_canonicalizer  # noqa: E402
 from applier.migrate.spark.copy import GROUP_PAGES, CopyPlan, spark_error_line, task_groups  # noqa: E402
 from applier.migrate.spark.session import copy_streams, task_slots  # noqa: E402
 from applier.migrate.spark.source import csv_batches, ctid_ranges  # noqa: E402
 from applier.migrate.spark.verify import StopBefore  # noqa: E402
+from applier.targets.sqlite.schema import sqlite_affinity, sqlite_declared_types  # noqa: E402
 
 
 @pytest.mark.parametrize("pages,parts", [(0, 4), (1, 4), (15, 4), (16, 4), (100, 3), (1000, 4), (1000, 1)])

@@ -18,7 +18,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from applier.migrate.schema import SchemaError, prepare_pg_tables, prepare_sqlite_tables, read_source_tables
+from applier.migrate.schema import SchemaError, read_source_tables
+from applier.targets.postgres.schema import prepare_pg_tables
+from applier.targets.sqlite.schema import prepare_sqlite_tables
 from tests.plugins.clusters import ScratchDb
 
 SOURCE = """

@@ -51,11 +51,16 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import BinaryType, StructField, StructType
 
 from applier.migrate.spark.canonical import canonical_rows_batch, sqlite_source_canonicalizer
+
+# the plans, made on the driver (re-exported: the copy and verify build them here)
+from applier.migrate.spark.plans import MIN_PAGES_PER_PARTITION as MIN_PAGES_PER_PARTITION
+from applier.migrate.spark.plans import ctid_ranges as ctid_ranges
+from applier.migrate.spark.plans import pg_plan as pg_plan
+from applier.migrate.spark.plans import sqlite_plan as sqlite_plan
 from applier.source.walsender import session_dsn
 
 CHUNK_BYTES = 4 << 20  # COPY data parsed at a time, per partition
 SQLITE_BATCH = 10000
-MIN_PAGES_PER_PARTITION = 16
 
 
 def pinned_dsn(dsn: str, application_name: str | None = None) -> str:
@@ -68,45 +73,9 @@ def pinned_dsn(dsn: str, application_name: str | None = None) -> str:
     return make_conninfo(base, **extra)
 
 
-def ctid_ranges(pages: int, partitions: int) -> list[tuple[int | None, int | None]]:
-    """Page ranges covering a heap of ``pages`` pages; first and last open-ended."""
-    n = max(1, min(partitions, pages // MIN_PAGES_PER_PARTITION if pages >= MIN_PAGES_PER_PARTITION else 1))
-    bounds = [pages * i // n for i in range(n + 1)]
-    return [(None if i == 0 else bounds[i], None if i == n - 1 else bounds[i + 1]) for i in range(n)]
-
-
 def schema_of(ncols: int) -> StructType:
     """The Spark schema: c0 … cN, all binary."""
     return StructType([StructField(f"c{i}", BinaryType(), True) for i in range(ncols)])
-
-
-def pg_plan(dsn: str, table: str, columns: list[str], *, pages: int, partitions: int, snapshot: str | None = None,
-            where: str | None = None, app: str = "applier", canonical_types: list[int] | None = None,
-            only: bool = True) -> str:
-    """The ``plan`` option of ``applier_pg``: quoted table and column names (or SQL expressions), filter, ranges,
-    snapshot, ``only`` (the table without its inheritance children)."""
-    return json.dumps({
-        "dsn": dsn, "table": table, "columns": columns, "where": where, "snapshot": snapshot, "app": app,
-        "ranges": ctid_ranges(pages, partitions), "canonical": canonical_types, "only": only,
-    })
-
-
-def sqlite_plan(path: str, table: str, columns: list[str], ranges: list[tuple[int | None, int | None]]) -> str:
-    """The ``plan`` option of ``applier_sqlite``."""
-    return json.dumps({"path": path, "table": table, "columns": columns, "ranges": ranges})
-
-
-def sqlite_rowid_ranges(conn: sqlite3.Connection, qtable: str, partitions: int) -> list[tuple[int | None, int | None]]:
-    """rowid ranges splitting a SQLite table; one unbounded range for WITHOUT ROWID or small tables."""
-    try:
-        lo, hi = conn.execute(f"SELECT min(rowid), max(rowid) FROM {qtable}").fetchone()
-    except sqlite3.OperationalError:  # WITHOUT ROWID
-        return [(None, None)]
-    if lo is None or partitions <= 1 or hi - lo < 10000:
-        return [(None, None)]
-    span = hi - lo + 1
-    bounds = [lo + span * i // partitions for i in range(partitions + 1)]
-    return [(None if i == 0 else bounds[i], None if i == partitions - 1 else bounds[i + 1]) for i in range(partitions)]
 
 
 class RangePartition(InputPartition):

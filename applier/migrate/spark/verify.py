@@ -387,9 +387,10 @@ def differing_keys(src: Any, tgt: Any, columns: list[str], key: list[str], targe
 
 
 def compare_on_servers(spark: Any, source_plan: str, target_plan: str, columns: list[str], key: list[str],
-                       max_keys: int, label: str) -> TableResult:
-    """Compare one table of a PostgreSQL target with the per-range sums computed on the servers
-    (``applier.migrate.spark.rangehash``); only the rows of the differing ranges are read, by job 2."""
+                       kind: Kind, max_keys: int, label: str) -> TableResult:
+    """Compare one table of a target of ``kind`` that keeps the source's types (PostgreSQL) with the per-range sums
+    computed on the servers (``applier.migrate.spark.rangehash``); only the rows of the differing ranges are read, by
+    job 2."""
     from applier.migrate.spark.rangehash import RANGES, bucket_filter, hash_plan, range_sums  # start-up: pyspark
 
     plans = [json.loads(source_plan), json.loads(target_plan)]
@@ -413,7 +414,7 @@ def compare_on_servers(spark: Any, source_plan: str, target_plan: str, columns: 
             narrowed = json.dumps({**p, "where": f"({p['where']}) AND {only}" if p.get("where") else only})
             sides.append(_prepared(spark.read.format("applier_pg").option("plan", narrowed).load(), len(columns),
                                    key_idx))
-        differing_keys(sides[0], sides[1], columns, key, Kind.POSTGRESQL, max_keys, res)
+        differing_keys(sides[0], sides[1], columns, key, kind, max_keys, res)
         log.debug("%s: differing keys found in %.1fs", label, time.monotonic() - t0)
         return res
     finally:
@@ -433,7 +434,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
            partitions: int | None = None) -> VerifyReport:
     """Compare every published table at one consistent moment (see the module header)."""
     from applier.migrate.spark.rangehash import same_types, server_encoding, target_types  # start-up: pyspark
-    from applier.migrate.spark.source import pg_plan, sqlite_plan, sqlite_rowid_ranges  # start-up time: pyspark
+    from applier.migrate.spark.source import pg_plan  # start-up time: pyspark
 
     say = say or (lambda line: None)
     nparts = partitions or cfg.spark["partitions"]
@@ -498,23 +499,15 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                                    canonical_types=[c.type_oid for c in compared] + [25] * len(nulls)
                                    if mapped else None)
                 qcols += [quote_ident(c) for c in nulls]
-                if kind is Kind.SQLITE:
-                    tgt_plan = sqlite_plan(target.where, qtarget, qcols, sqlite_rowid_ranges(target.conn, qtarget, nparts))
-                    fmt = "applier_sqlite"
-                elif kind is Kind.POSTGRESQL:
-                    tgt_plan = pg_plan(target.where, qtarget, qcols, pages=target.pages(t), partitions=nparts,
-                                       app="applier-verify target", only=not target.partitioned(t))
-                    fmt = "applier_pg"
-                else:
-                    raise ConfigError(f"{cfg.where('target', 'url')}: verify cannot read a target of kind {kind}")
+                fmt, tgt_plan = target.backend.read_plan(target.conn, target.where, qtarget, qcols, nparts)
                 say(f"comparing {t.qualified}")
                 on_servers = not mapped and same_encoding and same_types(
                     [(c.name, c.type_schema, c.type_name, c.type_mod) for c in compared],
                     target_types(target.conn, qtarget))
                 try:
                     if on_servers:
-                        res = compare_on_servers(spark, src_plan, tgt_plan, cols + nulls, t.key_columns, max_keys,
-                                                 t.qualified)
+                        res = compare_on_servers(spark, src_plan, tgt_plan, cols + nulls, t.key_columns, kind,
+                                                 max_keys, t.qualified)
                     else:
                         res = compare(spark, src_plan, tgt_plan, fmt, cols + nulls, t.key_columns, kind,
                                       max_keys, t.qualified)

@@ -3,12 +3,15 @@ replication origins, prepared transactions, the claim an advisory lock."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import psycopg
 
 from applier.config import Config
 from applier.decoder.messages import Relation, Type
+from applier.migrate.spark.plans import pg_plan
 from applier.rows import one_row
 from applier.targets.backend import Backend
 from applier.targets.base import Converter
@@ -106,6 +109,35 @@ class PostgresBackend(Backend):
         lacking = [p for p, ok in zip(privileges, row, strict=True) if not ok]
         return [f"the target role lacks {', '.join(lacking)} on it (GRANT {', '.join(lacking)} ON {qname} TO …)"] \
             if lacking else []
+
+    def check_table(self, conn: Any, table: Any, schema: str | None, name: str) -> list[str] | None:
+        # function-local imports: start-up time (the table checks and creation, and the source catalog model they
+        # use, serve the operator commands, never the apply path)
+        from applier.targets.postgres.schema import check_pg_table
+
+        return check_pg_table(conn, table, schema, name)
+
+    def prepare_tables(self, conn: Any, tables: list[Any], table_map: dict[str, str],
+                       source: Callable[[], AbstractContextManager[psycopg.Connection[Any]]]) -> Any:
+        from applier.targets.postgres.schema import prepare_pg_tables  # start-up time: as check_table
+
+        with source() as src:
+            return prepare_pg_tables(conn, tables, table_map, src)
+
+    def set_sequences(self, conn: Any, seqs: list[Any], tables: dict[tuple[str, str], Any], table_map: dict[str, str],
+                      margin: int, location: str) -> list[Any]:
+        from applier.targets.postgres.sequences import set_pg_sequences  # start-up time: as check_table
+
+        return set_pg_sequences(conn, seqs, tables, table_map, margin)
+
+    def read_plan(self, conn: Any, location: str, qname: str, columns: list[str], partitions: int) -> tuple[str, str]:
+        (pages,) = one_row(conn.execute("SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::int",
+                                        [qname]))
+        # a partitioned table's rows are its partitions': read without ONLY
+        partitioned = conn.execute("SELECT 1 FROM pg_class WHERE oid = to_regclass(%s) AND relkind = 'p'",
+                                   [qname]).fetchone() is not None
+        return "applier_pg", pg_plan(location, qname, columns, pages=int(pages), partitions=partitions,
+                                     app="applier-verify target", only=not partitioned)
 
     def exists(self, conn: Any, shown: str, qname: str) -> bool:
         return conn.execute("SELECT to_regclass(%s)", [qname]).fetchone()[0] is not None

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from applier.config import Config
 from applier.decoder.messages import Relation, Type
+from applier.migrate.spark.plans import sqlite_plan
 from applier.targets.backend import Backend
 from applier.targets.base import Converter
 from applier.targets.binary import binary_converters
@@ -21,8 +24,24 @@ from applier.targets.sqlite.target import FAILURES, SQLITE_SQL, SqliteTarget, sq
 from applier.text import quote_ident
 from applier.url import Kind
 
+if TYPE_CHECKING:  # the source connection's type, for the checker only
+    import psycopg
+
 # What a plain SQLite connection waits for a lock held by another process (the engine's target waits as long).
 SQLITE_TIMEOUT = 60
+
+
+def _rowid_ranges(conn: sqlite3.Connection, qtable: str, partitions: int) -> list[tuple[int | None, int | None]]:
+    """rowid ranges splitting a SQLite table; one unbounded range for WITHOUT ROWID or small tables."""
+    try:
+        lo, hi = conn.execute(f"SELECT min(rowid), max(rowid) FROM {qtable}").fetchone()
+    except sqlite3.OperationalError:  # WITHOUT ROWID
+        return [(None, None)]
+    if lo is None or partitions <= 1 or hi - lo < 10000:
+        return [(None, None)]
+    span = hi - lo + 1
+    bounds = [lo + span * i // partitions for i in range(partitions + 1)]
+    return [(None if i == 0 else bounds[i], None if i == partitions - 1 else bounds[i + 1]) for i in range(partitions)]
 
 
 class SqliteBackend(Backend):
@@ -112,6 +131,28 @@ class SqliteBackend(Backend):
         if defaulted:  # table_xinfo: table_info leaves generated columns out
             return [r[1] for r in conn.execute(f"PRAGMA table_xinfo({quote_ident(shown)})")]
         return [r[1] for r in conn.execute(f"PRAGMA table_info({quote_ident(shown)})") if r[4] is None]
+
+    def check_table(self, conn: Any, table: Any, schema: str | None, name: str) -> list[str] | None:
+        # function-local imports: start-up time (the table checks and creation, and the source catalog model they
+        # use, serve the operator commands, never the apply path)
+        from applier.targets.sqlite.schema import check_sqlite_table
+
+        return check_sqlite_table(conn, table, name)
+
+    def prepare_tables(self, conn: Any, tables: list[Any], table_map: dict[str, str],
+                       source: Callable[[], AbstractContextManager[psycopg.Connection[Any]]]) -> Any:
+        from applier.targets.sqlite.schema import prepare_sqlite_tables  # start-up time: as check_table
+
+        return prepare_sqlite_tables(conn, tables, table_map)
+
+    def set_sequences(self, conn: Any, seqs: list[Any], tables: dict[tuple[str, str], Any], table_map: dict[str, str],
+                      margin: int, location: str) -> list[Any]:
+        from applier.targets.sqlite.sequences import set_sqlite_sequences  # start-up time: as check_table
+
+        return set_sqlite_sequences(conn, seqs, tables, table_map, margin, location)
+
+    def read_plan(self, conn: Any, location: str, qname: str, columns: list[str], partitions: int) -> tuple[str, str]:
+        return "applier_sqlite", sqlite_plan(location, qname, columns, _rowid_ranges(conn, qname, partitions))
 
     def exists(self, conn: Any, shown: str, qname: str) -> bool:
         return bool(conn.execute(f"PRAGMA table_info({quote_ident(shown)})").fetchall())

@@ -1,0 +1,152 @@
+"""A PostgreSQL target's tables made to fit the source (``applier check``, ``applier sync``): the CREATE statements
+of a published table, the check of an existing one, and the creation of the missing ones with their user types and
+sequences in one transaction.
+
+Invariant: nothing is created unless every existing table fits; a failed statement leaves nothing created.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+
+from applier.migrate.schema import (
+    Prepared,
+    SchemaError,
+    SourceTable,
+    catalog_row,
+    plain_where_generated,
+    unfilled_columns,
+)
+from applier.migrate.sequences import (
+    SourceSequence,
+    create_statements,
+    identity_sql,
+    nextval_default,
+    setval_statement,
+    source_sequences,
+    target_sequence_qname,
+)
+from applier.migrate.usertypes import plan_types, source_types
+from applier.targets.naming import quoted_name, shown_name
+from applier.targets.postgres.naming import pg_target_table
+from applier.text import one_line, quote_ident
+
+
+def pg_create_statements(table: SourceTable, schema: str | None, name: str, sequences: list[SourceSequence],
+                         table_map: dict[str, str], version: int) -> list[str]:
+    """CREATE TABLE (and index / replica identity) statements for a PostgreSQL target of server ``version``.
+
+    Columns in the source's order, the generated ones too; identity columns with their sequence (name and options
+    from ``sequences``); a default ``nextval('…')`` of a sequence in ``sequences`` calls the target's sequence
+    (``applier.migrate.sequences``). A VIRTUAL generated column is STORED on a target before 18.
+    """
+    qt = quoted_name(schema, name)
+    parts = []
+    uses = {u: q for q in sequences for u in q.used_by}
+    for c in sorted(table.columns + table.generated, key=lambda c: c.attnum):
+        s = f"{quote_ident(c.name)} {c.type_sql}"
+        if c.collation:
+            s += f" COLLATE {c.collation}"
+        seq = uses.get((table.schema, table.name, c.name))
+        if c.generated:
+            virtual = c.generated == "v" and version >= 180000
+            s += f" GENERATED ALWAYS AS ({c.expression}) {'VIRTUAL' if virtual else 'STORED'}"
+        elif c.identity and seq is not None:
+            s += " " + identity_sql(seq, table_map)
+        if c.not_null:
+            s += " NOT NULL"
+        if c.default is not None:
+            s += f" DEFAULT {c.default}"
+        elif c.expression is not None and not c.generated and seq is not None:
+            default = nextval_default(c.expression, seq, table_map)
+            if default:
+                s += f" DEFAULT {default}"
+        parts.append(s)
+    if table.primary_key and all(k in {c.name for c in table.columns} for k in table.primary_key):
+        parts.append("PRIMARY KEY (" + ", ".join(quote_ident(k) for k in table.primary_key) + ")")
+    stmts = []
+    if schema:
+        stmts.append(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")
+    stmts.append(f"CREATE TABLE {qt} (" + ", ".join(parts) + ")")
+    if table.replica_identity == "i" and table.identity_index and table.identity_index[1] != table.primary_key:
+        idx, cols = table.identity_index
+        stmts.append(f"CREATE UNIQUE INDEX {quote_ident(idx)} ON {qt} (" + ", ".join(map(quote_ident, cols)) + ")")
+        stmts.append(f"ALTER TABLE {qt} REPLICA IDENTITY USING INDEX {quote_ident(idx)}")
+    elif table.replica_identity == "f":
+        stmts.append(f"ALTER TABLE {qt} REPLICA IDENTITY FULL")
+    elif table.replica_identity == "n":
+        stmts.append(f"ALTER TABLE {qt} REPLICA IDENTITY NOTHING")
+    return stmts
+
+
+def check_pg_table(conn: psycopg.Connection[Any], table: SourceTable, schema: str | None, name: str) -> list[str] | None:
+    """Problems of an existing PostgreSQL target table (one line each), or None if it does not exist."""
+    reg = catalog_row(conn, "SELECT to_regclass(%s)::oid", [quoted_name(schema, name)])[0]
+    if reg is None:
+        return None
+    have = {r[0]: r[1:] for r in conn.execute(
+        "SELECT attname, format_type(atttypid, NULL), attnotnull, atthasdef OR attidentity <> '' OR attgenerated <> '', "
+        "attgenerated <> '' FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped", [reg])}
+    problems = []
+    for c in table.columns:
+        if c.name not in have:
+            problems.append(f"column {c.name}: missing on the target (source type {c.type_sql})")
+        elif have[c.name][0] != c.type_name:
+            problems.append(f"column {c.name}: source type {c.type_sql}, target type {have[c.name][0]}")
+    problems += [plain_where_generated(c) for c in table.generated if c.name in have and not have[c.name][3]]
+    return problems + unfilled_columns(table, have)
+
+
+def prepare_pg_tables(conn: psycopg.Connection[Any], tables: list[SourceTable], table_map: dict[str, str],
+                      source: psycopg.Connection[Any]) -> Prepared:
+    """Check every existing target table, then create the missing ones with the user types and sequences they need
+    (read from ``source``: ``applier.migrate.usertypes``, ``applier.migrate.sequences``), all in one target
+    transaction; SchemaError naming every mismatch (table and column, or type) before anything is created, or the
+    statement that failed (then nothing is created)."""
+    problems: list[str] = []
+    missing: list[SourceTable] = []
+    out = Prepared()
+    for t in tables:
+        schema, name = pg_target_table(t.relation(), table_map)
+        shown = shown_name(schema, name)
+        found = check_pg_table(conn, t, schema, name)
+        if found is None:
+            missing.append(t)
+        else:
+            out.existing.append(shown)
+            problems += [f"target table {shown} (source {t.qualified}), {p}" for p in found]
+    shown_of = {t.qualified: shown_name(*pg_target_table(t.relation(), table_map)) for t in missing}
+    types = source_types(source, [(shown_of[t.qualified], c.name, c.type_oid, (t.oid, c.attnum, bool(c.generated)))
+                                  for t in missing for c in t.columns + t.generated])
+    type_sql, type_problems = plan_types(conn, types)
+    problems += type_problems
+    if problems:
+        raise SchemaError("the target does not fit the source:\n  " + "\n  ".join(problems))
+    sequences = source_sequences(source, missing)
+    new_seqs = [q for q in sequences if catalog_row(conn, "SELECT to_regclass(%s)", [target_sequence_qname(q, table_map)])[0]
+                is None]
+    created = {(t.schema, t.name) for t in missing}
+    statements = list(type_sql)
+    statements += [s for q in new_seqs if not q.identity for s in create_statements(q, table_map)]
+    for t in missing:
+        schema, name = pg_target_table(t.relation(), table_map)
+        statements += pg_create_statements(t, schema, name, sequences, table_map, conn.info.server_version)
+        out.created.append(shown_name(schema, name))
+    for q in new_seqs:
+        if q.owner is not None and not q.identity and q.owner[:2] in created:
+            schema, name = pg_target_table(next(t for t in missing if (t.schema, t.name) == q.owner[:2]).relation(),
+                                           table_map)
+            statements.append(f"ALTER SEQUENCE {target_sequence_qname(q, table_map)} OWNED BY "
+                              f"{quoted_name(schema, name)}.{quote_ident(q.owner[2])}")
+        statements.append(setval_statement(q, table_map))
+    stmt = "BEGIN"
+    try:
+        with conn.transaction():
+            for stmt in statements:
+                conn.execute(stmt)
+    except psycopg.Error as exc:
+        raise SchemaError(f"creating the target's tables failed, nothing was created: {one_line(exc)} "
+                          f"(in: {one_line(stmt)[:300]})") from None
+    return out
