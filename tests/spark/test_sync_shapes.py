@@ -1,4 +1,4 @@
-"""``applier sync`` with DDL capture installed on the source: the target starts with each copied table's shape at the
+"""``applier sync`` and ``sync --table`` with DDL capture installed on the source: the target starts with each copied table's shape at the
 copy's position (``applier_ddl_tables``), written with the sync's completion.
 
 What a user relies on: the apply side diffs the first captured DDL after the copy against the shape the copy was
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from applier.ddl.shape import TableShape
+from applier.migrate.add_table import sync_tables
 from applier.migrate.sync import sync
 from applier.source import capture
 from tests.plugins.clusters import ScratchDb
@@ -46,3 +47,22 @@ def test_sync_without_capture_keeps_no_shape(src: ScratchDb, tmp_path: Path) -> 
     url = f"sqlite:///{tmp_path / 'replica.db'}"
     sync(make_config(src, url, tmp_path / "work"))
     assert target_exec(url, "SELECT count(*) FROM applier_ddl_tables") == [(0,)]
+
+
+def test_sync_table_keeps_the_joined_tables_shape_at_its_snapshot(src: ScratchDb, tmp_path: Path) -> None:
+    src.cluster.execute("CREATE TABLE t (id int PRIMARY KEY); CREATE TABLE n (id int PRIMARY KEY, v text);"
+                        " INSERT INTO n VALUES (1, 'a'); CREATE PUBLICATION pub FOR TABLE t", src.dbname)
+    capture.install(src.dsn)
+    url = f"sqlite:///{tmp_path / 'replica.db'}"
+    cfg = make_config(src, url, tmp_path / "work")
+    sync(cfg)
+    src.cluster.execute("ALTER PUBLICATION pub ADD TABLE n", src.dbname)
+
+    def say(line: str) -> None:
+        if "temporary slot" in line:  # the copy's snapshot exists: a DDL after it
+            src.cluster.execute("ALTER TABLE n ADD COLUMN late int", src.dbname)
+
+    res = sync_tables(cfg, ["public.n"], say=say)
+    rows = target_exec(url, "SELECT table_name, shape, lsn FROM applier_ddl_tables ORDER BY table_name")
+    assert [r[0] for r in rows] == ["n", "t"] and rows[0][2] == str(res.consistent_point)
+    assert [c.name for c in TableShape.from_json(rows[0][1]).columns] == ["id", "v"]
