@@ -111,9 +111,24 @@ class DroppedTable:
 
 
 @dataclass(frozen=True, slots=True)
+class UnpublishedTable:
+    """A table a command took out of a publication (still there): OID, schema, name, and the publications that
+    still publish it after the command (empty: none does)."""
+
+    oid: int
+    schema: str
+    name: str
+    publications: tuple[str, ...] = ()
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
 class Captured:
     """One capture message: its LSN, the command tag, the source's statement, the tables as they are after it,
-    the tables it dropped; or, when capture could not describe the command, ``error`` and the table it was about
+    the tables it dropped, the tables it took out of a publication (``unpublished``); or, when capture could not describe the command, ``error`` and the table it was about
     (``error_table``: OID and the command's object identity, either None)."""
 
     lsn: LSN
@@ -124,6 +139,7 @@ class Captured:
     error: str | None = None
     error_table: tuple[int | None, str | None] | None = None
     baseline: bool = field(default=False)  # the shapes of every published table at install (tag ``BASELINE``)
+    unpublished: tuple[UnpublishedTable, ...] = ()
 
 
 BASELINE_TAG = "BASELINE"  # the tag of the message ``applier ddl install`` writes with every published table
@@ -153,7 +169,10 @@ def parse(content: bytes | str, lsn: LSN) -> Captured:
                         tables=tuple(_table(t, captured=True) for t in doc.get("tables") or ()),
                         dropped=tuple(DroppedTable(int(d["oid"]), str(d["schema"]), str(d["name"]))
                                       for d in doc.get("dropped") or ()),
-                        baseline=tag == BASELINE_TAG)
+                        baseline=tag == BASELINE_TAG,
+                        unpublished=tuple(UnpublishedTable(int(u["oid"]), str(u["schema"]), str(u["name"]),
+                                                           tuple(str(p) for p in u.get("publications") or ()))
+                                          for u in doc.get("unpublished") or ()))
     except (KeyError, TypeError, ValueError) as exc:
         raise FinalError(f"DDL capture message at LSN {lsn} ({tag}) is malformed: {exc!r} is missing or wrong") from None
 

@@ -19,7 +19,9 @@ double, while ``applier run`` keeps running or not:
    (``applier.migrate.sync._copy_table``: partitions recorded in
    ``applier_sync_parts`` with their rows);
 4. each copied table's row set to 'ready' (durable: the copy's commits are
-   flushed with it). The temporary slot ends with its connection.
+   flushed with it), with, when DDL capture is installed in the snapshot, its
+   shape at S kept in ``applier_ddl_tables``. The temporary slot ends with its
+   connection.
 
 The engine (``applier.engine.apply``) skips a joining table's changes of source
 transactions committed before S (they are in the copy) and applies the later
@@ -62,7 +64,9 @@ import psycopg
 
 from applier.admin import check_source, check_target, source_connect
 from applier.config import Config
+from applier.ddl.shape import TableShape
 from applier.errors import InUseError
+from applier.lsn import LSN
 from applier.migrate.schema import SourceTable
 from applier.migrate.spark.progress import Reporter
 from applier.migrate.sync import (
@@ -73,6 +77,7 @@ from applier.migrate.sync import (
     _signature,
     copy_tables,
     read_tables_in_snapshot,
+    shapes_in_snapshot,
 )
 from applier.progress.migrate import migrate
 from applier.source.base import SourceError
@@ -318,8 +323,9 @@ def _copy_at_new_snapshot(cfg: Config, target: TargetDb, tables: list[SourceTabl
         if copying[0] != len(tables):
             raise _taken_over(tables, name)
         result = SyncResult("table", slot, at)
+        shapes = {s.oid: s for s in shapes_in_snapshot(cfg, info.snapshot_name, tables, say)}
         failed = copy_tables(cfg, target, tables, run, info.snapshot_name, nparts, spark, reporter, say, result,
-                             after=lambda table: _ready(target, name, run, table))
+                             after=lambda table: _ready(target, name, run, table, at, shapes.get(table.oid)))
         if failed:
             raise SyncError(f"{len(failed)} of {len(tables)} tables could not be copied (the others joined the "
                             f"stream at {at}); the failed ones stay 'copying', and `applier run` holds their changes "
@@ -332,10 +338,14 @@ def _copy_at_new_snapshot(cfg: Config, target: TargetDb, tables: list[SourceTabl
         ws.close()  # the temporary slot goes with it
 
 
-def _ready(target: TargetDb, name: str, run: str, table: SourceTable) -> None:
-    """Step 4 for one table: 'ready', its partitions forgotten; durable (the copy's commits are flushed with it)."""
+def _ready(target: TargetDb, name: str, run: str, table: SourceTable, at: LSN, shape: TableShape | None) -> None:
+    """Step 4 for one table: 'ready', its partitions forgotten, its shape at the snapshot kept (DDL capture installed);
+    durable (the copy's commits are flushed with it)."""
     ph = target.ph
+    keep = [] if shape is None else [(target.backend.sql.keep_shape, [name, shape.oid, shape.schema, shape.name,
+                                                                      shape.to_json(), str(at), _now()])]
     ready = target.transaction([
+        *keep,
         (f"UPDATE applier_sync_tables SET state = 'ready', finished_at = {ph} WHERE name = {ph} AND run = {ph} "
          f"AND schema_name = {ph} AND table_name = {ph}", [_now(), name, run, table.schema, table.name]),
         (f"DELETE FROM applier_sync_parts WHERE name = {ph} AND run = {ph} AND tbl = {ph}",

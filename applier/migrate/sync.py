@@ -24,7 +24,11 @@ the very next source transaction:
    table that cannot be copied does not stop the others: sync then fails
    listing every failed table with its cause;
 6. in one durable target transaction: the progress row of ``apply.name`` set to
-   C (and any pending skip cleared), the sync row set to ``done``.
+   C (and any pending skip cleared), the sync row set to ``done``, and, when DDL
+   capture is installed in the snapshot, each copied table's shape at C
+   (``applier_ddl.describe`` read in the snapshot) kept in ``applier_ddl_tables``
+   in place of any older ones, so the apply side diffs the first captured DDL
+   after C against the shape the copy was made at.
 
 The stream of the slot starts with the first transaction committed at or after
 C, and the engine applies transactions from C on, so copy and stream meet
@@ -62,7 +66,7 @@ import datetime as dt
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +75,7 @@ from psycopg import sql as psql
 
 from applier.admin import check_source, check_target, source_connect
 from applier.config import Config, ConfigError
+from applier.ddl.shape import TableShape
 from applier.lsn import LSN
 from applier.migrate.schema import (
     Prepared,
@@ -83,6 +88,7 @@ from applier.migrate.spark.progress import Reporter
 from applier.migrate.spark.session import spark_for
 from applier.progress.migrate import migrate
 from applier.rows import one_row
+from applier.source import capture
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
 from applier.targets import opener
@@ -305,12 +311,15 @@ class TargetDb:
 
         return {int(p): (int(r), int(b)) for p, r, b in self.execute(parts_sql(self.ph)[2], [name, run, tbl])}
 
-    def finish(self, name: str, lsn: LSN, source_system: str | None, slot: str) -> None:
-        """Progress row to ``lsn`` of ``source_system`` and ``slot``, pending skip cleared, sync row 'done': one durable
-        transaction."""
+    def finish(self, name: str, lsn: LSN, source_system: str | None, slot: str,
+               shapes: Sequence[TableShape] = ()) -> None:
+        """Progress row to ``lsn`` of ``source_system`` and ``slot``, pending skip cleared, sync row 'done', the followed
+        shapes replaced by ``shapes`` (the copied tables' at ``lsn``): one durable transaction."""
         sql = self.backend.sql
         ph = self.ph
         self.transaction([
+            (f"DELETE FROM applier_ddl_tables WHERE name = {ph}", [name]),
+            *[(sql.keep_shape, [name, s.oid, s.schema, s.name, s.to_json(), str(lsn), _now()]) for s in shapes],
             (sql.upsert, [name, str(lsn), None, source_system, slot]),
             (sql.clear_skip, [name]),
             (f"UPDATE applier_sync SET state = 'done', finished_at = {ph} WHERE name = {ph}", [_now(), name]),
@@ -371,6 +380,18 @@ def read_tables_in_snapshot(cfg: Config, snapshot: str | None) -> list[SourceTab
     """The published tables as the exported snapshot sees them (now, without a snapshot)."""
     with _in_snapshot(cfg, snapshot) as conn:
         return read_source_tables(conn, cfg.source["publications"])
+
+
+def shapes_in_snapshot(cfg: Config, snapshot: str | None, tables: list[SourceTable], say: Any) -> list[TableShape]:
+    """The shapes of ``tables`` in the snapshot when DDL capture is installed in it (``capture.shapes``), else none;
+    when they cannot be read, a line said and none (the apply side then learns them from the stream)."""
+    try:
+        with _in_snapshot(cfg, snapshot) as conn:
+            return capture.shapes(conn, [t.oid for t in tables]) or []
+    except psycopg.Error as exc:
+        say(f"DDL capture: the tables' shapes at the snapshot could not be read ({one_line(exc)}); they are "
+            f"learnt from the stream")
+        return []
 
 
 def count_in_snapshot(cfg: Config, snapshot: str | None, table: SourceTable) -> int:
@@ -485,7 +506,8 @@ def _copy_with_new_slot(cfg: Config, target: TargetDb, tables: list[SourceTable]
                             f"fix the cause and run `applier sync` again (it copies everything again):\n  "
                             + "\n  ".join(failed))
         reporter.close()
-        target.finish(name, info.consistent_point, system, slot)
+        target.finish(name, info.consistent_point, system, slot,
+                      shapes_in_snapshot(cfg, info.snapshot_name, in_snapshot, say))
         incomplete = False
         say(f"sync complete: {result.rows:,} rows in {len(result.tables)} tables; the target is at "
             f"{info.consistent_point}, `applier run` / `catchup` continue from there")

@@ -1,16 +1,20 @@
 """DDL capture on the source: event triggers that describe each DDL on a published table as a logical message.
 
-``install(dsn)`` creates the schema ``applier_ddl`` on the source with a SECURITY
-DEFINER plpgsql function (owned by the installer, so any user running DDL can
-emit through it even when EXECUTE on ``pg_logical_emit_message`` is revoked
-from PUBLIC) and two event triggers (``ddl_command_end``, ``sql_drop``).
-``uninstall(dsn)`` drops both triggers and the schema; ``state(dsn)`` says
-whether it is installed and its version. Event triggers need a superuser.
+``install(dsn)`` creates the schema ``applier_ddl`` on the source with SECURITY
+DEFINER plpgsql functions (owned by the installer, so any user running DDL can
+emit through them even when EXECUTE on ``pg_logical_emit_message`` is revoked
+from PUBLIC) and three event triggers (``ddl_command_end``, ``sql_drop``, and
+``ddl_command_start`` for DROP INDEX, which remembers each published table's
+indexes: ``sql_drop`` no longer finds a dropped index's table in the catalog),
+then writes the BASELINE document in a transaction of its own.
+``uninstall(dsn)`` drops the triggers and the schema; ``state(dsn)`` says
+whether it is installed and its version; ``shapes(conn, oids)`` reads tables'
+shapes as the connection's snapshot sees them. Event triggers need a superuser.
 
 The contract (document version 1). For each DDL command that touches a
 published table (listed in ``pg_publication_rel``, in a schema of a TABLES IN
 SCHEMA publication, or any FOR ALL TABLES publication exists), including ALTER
-PUBLICATION ... ADD/DROP/SET TABLE, the trigger writes ONE transactional message
+PUBLICATION ... ADD/DROP/SET and DROP INDEX, the trigger writes ONE transactional message
 ``pg_logical_emit_message(true, 'applier.ddl', <json>)`` in the DDL's own
 transaction::
 
@@ -28,26 +32,42 @@ transaction::
                  "replica_identity_index": null,
                  "indexes": [{"name": "t_pkey", "definition": "CREATE UNIQUE INDEX ...",
                               "unique": true, "primary": true, "columns": ["id"]}]}],
-     "dropped": [{"oid": 16384, "schema": "public", "name": "t"}]}
+     "dropped": [{"oid": 16384, "schema": "public", "name": "t"}],
+     "unpublished": [{"oid": 16390, "schema": "public", "name": "u", "publications": ["q"]}]}
 
 Tables are described as they are AFTER the command; names are as the catalog
 has them (unquoted). A dropped table (``sql_drop``) is in ``dropped`` with an
-empty ``tables``. Index ``columns`` is null when the index is on expressions.
+empty ``tables``. DROP INDEX (also CONCURRENTLY) describes the index's table
+after the drop in ``tables`` (an index dropped by another command's cascade is
+not). ``unpublished`` (optional: absent means empty) lists the tables, still
+there, that ALTER PUBLICATION ... DROP TABLE / DROP TABLES IN SCHEMA / SET or
+DROP PUBLICATION took out of a publication, each with the publications that
+still publish it after the command (``[]``: none; a FOR ALL TABLES
+publication counts). ALTER PUBLICATION ... SET writes two messages: the
+tables taken out (``sql_drop``: ``unpublished``), then those added (``tables``).
 If describing fails, the DDL still commits and the message is
 ``{"version": 1, "tag": ..., "statement": ..., "error": "<text>", "table": {"oid": ..., "name": ...}}``
 (``name`` is the command's object identity, schema-qualified; ``table`` is null for a failed drop). If even
 that message cannot be written, the DDL commits with a WARNING and no message.
 TRUNCATE is not DDL and emits nothing. Nothing here applies these documents.
+
+The BASELINE document: ``install`` writes, in a transaction of its own after
+the triggers', ``{"version": 1, "tag": "BASELINE", "statement": "applier ddl
+install", "tables": [every published table, described], "dropped": []}``
+(``applier.ddl.shape.BASELINE_TAG``), so that a replica following the stream
+from before the install knows every table's attnums from there on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 
+from applier.ddl.shape import TableShape
 from applier.source.base import SourceError, SourceUnreachable
 from applier.text import one_line
 
@@ -60,12 +80,18 @@ CREATE SCHEMA applier_ddl;
 COMMENT ON SCHEMA applier_ddl IS 'applier DDL capture, version 1';
 REVOKE ALL ON SCHEMA applier_ddl FROM PUBLIC;
 
-CREATE FUNCTION applier_ddl.published(rel oid) RETURNS boolean LANGUAGE sql STABLE AS $f$
-  SELECT EXISTS (SELECT 1 FROM pg_publication WHERE puballtables)
-      OR EXISTS (SELECT 1 FROM pg_publication_rel WHERE prrelid = rel
-                 OR prrelid IN (SELECT relid FROM pg_partition_ancestors(rel)))
+CREATE FUNCTION applier_ddl.publications(rel oid) RETURNS SETOF name LANGUAGE sql STABLE AS $f$
+  SELECT p.pubname FROM pg_publication p
+   WHERE p.puballtables
+      OR EXISTS (SELECT 1 FROM pg_publication_rel r WHERE r.prpubid = p.oid AND (r.prrelid = rel
+                 OR r.prrelid IN (SELECT relid FROM pg_partition_ancestors(rel))))
       OR EXISTS (SELECT 1 FROM pg_publication_namespace n JOIN pg_class c ON c.relnamespace = n.pnnspid
-                 WHERE c.oid = rel)
+                 WHERE n.pnpubid = p.oid AND c.oid = rel)
+   ORDER BY p.pubname
+$f$;
+
+CREATE FUNCTION applier_ddl.published(rel oid) RETURNS boolean LANGUAGE sql STABLE AS $f$
+  SELECT EXISTS (SELECT 1 FROM applier_ddl.publications(rel))
 $f$;
 
 CREATE FUNCTION applier_ddl.describe(rel oid) RETURNS jsonb LANGUAGE sql STABLE AS $f$
@@ -108,6 +134,9 @@ DECLARE
   rels oid[];
   tables jsonb;
 BEGIN
+  IF tg_tag = 'DROP INDEX' THEN  -- a DROP INDEX IF EXISTS that dropped nothing: on_drop did not run
+    PERFORM set_config('applier_ddl.indexes', '', false);
+  END IF;
   FOR cmd IN SELECT * FROM pg_event_trigger_ddl_commands() LOOP
     rel := NULL;
     BEGIN
@@ -143,12 +172,32 @@ BEGIN
 END
 $f$;
 
+CREATE FUNCTION applier_ddl.on_drop_index() RETURNS event_trigger LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog AS $f$
+BEGIN
+  -- sql_drop no longer finds a dropped index's table in the catalog: remember each published table's indexes now
+  -- (session-level, so that DROP INDEX CONCURRENTLY's own commits keep it; on_drop and on_ddl clear it)
+  BEGIN
+    PERFORM set_config('applier_ddl.indexes', COALESCE((
+      SELECT jsonb_object_agg(x.indexrelid::text, x.indrelid::bigint) FROM pg_index x JOIN pg_class c ON c.oid = x.indrelid
+       WHERE c.relkind IN ('r', 'p') AND applier_ddl.published(c.oid)), '{}'::jsonb)::text, false);
+  EXCEPTION WHEN OTHERS THEN
+    RAISE WARNING 'applier DDL capture could not read the indexes before %: %', tg_tag, SQLERRM;
+  END;
+END
+$f$;
+
 CREATE FUNCTION applier_ddl.on_drop() RETURNS event_trigger LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog AS $f$
 DECLARE
   dropped jsonb;
+  tables jsonb;
+  unpublished jsonb;
+  indexes jsonb;
 BEGIN
   BEGIN
+    indexes := NULLIF(current_setting('applier_ddl.indexes', true), '')::jsonb;
+    PERFORM set_config('applier_ddl.indexes', '', false);
     SELECT jsonb_agg(jsonb_build_object('oid', o.objid::bigint, 'schema', o.schema_name, 'name', o.object_name)
                      ORDER BY o.objid) INTO dropped
       FROM pg_event_trigger_dropped_objects() o
@@ -159,10 +208,27 @@ BEGIN
         OR EXISTS (SELECT 1 FROM pg_event_trigger_dropped_objects() p
                    WHERE p.object_type = 'publication relation'
                      AND p.address_names[1] = o.address_names[1] AND p.address_names[2] = o.address_names[2]));
-    IF dropped IS NOT NULL THEN
+    -- DROP INDEX: the tables (still there) of the dropped indexes, as remembered by on_drop_index
+    SELECT jsonb_agg(applier_ddl.describe(r) ORDER BY r) INTO tables
+      FROM (SELECT DISTINCT c.oid AS r FROM pg_event_trigger_dropped_objects() o
+              JOIN pg_class c ON c.oid = (indexes ->> o.objid::text)::oid
+             WHERE o.object_type = 'index' AND indexes IS NOT NULL) AS t;
+    -- ALTER PUBLICATION ... DROP/SET, DROP PUBLICATION: the tables (still there) taken out of a publication
+    SELECT jsonb_agg(jsonb_build_object('oid', c.oid::bigint, 'schema', n.nspname, 'name', c.relname,
+                                        'publications', to_jsonb(ARRAY(SELECT applier_ddl.publications(c.oid))))
+                     ORDER BY c.oid) INTO unpublished
+      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+     WHERE c.relkind IN ('r', 'p') AND c.oid IN (
+           SELECT to_regclass(quote_ident(o.address_names[1]) || '.' || quote_ident(o.address_names[2]))
+             FROM pg_event_trigger_dropped_objects() o WHERE o.object_type = 'publication relation'
+           UNION
+           SELECT c2.oid FROM pg_event_trigger_dropped_objects() o
+             JOIN pg_namespace n2 ON n2.nspname = o.address_names[1] JOIN pg_class c2 ON c2.relnamespace = n2.oid
+            WHERE o.object_type = 'publication namespace');
+    IF dropped IS NOT NULL OR tables IS NOT NULL OR unpublished IS NOT NULL THEN
       PERFORM pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
-        'version', 1, 'tag', tg_tag, 'statement', current_query(), 'tables', '[]'::jsonb,
-        'dropped', dropped)::text);
+        'version', 1, 'tag', tg_tag, 'statement', current_query(), 'tables', COALESCE(tables, '[]'::jsonb),
+        'dropped', COALESCE(dropped, '[]'::jsonb), 'unpublished', COALESCE(unpublished, '[]'::jsonb))::text);
     END IF;
   EXCEPTION WHEN OTHERS THEN
     BEGIN
@@ -177,10 +243,24 @@ $f$;
 
 CREATE EVENT TRIGGER applier_ddl_end ON ddl_command_end EXECUTE FUNCTION applier_ddl.on_ddl();
 CREATE EVENT TRIGGER applier_ddl_drop ON sql_drop EXECUTE FUNCTION applier_ddl.on_drop();
+CREATE EVENT TRIGGER applier_ddl_start ON ddl_command_start WHEN TAG IN ('DROP INDEX')
+  EXECUTE FUNCTION applier_ddl.on_drop_index();
 """
 
 _DROP = "DROP EVENT TRIGGER IF EXISTS applier_ddl_end; DROP EVENT TRIGGER IF EXISTS applier_ddl_drop; " \
-        "DROP SCHEMA IF EXISTS applier_ddl CASCADE"
+        "DROP EVENT TRIGGER IF EXISTS applier_ddl_start; DROP SCHEMA IF EXISTS applier_ddl CASCADE"
+
+
+# the BASELINE document (``install``): every table a publication publishes now (the tables
+# ``is_publishable_class`` accepts: permanent, user-made, relkind r or p) as ``published`` sees them
+_BASELINE = r"""
+SELECT pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
+  'version', 1, 'tag', 'BASELINE', 'statement', 'applier ddl install',
+  'tables', COALESCE((SELECT jsonb_agg(applier_ddl.describe(c.oid) ORDER BY c.oid) FROM pg_class c
+                       WHERE c.relkind IN ('r', 'p') AND c.relpersistence = 'p' AND c.oid >= 16384
+                         AND applier_ddl.published(c.oid)), '[]'::jsonb),
+  'dropped', '[]'::jsonb)::text)
+"""
 
 
 class CaptureError(SourceError):
@@ -231,14 +311,27 @@ def state(source: str | psycopg.Connection[Any]) -> CaptureState:
     return CaptureState(True, version)
 
 
+def shapes(conn: psycopg.Connection[Any], oids: Sequence[int]) -> list[TableShape] | None:
+    """The shapes (``applier_ddl.describe``) of the tables ``oids`` as the connection's transaction snapshot sees
+    them, in OID order (a table not there is left out); None when capture is not installed in that snapshot.
+    psycopg.Error when they cannot be read (the functions dropped since the snapshot, an index that is gone)."""
+    if not state(conn).installed:
+        return None
+    rows = conn.execute("SELECT applier_ddl.describe(r)::text FROM unnest(%s::oid[]) AS r ORDER BY r",
+                        [list(oids)]).fetchall()
+    return [TableShape.from_json(str(text)) for (text,) in rows if text is not None]
+
+
 def install(dsn: str) -> bool:
-    """Install (or replace) capture on the source; True when an installed copy was replaced."""
+    """Install (or replace) capture on the source, then write the BASELINE document in a transaction of its own;
+    True when an installed copy was replaced."""
     replaced = state(dsn).installed
     with _connect(dsn) as conn:
         _need_superuser(conn, "install")
         with conn.transaction():
             conn.execute(_DROP)
             conn.execute(_SQL)
+        conn.execute(_BASELINE)
     return replaced
 
 

@@ -52,7 +52,7 @@ def test_catchup_applies_the_dml_around_captured_ddl_as_before(rig: Rig) -> None
     (n,) = rig.source.cluster.execute(
         "SELECT count(*) FROM pg_logical_slot_peek_binary_changes('ops_slot', NULL, NULL, 'proto_version', '1',"
         " 'publication_names', 'pub', 'messages', 'true') WHERE substr(data, 1, 1) = 'M'", rig.source.dbname)[0]
-    assert n == 2  # the two documents are in the stream the catchup reads
+    assert n == 3  # the install's BASELINE and the two documents are in the stream the catchup reads
     r = rig.applier("catchup")
     assert r.returncode == 0, r.stderr
     assert rig.tgt("SELECT id, v FROM t ORDER BY id") == [(1, "a"), (2, "b")]
