@@ -72,7 +72,7 @@ from applier.targets.backend import Backend
 from applier.targets.naming import quoted_name, shown_name
 from applier.targets.postgres.naming import pg_target_table
 from applier.targets.sqlite.naming import sqlite_target_table
-from applier.targets.sqlite.values import sqlite_declared
+from applier.targets.sqlite.values import sqlite_affinity, sqlite_declared
 from applier.text import one_line, quote_ident
 from applier.url import Kind
 
@@ -308,20 +308,6 @@ def target_table_name(table: SourceTable, backend: Backend, table_map: dict[str,
 def sqlite_declared_types(table: SourceTable) -> list[str]:
     """The declared SQLite type of each column, from what the engine's converter makes of a value."""
     return sqlite_declared(table.relation())
-
-
-def sqlite_affinity(declared: str) -> str:
-    """SQLite's column affinity of a declared type (section 3.1 of SQLite's datatype page)."""
-    d = declared.upper()
-    if "INT" in d:
-        return "INTEGER"
-    if "CHAR" in d or "CLOB" in d or "TEXT" in d:
-        return "TEXT"
-    if "BLOB" in d or not d:
-        return "BLOB"
-    if "REAL" in d or "FLOA" in d or "DOUB" in d:
-        return "REAL"
-    return "NUMERIC"
 
 
 # Affinities that store every value of a mapped kind unchanged.

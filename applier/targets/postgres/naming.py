@@ -12,8 +12,17 @@ from applier.targets.base import source_name
 
 def pg_target_table(rel: Relation, table_map: dict[str, str]) -> tuple[str | None, str]:
     """(schema or None, table) on a PostgreSQL target for a source relation."""
-    mapped = table_map.get(source_name(rel))
+    return _mapped(source_name(rel), rel.namespace or "public", rel.name, table_map)
+
+
+def pg_shape_table(schema: str, name: str, table_map: dict[str, str]) -> tuple[str | None, str]:
+    """(schema or None, table) on a PostgreSQL target for the source table ``schema.name`` (a captured shape's)."""
+    return _mapped(f"{schema}.{name}", schema, name, table_map)
+
+
+def _mapped(source: str, schema: str, name: str, table_map: dict[str, str]) -> tuple[str | None, str]:
+    mapped = table_map.get(source)
     if mapped:
-        schema, _, table = mapped.rpartition(".")
-        return (schema or None), table
-    return rel.namespace or "public", rel.name
+        target_schema, _, table = mapped.rpartition(".")
+        return (target_schema or None), table
+    return schema, name

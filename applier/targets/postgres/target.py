@@ -96,6 +96,7 @@ from applier.targets.base import (
 from applier.targets.contract import Failures
 from applier.targets.follow import ADD_COLUMNS_HINT, column_changes, kinds_clash, rewrites
 from applier.targets.postgres.claim import pg_claim, pg_holder
+from applier.targets.postgres.ddl import DdlWriter
 from applier.targets.postgres.naming import pg_target_table
 from applier.targets.values import FIRST_USER_OID
 from applier.text import one_line, quote_ident
@@ -553,12 +554,12 @@ class PostgresTarget(TargetBase):
                 (quote_ident(schema) + "." if schema else "") + quote_ident(table))
 
     def write_ddl(self, change: Change, lsn: LSN) -> None:
-        """Write one captured schema change (see ``SchemaWriter``): not yet."""
-        raise FinalError(f"{change.describe()} at LSN {lsn}: this target does not follow captured DDL yet")
+        """Write one captured schema change in the open transaction (see ``SchemaWriter``; ``ddl.DdlWriter``)."""
+        DdlWriter(self.conn, self.table_map).write(change, lsn)
 
     def target_exists(self, shape: TableShape) -> bool:
-        """Whether the target table of source table ``shape`` exists (see ``SchemaWriter``): not yet."""
-        raise FinalError(f"source table {shape.qualified}: this target does not follow captured DDL yet")
+        """Whether the target table of source table ``shape`` exists (see ``SchemaWriter``)."""
+        return DdlWriter(self.conn, self.table_map).exists(shape)
 
     def follow(self, rel: Relation, types: dict[int, Type], lsn: LSN, no_ddl: str | None = None) -> None:
         """Make the target table fit ``rel`` (see ``SchemaFollower``): ADD COLUMN with the source's type (format_type of a

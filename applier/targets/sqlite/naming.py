@@ -7,13 +7,24 @@ identifier.
 
 from __future__ import annotations
 
+from applier.ddl.shape import TableShape
 from applier.decoder.messages import Relation
-from applier.targets.base import source_name
+
+
+def sqlite_table_name(namespace: str, name: str, table_map: dict[str, str]) -> str:
+    """The SQLite table of the source table ``namespace.name`` (an empty namespace is ``pg_catalog``'s, as
+    pgoutput sends it)."""
+    mapped = table_map.get(f"{namespace or 'pg_catalog'}.{name}")
+    if mapped:
+        return mapped
+    return name if namespace in ("public", "") else f"{namespace}.{name}"
 
 
 def sqlite_target_table(rel: Relation, table_map: dict[str, str]) -> tuple[str | None, str]:
     """(None, table) on a SQLite target for a source relation."""
-    mapped = table_map.get(source_name(rel))
-    if mapped:
-        return None, mapped
-    return None, (rel.name if rel.namespace in ("public", "") else f"{rel.namespace}.{rel.name}")
+    return None, sqlite_table_name(rel.namespace, rel.name, table_map)
+
+
+def sqlite_shape_table(shape: TableShape, table_map: dict[str, str]) -> str:
+    """The SQLite table of a source table known by its shape (``applier.ddl``)."""
+    return sqlite_table_name(shape.schema, shape.name, table_map)

@@ -17,13 +17,14 @@ from typing import Any
 from applier.ddl.changes import Change
 from applier.ddl.shape import TableShape
 from applier.decoder.messages import Relation, TupleData, Type
-from applier.errors import ApplyError, FinalError, MissingTable
+from applier.errors import ApplyError, MissingTable
 from applier.lsn import LSN
 from applier.progress.store import progress_sql
 from applier.targets.base import SQLITE, Binding, LocalRow, TargetBase, present_columns, source_name
 from applier.targets.contract import Failures
 from applier.targets.follow import ADD_COLUMNS_HINT
 from applier.targets.sqlite.claim import FileClaim, sqlite_claim, sqlite_holder
+from applier.targets.sqlite.ddl import SqliteSchemaWriter
 from applier.targets.sqlite.naming import sqlite_target_table
 from applier.targets.sqlite.values import sqlite_declared, sqlite_text_converters
 from applier.text import quote_ident
@@ -77,18 +78,19 @@ class SqliteTarget(TargetBase):
         self._durable = LSN(0)
         self.path = path
         self._claim: FileClaim | None = None
+        self.schema_writer = SqliteSchemaWriter(self.conn, self.table_map)
 
     def target_table(self, rel: Relation) -> tuple[str | None, str]:
         """(None, table) on the target for a source relation (applier.targets.naming)."""
         return sqlite_target_table(rel, self.table_map)
 
     def write_ddl(self, change: Change, lsn: LSN) -> None:
-        """Write one captured schema change (see ``SchemaWriter``): not yet."""
-        raise FinalError(f"{change.describe()} at LSN {lsn}: this target does not follow captured DDL yet")
+        """Write one captured schema change in the open transaction (``applier.targets.sqlite.ddl``)."""
+        self.schema_writer.write(change, lsn)
 
     def target_exists(self, shape: TableShape) -> bool:
-        """Whether the target table of source table ``shape`` exists (see ``SchemaWriter``): not yet."""
-        raise FinalError(f"source table {shape.qualified}: this target does not follow captured DDL yet")
+        """Whether the target table of source table ``shape`` exists."""
+        return self.schema_writer.target_exists(shape)
 
     def follow(self, rel: Relation, types: dict[int, Type], lsn: LSN, no_ddl: str | None = None) -> None:
         """Make the target table fit ``rel`` (see ``SchemaFollower``): ADD COLUMN with the mapped declared type

@@ -70,19 +70,40 @@ _SQLITE_TEXT: dict[int, Callable[[bytes], Any]] = {
 }
 
 
+def sqlite_converter(type_oid: int) -> Callable[[bytes], Any]:
+    """The converter of a text-mode value of the source type ``type_oid`` into SQLite."""
+    return _SQLITE_TEXT.get(type_oid, bytes.decode)
+
+
 def sqlite_text_converters(rel: Relation) -> list[Callable[[bytes], Any]]:
     """One converter per column for text-mode values into SQLite."""
-    return [_SQLITE_TEXT.get(c.type_oid, bytes.decode) for c in rel.columns]
+    return [sqlite_converter(c.type_oid) for c in rel.columns]
 
 
 def sqlite_declared(rel: Relation) -> list[str]:
     """The declared SQLite type of each column (INTEGER, REAL, TEXT or BLOB), from what the text converter makes of a
     value: the table above, one mapping for the engine, ``applier sync`` and schema changes followed."""
-    out = []
-    for conv in sqlite_text_converters(rel):
-        try:
-            sample = conv(b"1")
-        except (ValueError, TypeError):
-            sample = ""
-        out.append({int: "INTEGER", float: "REAL", bytes: "BLOB"}.get(type(sample), "TEXT"))
-    return out
+    return [sqlite_declared_type(c.type_oid) for c in rel.columns]
+
+
+def sqlite_declared_type(type_oid: int) -> str:
+    """The declared SQLite type of a column of the source type ``type_oid`` (see ``sqlite_declared``)."""
+    try:
+        sample = sqlite_converter(type_oid)(b"1")
+    except (ValueError, TypeError):
+        sample = ""
+    return {int: "INTEGER", float: "REAL", bytes: "BLOB"}.get(type(sample), "TEXT")
+
+
+def sqlite_affinity(declared: str) -> str:
+    """SQLite's column affinity of a declared type (section 3.1 of SQLite's datatype page)."""
+    d = declared.upper()
+    if "INT" in d:
+        return "INTEGER"
+    if "CHAR" in d or "CLOB" in d or "TEXT" in d:
+        return "TEXT"
+    if "BLOB" in d or not d:
+        return "BLOB"
+    if "REAL" in d or "FLOA" in d or "DOUB" in d:
+        return "REAL"
+    return "NUMERIC"
