@@ -116,7 +116,7 @@ class DdlFollower:
         """Apply one ``applier.ddl`` message of ``txn`` (in the open group, the rows before it written)."""
         cap = parse(m.content, m.lsn)
         lsn = txn.final_lsn
-        where = f"at LSN {m.lsn} in transaction {txn.xid} finished at {lsn}"
+        where = f"in transaction {txn.xid} finished at {lsn}"
         if cap.error is not None:
             oid, name = cap.error_table or (None, None)
             table = name or (f"OID {oid}" if oid is not None else "?")
