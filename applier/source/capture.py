@@ -35,8 +35,9 @@ has them (unquoted). A dropped table (``sql_drop``) is in ``dropped`` with an
 empty ``tables``. Index ``columns`` is null when the index is on expressions.
 If describing fails, the DDL still commits and the message is
 ``{"version": 1, "tag": ..., "statement": ..., "error": "<text>", "table": {"oid": ..., "name": ...}}``
-(``name`` is the command's object identity, schema-qualified; ``table`` is null for a failed drop). If even
-that message cannot be written, the DDL commits with a WARNING and no message.
+(``name`` is the command's object identity, schema-qualified; ``table`` is null for a failed drop). The message
+is written outside any EXCEPTION block: one written in a subtransaction is decoded after the rows its transaction
+writes later, so the replica would see a DDL after the rows that follow it.
 TRUNCATE is not DDL and emits nothing. Nothing here applies these documents.
 """
 
@@ -107,9 +108,11 @@ DECLARE
   rel oid;
   rels oid[];
   tables jsonb;
+  doc text;
 BEGIN
   FOR cmd IN SELECT * FROM pg_event_trigger_ddl_commands() LOOP
     rel := NULL;
+    doc := NULL;
     BEGIN
       IF cmd.classid = 'pg_class'::regclass THEN
         SELECT CASE WHEN c.relkind = 'i' OR c.relkind = 'I' THEN (SELECT indrelid FROM pg_index WHERE indexrelid = c.oid)
@@ -126,19 +129,20 @@ BEGIN
       END IF;
       IF cardinality(rels) > 0 THEN
         SELECT jsonb_agg(applier_ddl.describe(r) ORDER BY r) INTO tables FROM unnest(rels) AS r;
-        PERFORM pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
+        doc := jsonb_build_object(
           'version', 1, 'tag', cmd.command_tag, 'statement', current_query(),
-          'tables', tables, 'dropped', '[]'::jsonb)::text);
+          'tables', tables, 'dropped', '[]'::jsonb)::text;
       END IF;
     EXCEPTION WHEN OTHERS THEN
-      BEGIN
-        PERFORM pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
-          'version', 1, 'tag', cmd.command_tag, 'statement', current_query(), 'error', SQLERRM,
-          'table', jsonb_build_object('oid', COALESCE(rel, cmd.objid)::bigint, 'name', cmd.object_identity))::text);
-      EXCEPTION WHEN OTHERS THEN
-        RAISE WARNING 'applier DDL capture could not emit a message for %: %', cmd.object_identity, SQLERRM;
-      END;
+      doc := jsonb_build_object(
+        'version', 1, 'tag', cmd.command_tag, 'statement', current_query(), 'error', SQLERRM,
+        'table', jsonb_build_object('oid', COALESCE(rel, cmd.objid)::bigint, 'name', cmd.object_identity))::text;
     END;
+    -- emitted outside the EXCEPTION block: a message written in a subtransaction is decoded after the rows its
+    -- transaction writes later, so the DDL would reach the replica after them
+    IF doc IS NOT NULL THEN
+      PERFORM pg_logical_emit_message(true, 'applier.ddl', doc);
+    END IF;
   END LOOP;
 END
 $f$;
@@ -147,6 +151,7 @@ CREATE FUNCTION applier_ddl.on_drop() RETURNS event_trigger LANGUAGE plpgsql SEC
 SET search_path = pg_catalog AS $f$
 DECLARE
   dropped jsonb;
+  doc text;
 BEGIN
   BEGIN
     SELECT jsonb_agg(jsonb_build_object('oid', o.objid::bigint, 'schema', o.schema_name, 'name', o.object_name)
@@ -160,18 +165,17 @@ BEGIN
                    WHERE p.object_type = 'publication relation'
                      AND p.address_names[1] = o.address_names[1] AND p.address_names[2] = o.address_names[2]));
     IF dropped IS NOT NULL THEN
-      PERFORM pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
+      doc := jsonb_build_object(
         'version', 1, 'tag', tg_tag, 'statement', current_query(), 'tables', '[]'::jsonb,
-        'dropped', dropped)::text);
+        'dropped', dropped)::text;
     END IF;
   EXCEPTION WHEN OTHERS THEN
-    BEGIN
-      PERFORM pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
-        'version', 1, 'tag', tg_tag, 'statement', current_query(), 'error', SQLERRM, 'table', NULL)::text);
-    EXCEPTION WHEN OTHERS THEN
-      RAISE WARNING 'applier DDL capture could not emit a message for %: %', tg_tag, SQLERRM;
-    END;
+    doc := jsonb_build_object(
+      'version', 1, 'tag', tg_tag, 'statement', current_query(), 'error', SQLERRM, 'table', NULL)::text;
   END;
+  IF doc IS NOT NULL THEN  -- outside the EXCEPTION block (a subtransaction): see on_ddl
+    PERFORM pg_logical_emit_message(true, 'applier.ddl', doc);
+  END IF;
 END
 $f$;
 
