@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import re
+import signal
+import subprocess
+import threading
+import time
 
 import psycopg
 import pytest
@@ -22,6 +27,7 @@ from applier.admin import skip, status
 from applier.errors import ApplyError, FinalError
 from applier.lsn import LSN
 from applier.source import capture
+from tests.plugins.cli import applier_script, clean_env
 
 from .conftest import Rig, run_cli
 from .test_observability import by_label, daemon, free_port, scrape_until
@@ -288,3 +294,54 @@ def test_without_capture_a_table_renamed_on_the_source_is_renamed_on_the_target(
     rig.catchup(**FOLLOW)
     assert rows(rig, "t2") == [(1, "A"), (2, "b"), (3, "c")]
     assert ddl_log(rig) == [("public.t2", "rename_table", "applied", "rename table public.t to public.t2")]
+
+
+def test_sigkill_during_a_stream_of_ddl_and_dml_applies_each_transaction_once(cli_rig: Rig) -> None:
+    """`applier run` SIGKILLed five times while the source commits transactions that add, rename and retype
+    columns and create indexes between their rows: after a final catchup the target's columns and ordered rows
+    equal the source's (each DDL applied once: twice would stop on a column that exists)."""
+    rig = cli_rig
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    rig.publish("t")
+    capture.install(rig.source.dsn)
+    rig.init()
+    config = rig.config_file(apply_group_commit_delay=0.05, apply_on_error="retry", apply_retry_initial=0.1, **FOLLOW)
+    stop = threading.Event()
+
+    def write() -> None:
+        with psycopg.connect(rig.source.dsn, autocommit=True) as conn:
+            i = 0
+            while not stop.is_set() and i < 400:
+                i += 1
+                with conn.transaction():
+                    conn.execute("INSERT INTO t (id, v) VALUES (%s, %s)", [i, f"r{i}"])
+                    if i % 10 == 0:
+                        conn.execute(f"ALTER TABLE t ADD COLUMN c{i} int DEFAULT {i}")
+                    elif i % 10 == 5 and i > 10:
+                        conn.execute(f"ALTER TABLE t RENAME COLUMN c{i - 5} TO d{i - 5}")
+                    elif i % 10 == 7 and i > 20:
+                        conn.execute(f"ALTER TABLE t ALTER COLUMN d{i - 17} TYPE bigint")
+                    elif i % 10 == 3 and i > 20:
+                        conn.execute(f"CREATE INDEX ix{i} ON t (d{i - 13})")
+                    conn.execute("UPDATE t SET v = v || '+' WHERE id = %s", [i - 1])
+                time.sleep(0.01)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    err = rig.tmp / "run.err"
+    try:
+        for _ in range(5):
+            with err.open("ab") as out:
+                proc = subprocess.Popen([applier_script(), "run", "-c", str(config)], stdout=subprocess.DEVNULL,
+                                        stderr=out, stdin=subprocess.DEVNULL, env=clean_env(), start_new_session=True)
+            time.sleep(random.uniform(0.8, 2.0))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+    finally:
+        stop.set()
+        writer.join(60)
+    r = run_cli("catchup", "-c", str(config))
+    assert r.returncode == 0, r.stderr + err.read_text()
+    assert target_columns(rig) == source_columns(rig, "t")
+    assert rows(rig) == rig.src("SELECT * FROM t ORDER BY 1")
+    assert len(rows(rig)) > 20
