@@ -299,7 +299,9 @@ def status(cfg: Config) -> dict[str, Any]:
       restart_lsn``, what fills its disk), with its ``slot_wal_status`` (``lost``: invalidated);
     - ``recopy_needed``: why the replica needs a re-copy (``applier init --new-slot`` after a lost slot), until
       ``applier sync`` completes one;
-    - the last error and when, prepared transactions waiting, a pending skip.
+    - the last error and when, prepared transactions waiting, a pending skip;
+    - ``last_ddl``: the last schema change applied or skipped (``apply.schema_changes = "follow"``, applier_ddl_log):
+      its LSN, table, class, result, change, the source's statement and when, or null.
     ``slot_exists`` False is what the CLI turns into a non-zero exit; a source that cannot be reached leaves the
     source's fields out, ``slot_exists`` None, and says why in ``error``.
     """
@@ -349,9 +351,13 @@ def status(cfg: Config) -> dict[str, Any]:
     out["skip_lsn"] = None if progress.skip_lsn is None else str(progress.skip_lsn)
     out["prepared_waiting"] = list_prepared(cfg)
     out["recopy_needed"] = progress.recopy_needed
+    sql = _progress_sql(cfg)
     with target_db(cfg) as conn:
-        out["conflicts"] = {str(k): int(n) for k, n in conn.execute(_progress_sql(cfg).count_conflicts,
+        out["conflicts"] = {str(k): int(n) for k, n in conn.execute(sql.count_conflicts,
                                                                      [cfg.apply["name"]]).fetchall()}
+        ddl = conn.execute(sql.last_ddl, [cfg.apply["name"]]).fetchone()
+    cols = ("lsn", "table", "class", "result", "change", "statement", "at")
+    out["last_ddl"] = None if ddl is None else {k: None if v is None else str(v) for k, v in zip(cols, ddl)}
     return out
 
 

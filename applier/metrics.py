@@ -110,6 +110,8 @@ class Metrics:
                                     "target transaction", buckets=GROUP_BUCKETS, registry=r)
         self.conflicts = Counter("applier_conflicts", "Conflicts met, by type (PostgreSQL 18's names) and target "
                                  "table", ["type", "table"], registry=r)
+        self.ddl = Counter("applier_ddl", "Captured schema changes (apply.schema_changes = \"follow\"), by [ddl] class "
+                           "and result (applied or skipped)", ["class", "result"], registry=r)
         self.errors = Counter("applier_errors", "Sessions ended by an error, by kind", ["kind"], registry=r)
         self.retries = Counter("applier_retries", "Sessions started again after an error", registry=r)
         self.reconnects = Counter("applier_reconnects", "Sessions started after the first (after an error or a "
@@ -167,10 +169,10 @@ class Metrics:
         self._received, self._applied, self._behind = received, applied, behind or failed
 
     def committed(self, transactions: int, changes: Mapping[tuple[str, str], int],
-                  conflicts: Mapping[tuple[str, str], int]) -> None:
+                  conflicts: Mapping[tuple[str, str], int], ddl: Mapping[tuple[str, str], int]) -> None:
         """A target transaction committed with ``transactions`` source transactions (0: it recorded progress
-        only, no group), ``changes`` rows applied by (operation, table) (a change a conflict's resolution dropped is not) and
-        ``conflicts`` recorded by (type, table)."""
+        only, no group), ``changes`` rows applied by (operation, table) (a change a conflict's resolution dropped is not),
+        ``conflicts`` recorded by (type, table) and ``ddl`` schema changes by (class, result)."""
         if transactions > 0:
             self.groups.inc()
             self.group_size.observe(transactions)
@@ -179,6 +181,8 @@ class Metrics:
             self.conflicts.labels(kind, table).inc(n)
         for (op, table), n in changes.items():
             self.changes.labels(op.lower(), table).inc(n)
+        for (klass, result), n in ddl.items():
+            self.ddl.labels(klass, result).inc(n)
 
     def probe(self, source_dsn: str, slot: str, target_dsn: str | None) -> None:
         """Ask these databases when scraped (``Probe``); ``target_dsn`` None: a SQLite target."""

@@ -123,6 +123,8 @@ def status(config: ConfigOpt = None, as_json: Annotated[bool, typer.Option("--js
             typer.echo(redact_text(json.dumps(info)))
         else:
             for k, v in info.items():
+                if k == "last_ddl" and v is not None:  # one line: what, where, when
+                    v = f"{v['change']} ({v['result']}) at LSN {v['lsn']}, {v['at']}"
                 if k != "error":
                     typer.echo(redact_text(f"{k}: {'-' if v is None or v == [] else v}"))
         if "error" in info:

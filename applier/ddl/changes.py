@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -249,11 +250,19 @@ def _index_changed(old: IndexShape, new: IndexShape, renames: dict[str, str]) ->
     if old.columns is not None and new.columns is not None:
         return (tuple(renames.get(c, c) for c in old.columns), old.unique) != (new.columns, new.unique) or \
             _strip_columns(old.definition) != _strip_columns(new.definition)
-    return old.definition != new.definition if not renames else False
+    return _without_table(old.definition) != _without_table(new.definition) if not renames else False
 
 
 def _strip_columns(definition: str) -> str:
-    """An index definition without its column list (``… USING btree (a, b)`` → ``… USING btree``), for comparing
-    two definitions of one index across a column rename."""
-    head, _, _ = definition.partition(" (")
+    """An index definition without its table and its column list (``… ON s.t USING btree (a, b)`` → ``… ON
+    USING btree``), for comparing two definitions of one index across a column or table rename."""
+    head, _, _ = _without_table(definition).partition(" (")
     return head
+
+
+_ON_TABLE = re.compile(r" ON (ONLY )?.+? USING ")
+
+
+def _without_table(definition: str) -> str:
+    """An index definition without the table it is on (a table renamed or moved keeps its indexes)."""
+    return _ON_TABLE.sub(" ON USING ", definition, count=1)

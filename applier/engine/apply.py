@@ -22,6 +22,9 @@ The engine asks, as worker.c asks tablesync.c:
   is applied, skipped or waits (``JoinGate.held``, asked only for a gated binding, off the per-row path),
   and what a change to a table with no target table raises (``JoinGate.missing``);
 - ``applier.engine.twophase``: the messages of prepared transactions, in either mode;
+- ``applier.engine.ddl`` (``apply.schema_changes = "follow"``): the ``applier.ddl`` messages of DDL capture and
+  what a Relation message says of a table renamed or of columns gone and come (``DdlFollower``), told when the
+  group commits or rolls back;
 - ``applier.engine.tally``: the summary counters (``Stats``) and the metrics tallies of the group (``Tally``);
 - ``applier.engine.txn``: the source transaction in hand (``SourceTxn``, ``Skip``).
 """
@@ -34,6 +37,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from applier.ddl.shape import PREFIX as DDL_PREFIX
 from applier.decoder.messages import (
     PG_EPOCH_UNIX,
     Begin,
@@ -60,6 +64,7 @@ from applier.decoder.messages import (
 from applier.decoder.pgoutput import decode_message
 from applier.engine.batch import Batch
 from applier.engine.conflicts import DEFAULT_POLICIES, Change, Resolver
+from applier.engine.ddl import DdlFollower
 from applier.engine.joingate import JoinGate
 from applier.engine.relation import RawMessage, RelationMap
 from applier.engine.spool import SpoolSet, records
@@ -84,7 +89,7 @@ class ApplyEngine:
                  skip_origins: Sequence[str] = (), group_delay: float = 0.05, group_rows: int = 20000,
                  careful: bool = False, binary: bool = False, wait_for_tables: bool = False,
                  schema_changes: str = "error", conflicts: Mapping[str, str] | None = None,
-                 metrics: CommitObserver | None = None) -> None:
+                 ddl: Mapping[str, str] | None = None, metrics: CommitObserver | None = None) -> None:
         self.target = target
         # metrics on (``applier.metrics``): what the open group applied, tallied per batch, reported at commit
         self.tally = Tally(metrics)
@@ -102,9 +107,14 @@ class ApplyEngine:
         self.group_rows = group_rows
         self.set_careful(careful, group_delay)  # careful, group_delay, batch_rows, the target's pipelining
         self.binary = binary
-        # schema_changes "add_columns": the target table is made to fit each Relation message when bound
-        self.relmap = RelationMap(target, binary, follow=schema_changes == "add_columns")
+        # schema_changes "add_columns" (and "follow", for tables capture does not describe): the target table is
+        # made to fit each Relation message when bound
+        self.relmap = RelationMap(target, binary, follow=schema_changes in ("add_columns", "follow"))
         self.bindings = self.relmap.bindings  # the map's own dict (never replaced), for the per-row lookup
+        # schema_changes "follow": captured DDL and Relation-message renames (``ddl``: the policy of each [ddl] class)
+        self.ddl: DdlFollower | None = None
+        if schema_changes == "follow":
+            self.ddl = DdlFollower(target, self.relmap, ddl or {}, self.tally)
         self.gate = JoinGate(target, self.relmap, binary, wait_for_tables)  # tables joining the stream
         self.twophase = TwoPhase(self)
         # the message in hand as a spool record: set by ``handle`` for a Relation/Type message and by
@@ -293,11 +303,15 @@ class ApplyEngine:
         self.stats.keep()
         self.pending_since = None  # a group commits between source transactions
         self.tally.committed(self.stats.transactions)
+        if self.ddl is not None:
+            self.ddl.committed()
 
     def abort_group(self) -> None:
         """Roll back the open target transaction and forget the batch."""
         self.batches = {}
         self.tally.rolled_back(self.stats.transactions)  # nothing of it was applied
+        if self.ddl is not None:
+            self.ddl.rolled_back()
         if self.group_open:
             self.group_open = False
             try:
@@ -311,6 +325,8 @@ class ApplyEngine:
         """Cache the relation; a new message for a known OID replaces it and re-reads the target."""
         if m.oid in self.bindings:
             self.flush_batch()  # what was queued under the old binding goes first
+        if self.ddl is not None and self.txn is not None:
+            self.ddl.relation(m, self.relmap.types, self.txn, self.ensure_group)
         self.relmap.add_relation(m, self.raw_message)
 
     def handle_type(self, m: Type) -> None:
@@ -405,7 +421,20 @@ class ApplyEngine:
             self.target.truncate(bs, m.cascade, m.restart_identity)
 
     def handle_message(self, m: Message) -> None:
-        """Logical decoding messages are logged, not applied."""
+        """Logical decoding messages are logged, not applied; following schema changes, a transactional
+        ``applier.ddl`` message (DDL capture) is applied after the rows before it, in the open group."""
+        if self.ddl is not None and m.prefix == DDL_PREFIX:
+            txn = self.txn
+            if not m.transactional or txn is None:
+                log.warning("DDL capture message at %s is not transactional: ignored (capture writes transactional "
+                            "ones only)", m.lsn, extra={"lsn": m.lsn})
+                return
+            if txn.skip:
+                return
+            self.flush_batch()
+            self.ensure_group()
+            self.ddl.captured(m, txn)
+            return
         log.info("logical decoding message at %s: prefix=%r, %d bytes%s", m.lsn, m.prefix, len(m.content),
                  "" if m.transactional else " (non-transactional)",
                  extra={"lsn": m.lsn, "xid": self.txn.xid if self.txn is not None else None})

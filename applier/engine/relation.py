@@ -10,12 +10,13 @@ As PostgreSQL's relation.c does for its subscriber, this module owns the remoteâ
 - ``meta_raw``: the raw bytes of those Relation and Type messages, so that a prepared transaction
   kept in the target's table carries the definitions its changes need (``meta_blob``).
 
-With ``follow`` (``apply.schema_changes = "add_columns"``) ``target.follow`` makes the target table fit
-the Relation message before ``target.bind``, judging from the two alone (no earlier Relation message).
+With ``follow`` (``apply.schema_changes = "add_columns"`` or ``"follow"``) ``target.follow`` makes the target
+table fit the Relation message before ``target.bind``, judging from the two alone (no earlier Relation message).
 
 Invariants:
-- a new Relation message for an OID drops that OID's binding, so the next change re-reads the
-  target table (the caller applies what was queued under the old binding first);
+- a new Relation message for an OID, or ``unbind`` (a schema change applied), drops that OID's binding, so the
+  next change re-reads the target table (the caller applies what was queued under the old binding first); an
+  OID unbound inside ``isolated`` stays unbound after it;
 - the dicts are never replaced, only changed in place (``isolated`` included): the engine may keep a
   reference to ``bindings`` for its per-row lookup.
 """
@@ -43,12 +44,14 @@ class Binder(RowWriter, SchemaFollower, ControlStore, Protocol):
 class RelationMap:
     """Source relations and types by OID, their raw messages and their target bindings; see the module header."""
 
-    __slots__ = ("target", "binary", "follow", "relations", "types", "bindings", "gated", "meta_raw")
+    __slots__ = ("target", "binary", "follow", "relations", "types", "bindings", "gated", "meta_raw",
+                 "unbound")
 
     def __init__(self, target: Binder, binary: bool = False, follow: bool = False) -> None:
         self.target = target
         self.binary = binary
         self.follow = follow  # make the target table fit each Relation message before binding it
+        self.unbound: set[int] = set()  # OIDs unbound (``unbind``) since the last ``isolated`` began
         self.relations: dict[int, Relation] = {}
         self.types: dict[int, Type] = {}
         self.bindings: dict[int, Binding] = {}
@@ -62,6 +65,12 @@ class RelationMap:
         self.gated.pop(m.oid, None)
         self.relations[m.oid] = m
         self.meta_raw[("R", m.oid)] = raw
+
+    def unbind(self, oid: int) -> None:
+        """Drop the binding of ``oid`` (its target table changed): the next change re-reads the target table."""
+        self.bindings.pop(oid, None)
+        self.gated.pop(oid, None)
+        self.unbound.add(oid)
 
     def add_type(self, m: Type, raw: RawMessage) -> None:
         """Cache a Type message (user-defined types: enums, composites, domains)."""
@@ -105,6 +114,7 @@ class RelationMap:
         then the one before, as it was."""
         saved = (dict(self.relations), dict(self.types), dict(self.bindings), dict(self.meta_raw), dict(self.gated))
         self._clear()
+        self.unbound.clear()
         try:
             yield
         finally:
@@ -114,6 +124,9 @@ class RelationMap:
             self.bindings.update(saved[2])
             self.meta_raw.update(saved[3])
             self.gated.update(saved[4])
+            for oid in self.unbound:  # a schema change replayed inside: the binding saved is of the old table
+                self.bindings.pop(oid, None)
+                self.gated.pop(oid, None)
 
     def _clear(self) -> None:
         self.relations.clear()

@@ -386,7 +386,7 @@ class Runner:
                 target, applied=progress.lsn, skip_lsn=progress.skip_lsn, work_dir=cfg.spool_dir,
                 skip_origins=cfg.apply["skip_origins"], group_delay=cfg.apply["group_commit_delay"],
                 careful=careful, binary=cfg.source["binary"], wait_for_tables=not self.catchup,
-                schema_changes=cfg.apply["schema_changes"], conflicts=cfg.conflicts,
+                schema_changes=cfg.apply["schema_changes"], conflicts=cfg.conflicts, ddl=cfg.ddl,
                 metrics=self.metrics)
             source = open_source(cfg, progress, self.wrap_source)  # first: is this the source of the progress?
             if self.metrics is not None:

@@ -47,8 +47,9 @@ publication counts). ALTER PUBLICATION ... SET writes two messages: the
 tables taken out (``sql_drop``: ``unpublished``), then those added (``tables``).
 If describing fails, the DDL still commits and the message is
 ``{"version": 1, "tag": ..., "statement": ..., "error": "<text>", "table": {"oid": ..., "name": ...}}``
-(``name`` is the command's object identity, schema-qualified; ``table`` is null for a failed drop). If even
-that message cannot be written, the DDL commits with a WARNING and no message.
+(``name`` is the command's object identity, schema-qualified; ``table`` is null for a failed drop). The message
+is written outside any EXCEPTION block: one written in a subtransaction is decoded after the rows its transaction
+writes later, so the replica would see a DDL after the rows that follow it.
 TRUNCATE is not DDL and emits nothing. Nothing here applies these documents.
 
 The BASELINE document: ``install`` writes, in a transaction of its own after
@@ -133,12 +134,14 @@ DECLARE
   rel oid;
   rels oid[];
   tables jsonb;
+  doc text;
 BEGIN
   IF tg_tag = 'DROP INDEX' THEN  -- a DROP INDEX IF EXISTS that dropped nothing: on_drop did not run
     PERFORM set_config('applier_ddl.indexes', '', false);
   END IF;
   FOR cmd IN SELECT * FROM pg_event_trigger_ddl_commands() LOOP
     rel := NULL;
+    doc := NULL;
     BEGIN
       IF cmd.classid = 'pg_class'::regclass THEN
         SELECT CASE WHEN c.relkind = 'i' OR c.relkind = 'I' THEN (SELECT indrelid FROM pg_index WHERE indexrelid = c.oid)
@@ -155,19 +158,20 @@ BEGIN
       END IF;
       IF cardinality(rels) > 0 THEN
         SELECT jsonb_agg(applier_ddl.describe(r) ORDER BY r) INTO tables FROM unnest(rels) AS r;
-        PERFORM pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
+        doc := jsonb_build_object(
           'version', 1, 'tag', cmd.command_tag, 'statement', current_query(),
-          'tables', tables, 'dropped', '[]'::jsonb)::text);
+          'tables', tables, 'dropped', '[]'::jsonb)::text;
       END IF;
     EXCEPTION WHEN OTHERS THEN
-      BEGIN
-        PERFORM pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
-          'version', 1, 'tag', cmd.command_tag, 'statement', current_query(), 'error', SQLERRM,
-          'table', jsonb_build_object('oid', COALESCE(rel, cmd.objid)::bigint, 'name', cmd.object_identity))::text);
-      EXCEPTION WHEN OTHERS THEN
-        RAISE WARNING 'applier DDL capture could not emit a message for %: %', cmd.object_identity, SQLERRM;
-      END;
+      doc := jsonb_build_object(
+        'version', 1, 'tag', cmd.command_tag, 'statement', current_query(), 'error', SQLERRM,
+        'table', jsonb_build_object('oid', COALESCE(rel, cmd.objid)::bigint, 'name', cmd.object_identity))::text;
     END;
+    -- emitted outside the EXCEPTION block: a message written in a subtransaction is decoded after the rows its
+    -- transaction writes later, so the DDL would reach the replica after them
+    IF doc IS NOT NULL THEN
+      PERFORM pg_logical_emit_message(true, 'applier.ddl', doc);
+    END IF;
   END LOOP;
 END
 $f$;
@@ -194,6 +198,7 @@ DECLARE
   tables jsonb;
   unpublished jsonb;
   indexes jsonb;
+  doc text;
 BEGIN
   BEGIN
     indexes := NULLIF(current_setting('applier_ddl.indexes', true), '')::jsonb;
@@ -226,18 +231,17 @@ BEGIN
              JOIN pg_namespace n2 ON n2.nspname = o.address_names[1] JOIN pg_class c2 ON c2.relnamespace = n2.oid
             WHERE o.object_type = 'publication namespace');
     IF dropped IS NOT NULL OR tables IS NOT NULL OR unpublished IS NOT NULL THEN
-      PERFORM pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
+      doc := jsonb_build_object(
         'version', 1, 'tag', tg_tag, 'statement', current_query(), 'tables', COALESCE(tables, '[]'::jsonb),
-        'dropped', COALESCE(dropped, '[]'::jsonb), 'unpublished', COALESCE(unpublished, '[]'::jsonb))::text);
+        'dropped', COALESCE(dropped, '[]'::jsonb), 'unpublished', COALESCE(unpublished, '[]'::jsonb))::text;
     END IF;
   EXCEPTION WHEN OTHERS THEN
-    BEGIN
-      PERFORM pg_logical_emit_message(true, 'applier.ddl', jsonb_build_object(
-        'version', 1, 'tag', tg_tag, 'statement', current_query(), 'error', SQLERRM, 'table', NULL)::text);
-    EXCEPTION WHEN OTHERS THEN
-      RAISE WARNING 'applier DDL capture could not emit a message for %: %', tg_tag, SQLERRM;
-    END;
+    doc := jsonb_build_object(
+      'version', 1, 'tag', tg_tag, 'statement', current_query(), 'error', SQLERRM, 'table', NULL)::text;
   END;
+  IF doc IS NOT NULL THEN  -- outside the EXCEPTION block (a subtransaction): see on_ddl
+    PERFORM pg_logical_emit_message(true, 'applier.ddl', doc);
+  END IF;
 END
 $f$;
 

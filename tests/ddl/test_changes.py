@@ -117,3 +117,14 @@ def test_capture_that_could_not_describe_says_so() -> None:
     got = parse(b'{"version": 1, "tag": "ALTER TABLE", "statement": "s", "error": "boom",'
                 b' "table": {"oid": 5, "name": "public.t"}}', AT)
     assert got.error == "boom" and got.error_table == (5, "public.t")
+
+
+def test_a_renamed_or_moved_table_keeps_its_indexes() -> None:
+    """The index definitions name the table: a table renamed (or moved to another schema) has the same indexes,
+    on columns or on expressions, and is one RenameTable (never a drop and a rebuild of each index)."""
+    def shaped(schema: str, name: str) -> TableShape:
+        return TableShape(16384, schema, name, (col("id", 1), col("b", 2, "text", 25)), indexes=(
+            IndexShape("t_b", f"CREATE INDEX t_b ON {schema}.{name} USING btree (b)", columns=("b",)),
+            IndexShape("t_lb", f"CREATE INDEX t_lb ON {schema}.{name} USING btree (lower(b))")))
+    old, new = shaped("public", "t"), shaped("s2", "t2")
+    assert diff(old, new) == [RenameTable(new, "public", "t")]

@@ -1,0 +1,216 @@
+"""The follower of captured DDL (``apply.schema_changes = "follow"``): ``applier.ddl`` messages and Relation
+messages turned into schema changes on the target, in the target transaction of their source transaction.
+
+The apply engine (``applier.engine.apply``) hands this module, with the batch written and the group open:
+- each transactional logical message of prefix ``applier.ddl`` (``captured``), written by capture on the source
+  (``applier.source.capture``), read by ``applier.ddl.shape.parse``;
+- each Relation message (``relation``): without capture, a table renamed on the source is renamed on the target
+  (its OID kept), and a column that disappears while another appears stops (``AmbiguousColumns``), never forks.
+
+For each table of a capture message: a known shape (``applier_ddl_tables``) → ``diff(old, new)``; an unknown
+table whose target table is missing → CreateTable when the command is a CREATE TABLE, else left to ``new_table``
+(``apply.new_tables``, None: the shape is only kept); an unknown table whose target table exists → its shape kept
+as the baseline (the target was made by sync or pg_dump). A BASELINE document records shapes not known yet (or
+known only from Relation messages), never changing the target. Each change goes by its class's policy
+(``[ddl]``): apply (``target.write_ddl``), skip, or error (a ``FinalError``); each applied or skipped one is one
+INFO line, an ``applier_ddl_log`` row and a count (``Tally.ddl``).
+
+Invariants:
+- the shapes in memory are those committed on the target plus those of the open group (``pending``): the engine
+  tells ``committed`` when the group commits and ``rolled_back`` when it rolls back, so a group rolled back
+  never leaves the memory ahead of the target;
+- a captured shape is never overridden by a Relation message (column lists and generated columns make a
+  Relation message show fewer columns than the table has); a shape from a Relation message is written only
+  when nothing captured is known for its OID, and only when it changed;
+- every table changed is unbound from the relation map, so its next change re-reads the target table;
+- every failure names the table, the change, the LSN (the transaction's finish LSN, which `applier skip --lsn`
+  takes) and the source's statement, in one line.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+from applier.ddl.changes import AmbiguousColumns, Change, CreateTable, DropTable, RenameTable, diff
+from applier.ddl.shape import Captured, TableShape, from_relation, parse
+from applier.decoder.messages import Message, Relation, Type
+from applier.engine.relation import RelationMap
+from applier.engine.tally import Tally
+from applier.engine.txn import Skip, SourceTxn
+from applier.errors import ApplyError, FinalError
+from applier.lsn import LSN
+from applier.targets.contract import Target
+from applier.text import one_line
+
+log = logging.getLogger("applier.engine")
+
+STATEMENT_SHOWN = 200  # characters of the source's statement in a log line or an error
+
+NewTable = Callable[[TableShape, LSN], None]
+
+
+def shown(statement: str | None) -> str:
+    """The source's statement on one line, shortened for a log line."""
+    text = one_line(statement or "")
+    return text if len(text) <= STATEMENT_SHOWN else text[:STATEMENT_SHOWN - 1] + "…"
+
+
+class DdlFollower:
+    """Captured DDL and Relation-message renames applied to one target; see the module header."""
+
+    __slots__ = ("target", "relmap", "policies", "tally", "new_table", "_known", "pending")
+
+    def __init__(self, target: Target, relmap: RelationMap, policies: Mapping[str, str], tally: Tally) -> None:
+        self.target = target
+        self.relmap = relmap
+        self.policies = policies  # ``Config.ddl``: class -> apply | skip | error
+        self.tally = tally
+        # ``apply.new_tables``: told of a table that starts to be published with no target table, unless created
+        # by the DDL in hand (None: its shape is only kept, and its changes wait as for any missing table)
+        self.new_table: NewTable | None = None
+        self._known: dict[int, TableShape] | None = None  # committed on the target (read once, at first use)
+        self.pending: dict[int, TableShape | None] = {}  # written in the open group (None: forgotten)
+
+    # -- the shapes --------------------------------------------------------------------------------------------------
+
+    @property
+    def known(self) -> dict[int, TableShape]:
+        """The shapes committed on the target, by source table OID."""
+        if self._known is None:
+            self._known = self.target.known_shapes()
+        return self._known
+
+    def shape(self, oid: int) -> TableShape | None:
+        """The shape of source table ``oid`` as the open group leaves it (None: not known)."""
+        if oid in self.pending:
+            return self.pending[oid]
+        return self.known.get(oid)
+
+    def _keep(self, shape: TableShape, lsn: LSN) -> None:
+        self.target.keep_shape(shape, lsn)
+        self.pending[shape.oid] = shape
+
+    def _forget(self, oid: int) -> None:
+        self.target.forget_shape(oid)
+        self.pending[oid] = None
+
+    def committed(self) -> None:
+        """The group committed: what it wrote of the shapes is the target's now."""
+        if self.pending:
+            known = self.known
+            for oid, s in self.pending.items():
+                if s is None:
+                    known.pop(oid, None)
+                else:
+                    known[oid] = s
+            self.pending.clear()
+
+    def rolled_back(self) -> None:
+        """The group rolled back: nothing it wrote of the shapes is kept."""
+        self.pending.clear()
+
+    # -- capture messages ----------------------------------------------------------------------------------------------
+
+    def captured(self, m: Message, txn: SourceTxn) -> None:
+        """Apply one ``applier.ddl`` message of ``txn`` (in the open group, the rows before it written)."""
+        cap = parse(m.content, m.lsn)
+        lsn = txn.final_lsn
+        where = f"in transaction {txn.xid} finished at {lsn}"
+        if cap.error is not None:
+            oid, name = cap.error_table or (None, None)
+            table = name or (f"OID {oid}" if oid is not None else "?")
+            raise ApplyError(f"DDL capture could not describe table {table} ({cap.tag}) {where}: {one_line(cap.error)}"
+                             f"; source statement: {shown(cap.statement)}")
+        if cap.baseline:
+            for t in cap.tables:
+                known = self.shape(t.oid)
+                if known is None or not known.captured:
+                    self._keep(t, lsn)
+            log.info("DDL capture baseline %s: %d table shape(s) recorded", where, len(cap.tables),
+                     extra={"lsn": lsn})
+            return
+        for d in cap.dropped:
+            old = self.shape(d.oid)
+            gone = old or TableShape(d.oid, d.schema, d.name, ())
+            if old is not None or self.target.target_exists(gone):
+                self.change(DropTable(gone), cap, lsn, where)
+            if old is not None:
+                self._forget(d.oid)
+            self.relmap.unbind(d.oid)
+        for new in cap.tables:
+            self.table(new, cap, lsn, where)
+
+    def table(self, new: TableShape, cap: Captured, lsn: LSN, where: str) -> None:
+        """Bring the target table of ``new`` (a table as the capture message describes it) to that shape."""
+        old = self.shape(new.oid)
+        changes: list[Change] = []
+        if old is not None:
+            try:
+                changes = diff(old, new)
+            except AmbiguousColumns as exc:  # known only from Relation messages: attnums unknown
+                raise ApplyError(f"{exc} {where}; source statement: {shown(cap.statement)}") from None
+        elif not self.target.target_exists(new):
+            if cap.tag.startswith("CREATE TABLE"):
+                changes = [CreateTable(new)]
+            elif self.new_table is not None:
+                self.new_table(new, lsn)
+        for c in changes:
+            self.change(c, cap, lsn, where)
+        if old != new:
+            self._keep(new, lsn)
+        if changes:
+            self.relmap.unbind(new.oid)
+
+    def change(self, c: Change, cap: Captured | None, lsn: LSN, where: str) -> None:
+        """One change by its class's policy: written (apply), only logged (skip) or refused (error)."""
+        statement = cap.statement if cap is not None else None
+        said = f"source statement: {shown(statement)}" if cap is not None else "seen in a Relation message"
+        policy = self.policies.get(str(c.klass), "apply")
+        if policy == "error":
+            raise FinalError(f"{c.describe()} {where} is refused by [ddl] {c.klass} = \"error\" ({said}); "
+                             f"`applier skip --lsn {lsn}` skips the transaction")
+        if policy == "apply":
+            try:
+                self.target.write_ddl(c, lsn)
+            except ApplyError as exc:
+                raise type(exc)(f"{one_line(exc)} ({said})") from exc
+            except Exception as exc:  # noqa: BLE001 - the driver's error (psycopg or sqlite3), named in one line
+                raise ApplyError(f"{c.describe()} {where} failed on the target: {one_line(exc)} ({said})") from exc
+        result = "applied" if policy == "apply" else "skipped"
+        log.info("DDL %s: %s %s (%s)", result, c.describe(), where, said, extra={"lsn": lsn})
+        self.target.record_ddl(lsn, c, result, statement)
+        self.tally.ddl(str(c.klass), result)
+
+    # -- Relation messages -------------------------------------------------------------------------------------------
+
+    def relation(self, rel: Relation, types: Mapping[int, Type], txn: SourceTxn, open_group: Callable[[], None]) -> None:
+        """Follow a Relation message of ``txn`` without capture: a table renamed (same OID) is renamed on the
+        target; a column gone while another came stops (``AmbiguousColumns``); the shape is kept when it changed.
+        Nothing is done for a table capture describes, nor in a transaction applied before or kept for later (a
+        prepared one kept in the target's table: its replay comes here)."""
+        if txn.skip is Skip.APPLIED_BEFORE or txn.skip is Skip.PREPARED_BEFORE or txn.spool is not None:
+            return
+        old = self.shape(rel.oid)
+        if old is not None and old.captured:
+            return
+        new = from_relation(rel, types)
+        if old == new:
+            return
+        open_group()
+        lsn = txn.final_lsn
+        if old is not None and not txn.skip:
+            where = f"in transaction {txn.xid} finished at {lsn}"
+            try:
+                changes = diff(old, new)
+            except AmbiguousColumns as exc:
+                raise ApplyError(
+                    f"{exc} (table {old.qualified}, {where}): nothing of this transaction is applied; to follow "
+                    f"renames, turn DDL capture on with `applier ddl install -c FILE` (then `applier skip --lsn "
+                    f"{lsn}` if this change is to be taken as it stands)") from None
+            renames = [c for c in changes if isinstance(c, RenameTable)]
+            for c in renames:
+                self.change(c, None, lsn, where)
+            if renames:
+                self.relmap.unbind(rel.oid)
+        self._keep(new, lsn)
