@@ -138,6 +138,10 @@ class DdlFollower:
             if old is not None:
                 self._forget(d.oid)
             self.relmap.unbind(d.oid)
+        for u in cap.unpublished:  # its changes stop coming; the target table keeps its rows, as for a dropped one
+            if not u.publications:
+                log.info("source table %s is no longer published %s (%s): target table kept as it is", u.qualified,
+                         where, cap.tag, extra={"lsn": lsn})
         for new in cap.tables:
             self.table(new, cap, lsn, where)
 
