@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from pathlib import Path
 
 import applier
@@ -317,3 +318,12 @@ def test_the_core_never_imports_the_sandbox() -> None:
                    for dep in deps if dep.startswith("applier.sandbox"))
     assert found == []
     assert any(dep.startswith("applier.sandbox") for dep in graph["applier.cli.engine_commands"])  # the check sees
+
+
+def test_every_package_folder_is_packaged() -> None:
+    """A folder of applier with an ``__init__.py`` that pyproject's package list lacks is left out of a wheel (and out
+    of an editable install's finder): its imports work from a checkout and fail where users install."""
+    root = Path(applier.__file__).resolve().parent
+    listed = set(tomllib.loads((root.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(("applier", *p.parent.relative_to(root).parts)) for p in root.rglob("__init__.py")}
+    assert sorted(folders - listed) == []
