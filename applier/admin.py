@@ -14,6 +14,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import psycopg
+from psycopg import sql as psql
 
 from applier.config import Config, ConfigError, ConnectError, parse_age
 from applier.decoder.messages import (
@@ -201,12 +202,16 @@ def init(cfg: Config, new_slot: bool = False) -> list[str]:
             if lost is not None and facts["slot"] is not None:  # invalidated: nothing can stream from it again
                 ws.drop_slot(slot)
                 done.append(f"slot {slot!r}: dropped (it {lost.what})")
-            info = ws.create_slot(slot, two_phase=cfg.source["two_phase"])
+            info = ws.create_slot(slot, two_phase=cfg.source["two_phase"], snapshot="export")
+            # while the walsender is open its snapshot is the slot's start: the tables' shapes as of there
+            kept = _keep_shapes_at(cfg, info.snapshot_name, info.consistent_point)
         except SourceError as exc:
             raise ConfigError(f"{cfg.where('source', 'slot')}: {exc}") from None
         finally:
             ws.close()
         done.append(f"slot {slot!r}: created at {info.consistent_point}")
+        if kept:
+            done.append(f"DDL capture: {kept} published table shape(s) kept at {info.consistent_point}")
         if lost is not None:
             why = (f"slot {slot!r} {lost.what} with the target at {progress.lsn}; `applier init --new-slot` made it "
                    f"again at {info.consistent_point} on {utc_now()}: the source's changes in between are not on the "
@@ -217,6 +222,33 @@ def init(cfg: Config, new_slot: bool = False) -> list[str]:
     else:
         done.append(f"slot {slot!r}: exists (confirmed up to {facts['slot'][3]})")
     return done
+
+
+def _keep_shapes_at(cfg: Config, snapshot: str | None, at: LSN) -> int:
+    """With DDL capture installed on the source, keep each published table's shape as the exported ``snapshot`` (the
+    new slot's start ``at``) sees it in the target's ``applier_ddl_tables`` (a shape already kept is left), so the
+    first captured DDL after ``at`` is compared with the shape the stream starts from; how many were kept. Nothing
+    when capture is not installed or no snapshot was exported."""
+    if snapshot is None:
+        return 0
+    with source_connect(cfg) as conn:
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        conn.execute(psql.SQL("SET TRANSACTION SNAPSHOT {}").format(psql.Literal(snapshot)))
+        oids = [int(r[0]) for r in conn.execute(
+            "SELECT DISTINCT format('%%I.%%I', schemaname, tablename)::regclass::oid FROM pg_publication_tables "
+            "WHERE pubname = ANY(%s)", [cfg.source["publications"]]).fetchall()]
+        shapes = capture.shapes(conn, oids) or []
+        conn.execute("ROLLBACK")
+    if not shapes:
+        return 0
+    sql = _progress_sql(cfg)
+    name = cfg.apply["name"]
+    with target_db(cfg) as conn:
+        have = {int(r[0]) for r in conn.execute(sql.known_shapes, [name]).fetchall()}
+        new = [s for s in shapes if s.oid not in have]
+        for s in new:
+            conn.execute(sql.keep_shape, [name, s.oid, s.schema, s.name, s.to_json(), str(at), utc_now()])
+    return len(new)
 
 
 def _lost_slot(cfg: Config, progress: Progress) -> SlotLost | None:

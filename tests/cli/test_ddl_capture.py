@@ -67,3 +67,21 @@ def test_check_and_status_say_whether_capture_is_installed(rig: Rig) -> None:
     assert lines() == (["ok    DDL capture: not installed"], ["ddl_capture: not installed"])
     assert rig.applier("ddl", "install").returncode == 0
     assert lines() == (["ok    DDL capture: installed, version 1"], ["ddl_capture: installed, version 1"])
+
+
+def test_init_after_install_keeps_the_shapes_so_the_first_rename_is_followed(source_db: ScratchDb,
+                                                                             tmp_path: Path) -> None:
+    # capture installed before `applier init`: its BASELINE is before the new slot, never in the stream; init keeps
+    # each published table's shape at the slot's start, so the first captured RENAME COLUMN is told from a new column
+    rig = Rig.make(source_db, None, tmp_path)
+    assert rig.applier("ddl", "install").returncode == 0
+    r = rig.applier("init")
+    assert r.returncode == 0, r.stderr
+    assert "DDL capture: 1 published table shape(s) kept at" in r.stdout
+    rig.src("BEGIN; INSERT INTO t VALUES (1, 'a'); ALTER TABLE t RENAME COLUMN v TO w; INSERT INTO t VALUES (2, 'b');"
+            " COMMIT")
+    config = rig.variant("follow", apply={"schema_changes": "follow", "work_dir": str(tmp_path / "work")})
+    r = rig.applier("catchup", config=config)
+    assert r.returncode == 0, r.stderr
+    assert rig.tgt("SELECT name FROM pragma_table_info('t') ORDER BY cid") == [("id",), ("w",)]
+    assert rig.tgt("SELECT id, w FROM t ORDER BY id") == [(1, "a"), (2, "b")]
