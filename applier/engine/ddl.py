@@ -110,6 +110,13 @@ class DdlFollower:
         """The group rolled back: nothing it wrote of the shapes is kept."""
         self.pending.clear()
 
+    def reread(self) -> None:
+        """Forget the shapes in memory, read from the target again at next use: a transaction was prepared on the
+        target (PREPARE TRANSACTION: what it kept of the shapes is neither committed nor gone) or finished there
+        (COMMIT or ROLLBACK PREPARED decides)."""
+        self._known = None
+        self.pending.clear()
+
     # -- capture messages ----------------------------------------------------------------------------------------------
 
     def captured(self, m: Message, txn: SourceTxn) -> None:

@@ -39,6 +39,7 @@ from applier.decoder.messages import (
     RollbackPrepared,
     StreamPrepare,
 )
+from applier.engine.ddl import DdlFollower
 from applier.engine.relation import RelationMap
 from applier.engine.spool import SpoolSet
 from applier.engine.tally import Stats, Tally
@@ -57,6 +58,7 @@ class Engine(Protocol):
     spools: SpoolSet
     stats: Stats
     tally: Tally
+    ddl: DdlFollower | None
     txn: SourceTxn | None
     pending_since: float | None
     applied: LSN
@@ -180,6 +182,8 @@ class TwoPhase:
                     f"failed on the target: {one_line(exc)}")):
                 e.target.prepare(txn.xid)
             e.group_open = False
+            if e.ddl is not None:  # the shapes it kept are neither committed nor gone until it is finished
+                e.ddl.reread()
         e.stats.transactions += 1
         if not e.group_open:  # PREPARE TRANSACTION committed it (kept in applier_prepared: with its group)
             e.stats.keep()
@@ -206,6 +210,8 @@ class TwoPhase:
             blob = e.target.kept_prepared(gid)  # None: prepared on the target (or not at all)
             if blob is None:
                 e.target.finish_prepared(xid, commit)
+                if e.ddl is not None:  # the shapes it kept, if any, are committed or gone now
+                    e.ddl.reread()
             else:
                 e.ensure_group()
                 if commit:
