@@ -16,7 +16,7 @@ pytest_plugins = ["tests.plugins.clusters"]
 
 # tests that take tens of seconds each: the Spark jobs and the SIGKILL loops
 SLOW = ("tests/spark/", "tests/engine/test_crash.py", "tests/engine/twophase/test_crash_2pc.py",
-        "tests/engine/test_randomized.py")
+        "tests/engine/test_randomized.py", "tests/engine/features/test_ddl_follow.py::test_sigkill")
 
 
 def shares(total: int, workers: int) -> list[int]:
