@@ -66,6 +66,7 @@ from applier.engine.batch import Batch
 from applier.engine.conflicts import DEFAULT_POLICIES, Change, Resolver
 from applier.engine.ddl import DdlFollower
 from applier.engine.joingate import JoinGate
+from applier.engine.newtables import NewTables
 from applier.engine.relation import RawMessage, RelationMap
 from applier.engine.spool import SpoolSet, records
 from applier.engine.tally import CommitObserver, Stats, Tally
@@ -88,6 +89,7 @@ class ApplyEngine:
     def __init__(self, target: Target, *, applied: LSN, skip_lsn: LSN | None = None, work_dir: Path,
                  skip_origins: Sequence[str] = (), group_delay: float = 0.05, group_rows: int = 20000,
                  careful: bool = False, binary: bool = False, wait_for_tables: bool = False,
+                 new_tables: str = "wait", joiner: NewTables | None = None,
                  schema_changes: str = "error", conflicts: Mapping[str, str] | None = None,
                  ddl: Mapping[str, str] | None = None, metrics: CommitObserver | None = None) -> None:
         self.target = target
@@ -115,7 +117,10 @@ class ApplyEngine:
         self.ddl: DdlFollower | None = None
         if schema_changes == "follow":
             self.ddl = DdlFollower(target, self.relmap, ddl or {}, self.tally)
-        self.gate = JoinGate(target, self.relmap, binary, wait_for_tables)  # tables joining the stream
+            if new_tables == "sync" and joiner is not None:  # a captured ALTER PUBLICATION … ADD TABLE joins it
+                self.ddl.new_table = lambda shape, lsn: joiner.new_table(shape.schema, shape.name, lsn)
+        # tables joining the stream; ``new_tables``/``joiner``: tables that start to be published (apply.new_tables)
+        self.gate = JoinGate(target, self.relmap, binary, wait_for_tables, new_tables, joiner)
         self.twophase = TwoPhase(self)
         # the message in hand as a spool record: set by ``handle`` for a Relation/Type message and by
         # ``replay`` for every one; the relation map keeps it for prepared transactions kept in a table
@@ -348,7 +353,7 @@ class ApplyEngine:
         try:
             return self.relmap.binding(oid, self.txn_lsn(), no_ddl)
         except MissingTable as exc:
-            raise self.gate.missing(self.relmap.relations[oid], exc) from None
+            raise self.gate.missing(self.relmap.relations[oid], exc, self.txn_lsn()) from None
 
     def txn_lsn(self) -> LSN:
         """The finish LSN of the transaction in hand (what `applier skip --lsn` takes)."""

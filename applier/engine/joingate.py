@@ -15,10 +15,12 @@ binding: every later transaction commits after this one). A prepared transaction
 
 *Waiting* is ``TableWait``: the runner ends the session (rolling back the open group, as a crash
 would) and starts again once the row changes (``changed``). A table with neither a target table nor a
-row (``missing``) waits under ``applier run`` (``wait_for_tables``) and is an error naming
-``applier sync --table`` otherwise. A copy ('init'/'copying') that no ``sync --table`` claims any more
+row (``missing``) follows ``apply.new_tables``: "wait" (the default) waits under ``applier run``
+(``wait_for_tables``) and is an error naming ``applier sync --table`` otherwise; "error" is a
+``FinalError`` naming the table, the LSN and both ways out; "sync" starts the table's join
+(``applier.engine.newtables``) and waits for it as for an operator's copy (``run`` and ``catchup``). A copy ('init'/'copying') that no ``sync --table`` claims any more
 (``claim.copy_claim_name``) is dead (``dead``): ``run`` says so once and waits on, ``catchup`` fails
-with it.
+with it; with new_tables "sync" the join is started again instead.
 
 Invariants: the gate reads the target (rows, claims, tables) only when a change of a gated or missing
 table is decided, never per row of a bound one; it changes nothing on the target.
@@ -27,9 +29,10 @@ table is decided, never per row of a bound one; it changes nothing on the target
 from __future__ import annotations
 
 from applier.decoder.messages import Relation
+from applier.engine.newtables import NewTables
 from applier.engine.relation import RelationMap
 from applier.engine.txn import SourceTxn
-from applier.errors import ApplyError, MissingTable, TableWait
+from applier.errors import ApplyError, FinalError, MissingTable, TableWait
 from applier.lsn import LSN
 from applier.targets.base import Binding, Join, source_name
 from applier.targets.claim import copy_claim_name
@@ -40,15 +43,19 @@ from applier.text import shell_command
 class JoinGate:
     """Decides the changes of tables joining the stream; see the module header."""
 
-    __slots__ = ("target", "relmap", "binary", "wait_for_tables")
+    __slots__ = ("target", "relmap", "binary", "wait_for_tables", "new_tables", "joiner")
 
-    def __init__(self, target: Target, relmap: RelationMap, binary: bool, wait_for_tables: bool) -> None:
+    def __init__(self, target: Target, relmap: RelationMap, binary: bool, wait_for_tables: bool,
+                 new_tables: str = "wait", joiner: NewTables | None = None) -> None:
         self.target = target
         self.relmap = relmap
         self.binary = binary
         # a published table with neither a target table nor an applier_sync_tables row: wait (TableWait) for
         # `applier sync --table` (the daemon), or fail naming it
         self.wait_for_tables = wait_for_tables
+        # ``apply.new_tables``; with "sync", ``joiner`` starts the joins (kept by the runner across sessions)
+        self.new_tables = new_tables
+        self.joiner = joiner
 
     def held(self, b: Binding, txn: SourceTxn) -> bool:
         """Whether a change of ``txn`` to the table of a gated binding (``b.join``) is skipped (its rows are in
@@ -77,18 +84,29 @@ class JoinGate:
             why = (f"table {table} is being copied at its snapshot {at} (`applier sync --table`): its changes from "
                    f"there on wait for the copy to finish")
         wait = self._wait(b.rel, b.join, why)
-        if not self.wait_for_tables:  # catchup ends: it waits for a running copy, not for a dead one
+        if self.joiner is not None and self.new_tables == "sync" and wait.dead() is not None:  # killed: again
+            self.joiner.new_table(b.rel.namespace or "pg_catalog", b.rel.name, lsn)
+        elif not self.wait_for_tables:  # catchup ends: it waits for a running copy, not for a dead one
             dead = wait.dead()
             if dead is not None:
                 raise ApplyError(dead)
         raise wait
 
-    def missing(self, rel: Relation, exc: MissingTable) -> MissingTable | TableWait:
-        """What a change to ``rel``, whose target table does not exist (``exc``), raises: a TableWait while a copy
-        may still bring the table (or, ``wait_for_tables``, while one may be started), else ``exc`` naming the
-        command that copies it."""
+    def missing(self, rel: Relation, exc: MissingTable, lsn: LSN) -> ApplyError | TableWait:
+        """What a change to ``rel`` at ``lsn``, whose target table does not exist (``exc``), raises: a TableWait
+        while a copy may still bring the table (or, ``wait_for_tables`` or new_tables "sync", while one may be
+        started: "sync" starts it), else an error naming the command that copies it."""
         join = self.target.table_join(rel)
         hint = f"`{shell_command('applier', 'sync', '--table', source_name(rel))}`"
+        if join is None and self.new_tables == "error":
+            return FinalError(f"source table {source_name(rel)} is published but target table {exc.table} does not "
+                              f"exist (a change at LSN {lsn}; apply.new_tables = \"error\"): copy it with {hint}, or "
+                              f"set apply.new_tables = \"sync\" to have applier copy and join it")
+        if join is None and self.joiner is not None and self.new_tables == "sync":
+            self.joiner.new_table(rel.namespace or "pg_catalog", rel.name, lsn)
+            why = (f"source table {source_name(rel)} is published but target table {exc.table} does not exist: "
+                   f"joining it (apply.new_tables = \"sync\"): its changes wait for the copy's snapshot")
+            return self._wait(rel, join, why, missing=True)
         if join is None and not self.wait_for_tables:
             return MissingTable(f"{exc}; if the table was added to the publication, copy it first: {hint}", exc.table)
         if join is None:

@@ -67,6 +67,7 @@ from applier.config import Config, ConfigError, ConnectError, parse_age
 from applier.decoder.messages import CHECKPOINTS, decided_at
 from applier.engine.apply import ApplyEngine
 from applier.engine.heartbeat import CATCHUP_EVERY, Heartbeat
+from applier.engine.newtables import NewTables
 from applier.engine.spool import SpoolFull
 from applier.errors import ApplyError, Conflicted, ConflictStopped, FinalError, SlotLost, TableWait, Unreachable
 from applier.inspect import current_wal_insert_lsn
@@ -233,6 +234,7 @@ class Runner:
         self.fail_lsn = LSN(0)  # where the last session stopped; careful mode lasts until past it
         self.ended_careful = False  # whether the last session was still in careful mode when it ended
         self.waiting = ""  # why the last session waited for a table (logged once per reason)
+        self.joiner = NewTables(cfg.path)  # the joins of tables that start to be published (apply.new_tables "sync")
         self.pruned_at = 0.0  # when applier_conflicts was last trimmed (``_prune``)
         # how the target's failures look (its driver's errors, which pass by themselves): see ``is_transient``
         self.target_failures = opener.failures(cfg)
@@ -386,6 +388,7 @@ class Runner:
                 target, applied=progress.lsn, skip_lsn=progress.skip_lsn, work_dir=cfg.spool_dir,
                 skip_origins=cfg.apply["skip_origins"], group_delay=cfg.apply["group_commit_delay"],
                 careful=careful, binary=cfg.source["binary"], wait_for_tables=not self.catchup,
+                new_tables=cfg.apply["new_tables"], joiner=self.joiner,
                 schema_changes=cfg.apply["schema_changes"], conflicts=cfg.conflicts, ddl=cfg.ddl,
                 metrics=self.metrics)
             source = open_source(cfg, progress, self.wrap_source)  # first: is this the source of the progress?
@@ -441,6 +444,7 @@ class Runner:
             self.waiting = str(wait)
             log.warning("%s", wait)
         while not self.stop.wait(TABLE_POLL):
+            self.joiner.reap()
             if wait.changed():
                 return
             dead = wait.dead()
@@ -504,6 +508,8 @@ class Runner:
         heartbeat = self.heartbeat
         heartbeat.begin(engine.applied, last_confirm)
         while True:
+            if self.joiner.children:  # a join started by apply.new_tables "sync" may have ended: say so
+                self.joiner.reap()
             if self.stop.is_set():
                 if not engine.in_transaction:
                     engine.flush_group()
