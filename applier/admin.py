@@ -204,13 +204,19 @@ def init(cfg: Config, new_slot: bool = False) -> list[str]:
                 done.append(f"slot {slot!r}: dropped (it {lost.what})")
             info = ws.create_slot(slot, two_phase=cfg.source["two_phase"], snapshot="export")
             # while the walsender is open its snapshot is the slot's start: the tables' shapes as of there
-            kept = _keep_shapes_at(cfg, info.snapshot_name, info.consistent_point)
+            try:
+                kept: int | str = _keep_shapes_at(cfg, info.snapshot_name, info.consistent_point)
+            except psycopg.Error as exc:  # the slot is made: the shapes are then learnt from the stream
+                kept = one_line(exc)
         except SourceError as exc:
             raise ConfigError(f"{cfg.where('source', 'slot')}: {exc}") from None
         finally:
             ws.close()
         done.append(f"slot {slot!r}: created at {info.consistent_point}")
-        if kept:
+        if isinstance(kept, str):
+            done.append(f"DDL capture: the tables' shapes at {info.consistent_point} could not be read ({kept}); "
+                        f"they are learnt from the stream")
+        elif kept:
             done.append(f"DDL capture: {kept} published table shape(s) kept at {info.consistent_point}")
         if lost is not None:
             why = (f"slot {slot!r} {lost.what} with the target at {progress.lsn}; `applier init --new-slot` made it "
