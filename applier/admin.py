@@ -30,7 +30,7 @@ from applier.decoder.messages import (
 from applier.decoder.pgoutput import decode_message
 from applier.errors import SlotLost
 from applier.lsn import LSN
-from applier.progress.store import HEAD_REVISION, VERSION_TABLE, Progress, ProgressSQL, prune_conflicts
+from applier.progress.store import HEAD_REVISION, VERSION_TABLE, Progress, ProgressSQL, prune_conflicts, shape_row
 from applier.rows import one_row
 from applier.source import capture
 from applier.source.base import SourceError, StreamOptions
@@ -253,7 +253,7 @@ def _keep_shapes_at(cfg: Config, snapshot: str | None, at: LSN) -> int:
         have = {int(r[0]) for r in conn.execute(sql.known_shapes, [name]).fetchall()}
         new = [s for s in shapes if s.oid not in have]
         for s in new:
-            conn.execute(sql.keep_shape, [name, s.oid, s.schema, s.name, s.to_json(), str(at), utc_now()])
+            conn.execute(sql.keep_shape, shape_row(name, s, at))
     return len(new)
 
 

@@ -59,7 +59,7 @@ def shown(statement: str | None) -> str:
 class DdlFollower:
     """Captured DDL and Relation-message renames applied to one target; see the module header."""
 
-    __slots__ = ("target", "relmap", "policies", "tally", "new_table", "_known", "pending")
+    __slots__ = ("target", "relmap", "policies", "tally", "new_table", "_known", "pending", "undecided")
 
     def __init__(self, target: Target, relmap: RelationMap, policies: Mapping[str, str], tally: Tally) -> None:
         self.target = target
@@ -71,6 +71,7 @@ class DdlFollower:
         self.new_table: NewTable | None = None
         self._known: dict[int, TableShape] | None = None  # committed on the target (read once, at first use)
         self.pending: dict[int, TableShape | None] = {}  # written in the open group (None: forgotten)
+        self.undecided: set[int] = set()  # xids prepared on the target with shapes written in their group
 
     # -- the shapes --------------------------------------------------------------------------------------------------
 
@@ -110,12 +111,20 @@ class DdlFollower:
         """The group rolled back: nothing it wrote of the shapes is kept."""
         self.pending.clear()
 
-    def reread(self) -> None:
-        """Forget the shapes in memory, read from the target again at next use: a transaction was prepared on the
-        target (PREPARE TRANSACTION: what it kept of the shapes is neither committed nor gone) or finished there
-        (COMMIT or ROLLBACK PREPARED decides)."""
-        self._known = None
-        self.pending.clear()
+    def prepared(self, xid: int) -> None:
+        """The group was prepared on the target (PREPARE TRANSACTION): the shapes it wrote are neither committed
+        nor gone until ``finished(xid)``, so memory forgets them and reads the target again at next use."""
+        if self.pending:
+            self.undecided.add(xid)
+            self._known = None
+            self.pending.clear()
+
+    def finished(self, xid: int) -> None:
+        """COMMIT or ROLLBACK PREPARED of ``xid`` on the target: the shapes it wrote, if any, are decided; read
+        again at next use."""
+        if xid in self.undecided:
+            self.undecided.discard(xid)
+            self._known = None
 
     # -- capture messages ----------------------------------------------------------------------------------------------
 

@@ -183,7 +183,7 @@ class TwoPhase:
                 e.target.prepare(txn.xid)
             e.group_open = False
             if e.ddl is not None:  # the shapes it kept are neither committed nor gone until it is finished
-                e.ddl.reread()
+                e.ddl.prepared(txn.xid)
         e.stats.transactions += 1
         if not e.group_open:  # PREPARE TRANSACTION committed it (kept in applier_prepared: with its group)
             e.stats.keep()
@@ -211,7 +211,7 @@ class TwoPhase:
             if blob is None:
                 e.target.finish_prepared(xid, commit)
                 if e.ddl is not None:  # the shapes it kept, if any, are committed or gone now
-                    e.ddl.reread()
+                    e.ddl.finished(xid)
             else:
                 e.ensure_group()
                 if commit:

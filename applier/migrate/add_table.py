@@ -80,6 +80,7 @@ from applier.migrate.sync import (
     shapes_in_snapshot,
 )
 from applier.progress.migrate import migrate
+from applier.progress.store import shape_row
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
 from applier.targets.claim import Held, copy_claim_name
@@ -342,8 +343,7 @@ def _ready(target: TargetDb, name: str, run: str, table: SourceTable, at: LSN, s
     """Step 4 for one table: 'ready', its partitions forgotten, its shape at the snapshot kept (DDL capture installed);
     durable (the copy's commits are flushed with it)."""
     ph = target.ph
-    keep = [] if shape is None else [(target.backend.sql.keep_shape, [name, shape.oid, shape.schema, shape.name,
-                                                                      shape.to_json(), str(at), _now()])]
+    keep = [] if shape is None else [(target.backend.sql.keep_shape, shape_row(name, shape, at))]
     ready = target.transaction([
         *keep,
         (f"UPDATE applier_sync_tables SET state = 'ready', finished_at = {ph} WHERE name = {ph} AND run = {ph} "

@@ -87,6 +87,7 @@ from applier.migrate.schema import (
 from applier.migrate.spark.progress import Reporter
 from applier.migrate.spark.session import spark_for
 from applier.progress.migrate import migrate
+from applier.progress.store import shape_row
 from applier.rows import one_row
 from applier.source import capture
 from applier.source.base import SourceError
@@ -319,7 +320,7 @@ class TargetDb:
         ph = self.ph
         self.transaction([
             (f"DELETE FROM applier_ddl_tables WHERE name = {ph}", [name]),
-            *[(sql.keep_shape, [name, s.oid, s.schema, s.name, s.to_json(), str(lsn), _now()]) for s in shapes],
+            *[(sql.keep_shape, shape_row(name, s, lsn)) for s in shapes],
             (sql.upsert, [name, str(lsn), None, source_system, slot]),
             (sql.clear_skip, [name]),
             (f"UPDATE applier_sync SET state = 'done', finished_at = {ph} WHERE name = {ph}", [_now(), name]),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any, NamedTuple
 
+from applier.ddl.shape import TableShape
 from applier.lsn import LSN
 
 # The newest alembic revision of the control tables (tests check it against migrations/).
@@ -141,3 +142,9 @@ def prune_conflicts(conn: Any, sql: ProgressSQL, name: str, age: int) -> int:
     before = (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=age)).strftime("%Y-%m-%dT%H:%M:%SZ")
     cur = conn.execute(sql.prune_conflicts, [name, before])
     return int(cur.rowcount)
+
+
+def shape_row(name: str, shape: TableShape, lsn: LSN | str) -> list[Any]:
+    """The parameters of ``ProgressSQL.keep_shape``: the shape of a followed source table, kept at ``lsn``."""
+    return [name, shape.oid, shape.schema, shape.name, shape.to_json(), str(lsn),
+            dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")]

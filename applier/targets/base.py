@@ -50,7 +50,7 @@ from applier.ddl.shape import TableShape
 from applier.decoder.messages import NULL, UNCHANGED_TOAST, Relation, TupleData
 from applier.errors import ApplyError, Conflicted, FinalError, ProgressMoved
 from applier.lsn import LSN
-from applier.progress.store import Progress, ProgressSQL, prune_conflicts
+from applier.progress.store import Progress, ProgressSQL, prune_conflicts, shape_row
 from applier.text import one_line, quote_ident
 
 log = logging.getLogger("applier.targets")
@@ -706,8 +706,7 @@ class TargetBase:
 
     def keep_shape(self, shape: TableShape, lsn: LSN) -> None:
         """Record the shape of a followed source table, in the open transaction."""
-        self.cur.execute(self.sql.keep_shape, [self.name, shape.oid, shape.schema, shape.name, shape.to_json(),
-                                               str(lsn), utc_now()])
+        self.cur.execute(self.sql.keep_shape, shape_row(self.name, shape, lsn))
 
     def forget_shape(self, oid: int) -> None:
         """Forget the shape of a source table (dropped on the source), in the open transaction."""
