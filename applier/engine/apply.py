@@ -19,8 +19,9 @@ Invariants:
 
 The engine asks, as worker.c asks tablesync.c:
 - ``applier.engine.joingate``: whether a change to a table joining the stream (``applier sync --table``)
-  is applied, skipped or waits (``JoinGate.held``, asked only for a gated binding, off the per-row path),
-  and what a change to a table with no target table raises (``JoinGate.missing``);
+  is applied, skipped or held (``JoinGate.place``, asked only for a gated binding, off the per-row path),
+  and what a change to a table with no target table raises (``JoinGate.missing``); the held changes
+  (``applier.engine.holding``) are applied by ``drain`` once the table's copy is ready (``poll_held``);
 - ``applier.engine.twophase``: the messages of prepared transactions, in either mode;
 - ``applier.engine.ddl`` (``apply.schema_changes = "follow"``): the ``applier.ddl`` messages of DDL capture and
   what a Relation message says of a table renamed or of columns gone and come (``DdlFollower``), told when the
@@ -34,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +67,8 @@ from applier.decoder.pgoutput import decode_message
 from applier.engine.batch import Batch
 from applier.engine.conflicts import DEFAULT_POLICIES, Change, Resolver
 from applier.engine.ddl import DdlFollower
-from applier.engine.joingate import JoinGate
+from applier.engine.holding import transaction_of, truncate_of
+from applier.engine.joingate import JoinGate, Place
 from applier.engine.newtables import NewTables
 from applier.engine.relation import RawMessage, RelationMap
 from applier.engine.spool import SpoolSet, records
@@ -121,10 +124,16 @@ class ApplyEngine:
                 self.ddl.new_table = lambda shape, lsn: joiner.new_table(shape.schema, shape.name, lsn)
         # tables joining the stream; ``new_tables``/``joiner``: tables that start to be published (apply.new_tables)
         self.gate = JoinGate(target, self.relmap, binary, wait_for_tables, new_tables, joiner)
+        self.holding = self.gate.holding
+        self.holding.load()
         self.twophase = TwoPhase(self)
         # the message in hand as a spool record: set by ``handle`` for a Relation/Type message and by
         # ``replay`` for every one; the relation map keeps it for prepared transactions kept in a table
         self.raw_message: RawMessage = (False, b"")
+        # the message in hand, as received (``handle``) or replayed (``replay``: ``raw_in_stream`` says whether it
+        # carries a streamed xid): a change of a table being copied is held as these bytes
+        self.raw = b""
+        self.raw_in_stream = False
         self.spools = SpoolSet(work_dir)
         self.stream_xid: int | None = None
         self.txn: SourceTxn | None = None
@@ -173,6 +182,7 @@ class ApplyEngine:
                 return
         if kind is Relation or kind is Type:
             self.raw_message = (False, raw)
+        self.raw = raw
         handler = self._handlers.get(kind)
         if handler is None:
             raise self.unhandled(msg)
@@ -269,6 +279,8 @@ class ApplyEngine:
             return
         if self.careful:
             self.flush_batch()
+        if self.holding.open_txn is not None:  # held changes (a table being copied) go with their transaction
+            self.holding.end_txn(self.ensure_group)
         self.ensure_group()
         self.group_end = end_lsn
         self.group_time = commit_time
@@ -296,6 +308,8 @@ class ApplyEngine:
         if not self.group_open:
             return
         self.flush_batch()
+        if self.holding.open_txn is not None:  # a prepared transaction's replay at COMMIT PREPARED held some
+            self.holding.end_txn(self.ensure_group)
         with rolled_back_on_error(self.abort_group, lambda exc: ApplyError(
                 f"commit of the transaction ending at {self.group_end} failed on the target: {one_line(exc)}")):
             self.target.write_progress(self.group_end, self.group_time, self.group_clears_skip)
@@ -314,6 +328,7 @@ class ApplyEngine:
     def abort_group(self) -> None:
         """Roll back the open target transaction and forget the batch."""
         self.batches = {}
+        self.holding.rolled_back()
         self.tally.rolled_back(self.stats.transactions)  # nothing of it was applied
         if self.ddl is not None:
             self.ddl.rolled_back()
@@ -338,9 +353,9 @@ class ApplyEngine:
         """Cache the type (user-defined types: enums, composites, domains)."""
         self.relmap.add_type(m, self.raw_message)
 
-    def binding(self, oid: int) -> Binding:
+    def binding(self, oid: int) -> Binding | None:
         """The binding of a relation OID (reflecting the target table on first use; a missing one: see the
-        module header, ``JoinGate.missing``). Following schema changes, the group is opened first: a column added or widened goes in the
+        module header, ``JoinGate.missing``; None: its changes are held, its table joining). Following schema changes, the group is opened first: a column added or widened goes in the
         target transaction of the change that needs it; not in one to be prepared on the target, where it would
         keep the table locked until COMMIT PREPARED."""
         no_ddl = None
@@ -353,7 +368,11 @@ class ApplyEngine:
         try:
             return self.relmap.binding(oid, self.txn_lsn(), no_ddl)
         except MissingTable as exc:
-            raise self.gate.missing(self.relmap.relations[oid], exc, self.txn_lsn()) from None
+            txn = self.txn
+            held = self.gate.missing(self.relmap.relations[oid], exc, self.txn_lsn(), txn is not None and txn.prepared)
+            if held is None:
+                return None
+            raise held from None
 
     def txn_lsn(self) -> LSN:
         """The finish LSN of the transaction in hand (what `applier skip --lsn` takes)."""
@@ -371,6 +390,9 @@ class ApplyEngine:
         if b is None:  # not bound yet, or gated (a table joining the stream): decided here, off the per-row path
             # work in flight first (earlier changes, maybe of earlier transactions): its failure names that work
             self.target.settle()
+            if oid in self.holding.tables and not txn.prepared:  # held until its copy is ready: this one too
+                self.holding.hold(oid, txn, self.raw_in_stream, self.raw, self.ensure_group)
+                return
             try:
                 b = self.binding(oid)
             except ApplyError as exc:  # no target table or column: name the change as _error does
@@ -382,7 +404,9 @@ class ApplyEngine:
                 raise (FinalError if isinstance(exc, FinalError) else ApplyError)(
                     f"{op} on table {source_name(rel)} (key {key}) in transaction {txn.xid} finished at "
                     f"{txn.final_lsn}: {exc}") from exc
-            if b.join is not None and self.gate.held(b, txn):
+            if b is None or b.join is not None and (place := self.gate.place(b, txn)) is not Place.APPLY:
+                if b is None or place is Place.HOLD:
+                    self.holding.hold(oid, txn, self.raw_in_stream, self.raw, self.ensure_group)
                 return
         self.stats.rows += 1
         self.group_rows_n += 1
@@ -417,7 +441,15 @@ class ApplyEngine:
             return
         self.flush_batch()
         self.ensure_group()
-        bs = [b for b in map(self.binding, m.relation_oids) if b.join is None or not self.gate.held(b, txn)]
+        bs = []
+        for oid in m.relation_oids:
+            b = None if oid in self.holding.tables and not txn.prepared else self.binding(oid)
+            place = Place.HOLD if b is None else Place.APPLY if b.join is None else self.gate.place(b, txn)
+            if place is Place.HOLD:  # a table being copied: its part of the TRUNCATE is held
+                self.holding.hold(oid, txn, False, truncate_of(oid, m.cascade, m.restart_identity), self.ensure_group)
+            elif place is Place.APPLY:
+                assert b is not None
+                bs.append(b)
         if not bs:
             return
         with rolled_back_on_error(self.abort_group, lambda exc: ApplyError(
@@ -535,19 +567,62 @@ class ApplyEngine:
     def replay(self, recs: Iterable[tuple[bool, bytes]]) -> None:
         """Apply spooled (in_stream, message) records to the transaction in hand."""
         handlers = self._handlers
-        for in_stream, raw in recs:
-            msg = decode_message(raw, in_stream)
-            self.raw_message = (in_stream, raw)
-            handler = handlers.get(type(msg))
-            if handler is None:
-                raise self.unhandled(msg)
-            handler(msg)
+        try:
+            for in_stream, raw in recs:
+                msg = decode_message(raw, in_stream)
+                self.raw_message = (in_stream, raw)
+                self.raw, self.raw_in_stream = raw, in_stream
+                handler = handlers.get(type(msg))
+                if handler is None:
+                    raise self.unhandled(msg)
+                handler(msg)
+        finally:
+            self.raw_in_stream = False
 
     def replay_isolated(self, blob: bytes) -> None:
         """Replay a kept prepared transaction with its own relation cache (it carries its definitions)."""
         with self.relmap.isolated():
             self.replay(records(blob))
             self.flush_batch()
+
+    # -- held changes (``applier.engine.holding``) ---------------------------------------------
+
+    def poll_held(self) -> None:
+        """Between transactions: apply the held changes of each table whose copy is now ready (``JoinGate.poll``)."""
+        for oid in self.gate.poll():
+            self.drain(oid)
+
+    def drain(self, oid: int) -> None:
+        """Apply the held changes of table ``oid`` (its copy is ready) in the order they were held, each with its
+        source transaction's commit LSN (the join gate skips those in the copy), and delete them, in the open
+        group (opened if none is)."""
+        assert self.txn is None and self.stream_xid is None
+        t = self.holding.drained(oid)
+        self.flush_batch()
+        self.ensure_group()
+        first = last = None
+        rows_before = self.stats.rows
+        for lsn, xid, commit_time, changes in self.target.held_changes(oid):
+            txn = self.txn = transaction_of(lsn, xid, commit_time)
+            try:
+                with rolled_back_on_error(self.abort_group, partial(_held_failed, t.qualified, txn)):
+                    self.replay_isolated(changes)
+            finally:
+                self.txn = None
+            first, last = first or lsn, lsn
+        self.relmap.unbind(oid)  # bound again at its next change: 'ready', the stream's
+        with rolled_back_on_error(self.abort_group, lambda exc: ApplyError(
+                f"deleting the held changes of table {t.qualified} failed: {one_line(exc)}")):
+            self.target.forget_held(oid)
+        if first is not None:
+            log.info("table %s: its copy is ready; the changes held meanwhile are applied (%d rows of source "
+                     "transactions %s to %s; those committed before the copy's snapshot skipped, in the copy)",
+                     t.qualified, self.stats.rows - rows_before, first, last)
+
+
+def _held_failed(table: str, txn: SourceTxn, exc: BaseException) -> ApplyError:
+    return ApplyError(f"applying the changes of table {table} held while it was copied (transaction {txn.xid} "
+                      f"finished at {txn.final_lsn}) failed: {one_line(exc)}")
 
 
 _SPOOLED_IN_PREPARE = frozenset({Insert, Update, Delete, Truncate, Relation, Type, Message})

@@ -15,10 +15,12 @@ a SIGKILL of ``applier run`` leaves either a child that finishes by itself or a 
 nobody claims, which the gate finds dead at the next start and this module copies again.
 
 Without DDL capture applier cannot tell a new table from one added with rows, so every join copies (an
-empty copy is cheap). While the copy runs, the stream waits at the copy's snapshot as it does for
-``applier sync --table`` (``applier.engine.joingate``).
+empty copy is cheap). While the copy runs, the table's changes are held and the stream goes on for the other
+tables, as for ``applier sync --table`` (``applier.engine.joingate``, ``applier.engine.holding``). A copy that
+failed is started again ``RETRY_AFTER`` seconds after, not sooner (its error is in the log each time).
 
-State: the children started, by source table, on the object (kept across the runner's sessions).
+State: the children started and the copies that failed, by source table, on the object (kept across the runner's
+sessions).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import logging
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from applier.lsn import LSN
@@ -34,15 +37,18 @@ from applier.text import shell_command
 
 log = logging.getLogger(__name__)
 
+RETRY_AFTER = 30.0  # seconds between a failed copy and the next
+
 
 class NewTables:
     """Starts and watches the copies of tables that start to be published; see the module header."""
 
-    __slots__ = ("config_path", "children")
+    __slots__ = ("config_path", "children", "failed_at")
 
     def __init__(self, config_path: Path | None) -> None:
         self.config_path = config_path  # the running command's config file, handed to the child (None: env only)
         self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.failed_at: dict[str, float] = {}  # when the last copy of a table failed (monotonic)
 
     def command(self, table: str) -> list[str]:
         """The child's command line: this interpreter's ``applier`` script, ``sync --table``, the config file."""
@@ -50,17 +56,23 @@ class NewTables:
         script = str(beside) if beside.exists() else (shutil.which("applier") or "applier")
         return [script, "sync", "--table", table, *(["-c", str(self.config_path)] if self.config_path else [])]
 
-    def new_table(self, schema: str, name: str, lsn: LSN) -> None:
-        """Source table ``schema.name`` starts to be published (seen at ``lsn``): start its copy and join, unless
-        one this process started still runs."""
+    def new_table(self, schema: str, name: str, lsn: LSN | None = None) -> None:
+        """Source table ``schema.name`` starts to be published (seen at ``lsn``; None: its copy was found dead):
+        start its copy and join, unless one this process started still runs or the last one failed less than
+        ``RETRY_AFTER`` seconds ago."""
         self.reap()
         table = f"{schema}.{name}"
-        if table in self.children:
+        if table in self.children or time.monotonic() - self.failed_at.get(table, -RETRY_AFTER) < RETRY_AFTER:
             return
         cmd = self.command(table)
-        log.info("source table %s starts to be published (at LSN %s): joining it to the stream with `%s`", table,
-                 lsn, shell_command(*cmd))
+        seen = f"starts to be published (at LSN {lsn})" if lsn is not None else "is not copied yet (its copy ended)"
+        log.info("source table %s %s: joining it to the stream with `%s`", table, seen, shell_command(*cmd))
         self.children[table] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+    def running(self, table: str) -> bool:
+        """Whether a copy of ``table`` (schema.name) started by this process still runs."""
+        self.reap()
+        return table in self.children
 
     def reap(self) -> None:
         """Say which copies ended (INFO when joined, a warning naming the exit code otherwise) and forget them."""
@@ -72,5 +84,6 @@ class NewTables:
             if code == 0:
                 log.info("source table %s joined the stream (its copy is done)", table)
             else:
+                self.failed_at[table] = time.monotonic()
                 log.warning("the copy of source table %s failed (`applier sync --table` exited %d, its error above); "
-                            "it is started again at the table's next change", table, code)
+                            "it is started again in %.0f s", table, code, RETRY_AFTER)

@@ -91,7 +91,7 @@ class RelationMap:
             if self.follow:
                 self.target.follow(rel, self.types, lsn, no_ddl)
             b = self.target.bind(rel, self.types, lsn, self.binary)
-            b.join = self.target.table_join(rel)  # after bind: a row is made before its table (add_table)
+            b.join = self.target.table_join(rel.namespace or "pg_catalog", rel.name)  # after bind: a row is made before its table (add_table)
             (self.bindings if b.join is None else self.gated)[oid] = b
         return b
 

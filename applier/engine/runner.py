@@ -32,8 +32,12 @@ retry can neither lose nor repeat a transaction.
   the daemon retries with backoff or stops (``apply.on_error``), and
   ``catchup`` stops.
 - Only ``target.durable_lsn()`` is ever confirmed to the source.
-- A change to a table joining the stream that cannot be placed yet (``TableWait``, see
-  ``applier.engine.apply``) is no failure: the session ends as any does (rolled back, the last
+- Changes held for tables being copied (``applier.engine.holding``): between transactions, about once a
+  ``TABLE_POLL`` seconds, ``ApplyEngine.poll_held`` applies those of each table whose copy is ready; a
+  catch-up at its goal waits for them (``_wait_for_held``) before it ends.
+- A change to a table joining the stream that cannot be placed yet (``TableWait``: a prepared transaction
+  applied at PREPARE, or a table with neither a target table nor a row, see ``applier.engine.joingate``)
+  is no failure: the session ends as any does (rolled back, the last
   confirm, the source closed), the target stays open (its claim held, no transaction open: a SQLite
   file stays writable for ``applier sync --table``) while the wait polls about once a
   ``TABLE_POLL`` seconds, and a new session starts at once when it is over (no backoff). Each
@@ -98,7 +102,7 @@ CONFIRM_EVERY = 1.0
 DRAINED_GROUP_AGE = 0.002
 STOP_GRACE = 5.0  # seconds a stop waits for the source transaction in hand to end before rolling it back
 PRUNE_EVERY = 3600.0  # seconds between trims of applier_conflicts (``conflicts.prune_after``) in a long session
-TABLE_POLL = 1.0  # seconds between looks at applier_sync_tables while a change waits for a table's copy
+TABLE_POLL = 1.0  # seconds between looks at applier_sync_tables while a change waits or is held for a table's copy
 
 
 @dataclass
@@ -507,9 +511,15 @@ class Runner:
         group_delay = self.cfg.apply["group_commit_delay"]
         heartbeat = self.heartbeat
         heartbeat.begin(engine.applied, last_confirm)
+        holding = engine.holding.tables  # tables whose changes are held while they are copied (never replaced)
+        next_poll = 0.0
+        goal_done = False
         while True:
             if self.joiner.children:  # a join started by apply.new_tables "sync" may have ended: say so
                 self.joiner.reap()
+            if holding and not engine.in_transaction and time.monotonic() >= next_poll:
+                engine.poll_held()  # a copy ready: its held changes are applied
+                next_poll = time.monotonic() + TABLE_POLL
             if self.stop.is_set():
                 if not engine.in_transaction:
                     engine.flush_group()
@@ -525,6 +535,7 @@ class Runner:
                     continue
                 if goal is not None and not engine.in_transaction:
                     if goal_reached(reached, goal):
+                        goal_done = True
                         break
                     source.send_status(True)  # a keepalive with the server's position, now
                 if source.exhausted:
@@ -563,7 +574,7 @@ class Runner:
                     careful = False
                     engine.set_careful(False, group_delay)
                 if goal is not None and not engine.in_transaction and goal_reached(reached, goal):
-                    done = True
+                    done = goal_done = True
                     break
             if done:
                 break
@@ -582,6 +593,21 @@ class Runner:
             engine.abort_group()
         else:
             engine.flush_group()
+            if goal_done and holding:
+                self._wait_for_held(engine, source, target)
+
+    def _wait_for_held(self, engine: ApplyEngine, source: ChunkReader, target: Target) -> None:
+        """A catch-up at its goal with changes held for tables being copied: it ends once their copies are ready
+        and the held changes applied (a dead copy is an error, ``JoinGate.poll``), or when stopped."""
+        log.info("catch-up reached its goal; waiting for the copy of %s to apply the changes held for it",
+                 ", ".join(t.qualified for t in engine.holding.tables.values()))
+        while engine.holding.tables and not self.stop.is_set():
+            engine.poll_held()
+            engine.flush_group()
+            source.confirm(target.durable_lsn())
+            source.send_status()  # the walsender hears from us while the copy runs (wal_sender_timeout)
+            if engine.holding.tables:
+                self.stop.wait(TABLE_POLL)
 
 
 def reachable(cfg: Config) -> bool:

@@ -10,11 +10,11 @@ from applier.ddl.shape import TableShape
 from applier.lsn import LSN
 
 # The newest alembic revision of the control tables (tests check it against migrations/).
-HEAD_REVISION = "0006"
+HEAD_REVISION = "0007"
 VERSION_TABLE = "applier_alembic_version"
 # Every control table at HEAD_REVISION, alembic's last (``applier drop --control-tables`` drops them in this order);
 # each but the last has the ``name`` column of apply.name.
-CONTROL_TABLES = ("applier_ddl_log", "applier_ddl_tables", "applier_conflicts", "applier_sync_tables",
+CONTROL_TABLES = ("applier_held", "applier_ddl_log", "applier_ddl_tables", "applier_conflicts", "applier_sync_tables",
                   "applier_sync_parts", "applier_sync", "applier_prepared", "applier_progress", VERSION_TABLE)
 
 
@@ -71,6 +71,13 @@ class ProgressSQL(NamedTuple):
     forget_shape: str
     record_ddl: str
     last_ddl: str
+    # applier_held (``applier.engine.holding``): (name, oid, schema, table, commit_lsn, xid, commit_time, changes)
+    # added; (name) -> (oid, schema, table) of each table with held rows; (name, oid) -> (commit_lsn, xid,
+    # commit_time, changes) in the order written; (name, oid) deleted
+    hold: str
+    held_tables: str
+    held_changes: str
+    forget_held: str
 
 
 def _upsert(ph: str, also: str = "", where: str = "") -> str:
@@ -131,6 +138,13 @@ def progress_sql(ph: str, has_sync_tables: str) -> ProgressSQL:
                     f"applied_at) VALUES ({', '.join([ph] * 8)})"),
         last_ddl=(f"SELECT lsn, table_name, ddl_class, result, change, statement, applied_at FROM applier_ddl_log "
                   f"WHERE name = {ph} ORDER BY id DESC LIMIT 1"),
+        hold=(f"INSERT INTO applier_held (name, source_oid, schema_name, table_name, commit_lsn, xid, commit_time, "
+              f"changes) VALUES ({', '.join([ph] * 8)})"),
+        held_tables=(f"SELECT source_oid, min(schema_name), min(table_name), count(DISTINCT commit_lsn) FROM applier_held "
+                     f"WHERE name = {ph} GROUP BY source_oid ORDER BY source_oid"),
+        held_changes=(f"SELECT commit_lsn, xid, commit_time, changes FROM applier_held WHERE name = {ph} "
+                      f"AND source_oid = {ph} ORDER BY id"),
+        forget_held=f"DELETE FROM applier_held WHERE name = {ph} AND source_oid = {ph}",
     )
 
 

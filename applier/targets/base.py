@@ -717,18 +717,40 @@ class TargetBase:
         self.cur.execute(self.sql.record_ddl, [self.name, str(lsn), change.table.qualified, str(change.klass), result,
                                                change.describe(), statement, utc_now()])
 
-    def table_join(self, rel: Relation) -> Join | None:
-        """The applier_sync_tables row of source table ``rel`` (``applier sync --table``), or None: no row (or a
-        target whose control tables predate it). Read once per binding, never per change."""
+    def table_join(self, schema: str, table: str) -> Join | None:
+        """The applier_sync_tables row of source table ``schema.table`` (``applier sync --table``), or None: no row
+        (or a target whose control tables predate it). Read once per binding, never per change."""
         cur = self.conn.cursor()
         if self._has_sync_tables is None:
             cur.execute(self.sql.has_sync_tables)
             self._has_sync_tables = bool(cur.fetchone()[0])
         if not self._has_sync_tables:
             return None
-        cur.execute(self.sql.table_join, [self.name, rel.namespace or "pg_catalog", rel.name])
+        cur.execute(self.sql.table_join, [self.name, schema, table])
         row = cur.fetchone()
         return None if row is None else (str(row[0]), LSN.parse(row[1]) if row[1] else None)
+
+    def hold(self, oid: int, schema: str, table: str, commit_lsn: LSN, xid: int, commit_time: int | None,
+             changes: bytes) -> None:
+        """Add an applier_held row, in the open transaction."""
+        self.cur.execute(self.sql.hold, [self.name, oid, schema, table, str(commit_lsn), xid, commit_time, changes])
+
+    def held_tables(self) -> list[tuple[int, str, str, int]]:
+        """(source OID, schema, table, source transactions) of each table with applier_held rows."""
+        cur = self.conn.cursor()
+        cur.execute(self.sql.held_tables, [self.name])
+        return [(int(oid), str(schema), str(table), int(n)) for oid, schema, table, n in cur.fetchall()]
+
+    def held_changes(self, oid: int) -> Iterator[tuple[LSN, int, int | None, bytes]]:
+        """The applier_held rows of source table ``oid``, in the order they were added (read one at a time)."""
+        cur = self.conn.cursor()
+        cur.execute(self.sql.held_changes, [self.name, oid])
+        while (row := cur.fetchone()) is not None:
+            yield LSN.parse(row[0]), int(row[1]), row[2], bytes(row[3])
+
+    def forget_held(self, oid: int) -> None:
+        """Delete the applier_held rows of source table ``oid``, in the open transaction."""
+        self.cur.execute(self.sql.forget_held, [self.name, oid])
 
     # The compare-and-set of the progress row (``ProgressSQL.advance``): the position as this session read it or
     # last committed it, and the one written in the open transaction (it becomes the first when that commits).

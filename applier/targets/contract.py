@@ -28,7 +28,7 @@ Invariants every target keeps, whatever the role:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from applier.ddl.changes import Change
@@ -102,8 +102,12 @@ class ControlStore(Protocol):
       the row is still where this session read or last committed it (compare-and-set): else ``ProgressMoved``
       (another process applied meanwhile; the caller rolls back). ``clear_skip`` clears a pending skip with it.
     - ``record_error`` keeps one line as the last error, in a transaction of its own (none may be open).
-    - ``table_join`` reads the applier_sync_tables row of a source table joining the stream (``applier sync
-      --table``), or None; read once per binding, never per change.
+    - ``table_join(schema, table)`` reads the applier_sync_tables row of a source table joining the stream
+      (``applier sync --table``), or None; read once per binding (and by the holding's poll), never per change.
+    - ``hold`` adds an applier_held row (changes of a table whose copy runs, ``applier.engine.holding``) in the
+      open transaction; ``held_tables`` lists (source OID, schema, table, transactions) of the tables with held
+      rows; ``held_changes(oid)`` yields a table's rows (commit LSN, xid, commit time, changes) in the order they
+      were added; ``forget_held(oid)`` deletes them, in the open transaction.
     - ``prune_conflicts(age)`` deletes this applier's applier_conflicts rows recorded more than ``age`` seconds
       ago, in a transaction of its own (none may be open); how many.
     """
@@ -113,8 +117,13 @@ class ControlStore(Protocol):
     def read_progress(self) -> Progress: ...
     def write_progress(self, lsn: LSN, commit_time: int | None, clear_skip: bool = False) -> None: ...
     def record_error(self, message: str) -> None: ...
-    def table_join(self, rel: Relation) -> Join | None: ...
+    def table_join(self, schema: str, table: str) -> Join | None: ...
     def prune_conflicts(self, age: int) -> int: ...
+    def hold(self, oid: int, schema: str, table: str, commit_lsn: LSN, xid: int, commit_time: int | None,
+             changes: bytes) -> None: ...
+    def held_tables(self) -> list[tuple[int, str, str, int]]: ...
+    def held_changes(self, oid: int) -> Iterator[tuple[LSN, int, int | None, bytes]]: ...
+    def forget_held(self, oid: int) -> None: ...
 
 
 class TwoPhase(Protocol):

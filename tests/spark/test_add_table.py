@@ -12,7 +12,7 @@ Refusals are one line each: no completed sync, a two-phase config, a table
 that is not published or does not exist.
 
 How each test fails without the engine's gate (checked by disabling
-``JoinGate.held``): (a)-(c) the stream's changes before the snapshot are
+``JoinGate.place``): (a)-(c) the stream's changes before the snapshot are
 applied on top of the copy (duplicate key: catchup fails, the daemon stops),
 and the daemon does not wait for the table (missing table errors).
 """
@@ -157,9 +157,9 @@ def equal_then_stop(src: ScratchDb, target_url: str, daemon: subprocess.Popen[by
     return text
 
 
-def sync_state(target_url: str) -> str | None:
+def sync_state(target_url: str, table: str = "n") -> str | None:
     try:
-        rows = target_exec(target_url, "SELECT state FROM applier_sync_tables WHERE table_name = 'n'")
+        rows = target_exec(target_url, f"SELECT state FROM applier_sync_tables WHERE table_name = '{table}'")
     except Exception:  # noqa: BLE001 - SQLite may be busy
         return None
     return rows[0][0] if rows else None
@@ -428,5 +428,5 @@ def test_prepared_transaction_committed_during_the_copy(src: ScratchDb, tmp_path
             src.cluster.execute(f"ROLLBACK PREPARED '{gid}'", src.dbname)
     text = log.read_text()
     assert code == 0, text
-    assert "table public.n is being copied at its snapshot" in text, text  # the replay waited
+    assert "table public.n is being copied at its snapshot" in text, text  # the replay held its change
     assert "apply failed" not in text and "ERROR" not in text, text

@@ -13,15 +13,21 @@ source) and ``catchup`` ends 0 with the old line instead of the "error" line.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
+from applier.sandbox.clusters import find_install
 from tests.plugins.cli import write_toml
-from tests.plugins.clusters import ScratchDb
+from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
+from tests.spark.conftest import target_exec
 from tests.spark.test_add_table import SOURCE, Writer, cli, equal_then_stop, start_daemon, sync_state, wait_for
 
 pytest.importorskip("pyspark")
@@ -126,4 +132,100 @@ def test_sync_join_survives_a_sigkill_of_the_daemon(src: ScratchDb, dst: Scratch
     finally:
         writer.stop()
     text = equal_then_stop(src, dst.url, daemon, log)
+    assert "apply failed" not in text and "ERROR" not in text, text
+
+
+BIG_ROWS = 100_000
+
+
+class TickWriter(threading.Thread):
+    """Source transactions until stopped, each a tick (its commit time, as the source's clock says) and, once
+    ``big`` is published, a new row and an update of it: the other table's lag and the joining table's changes."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(daemon=True, name="ticks")
+        self.dsn = dsn
+        self.halt = threading.Event()
+        self.next_id = BIG_ROWS + 1
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                while not self.halt.is_set():
+                    with conn.transaction():
+                        conn.execute("INSERT INTO tick (at) VALUES (extract(epoch FROM clock_timestamp()))")
+                        conn.execute("INSERT INTO big VALUES (%s, 'new')", [self.next_id])
+                        conn.execute("UPDATE big SET note = note || '+' WHERE id = %s", [self.next_id // 2])
+                    self.next_id += 1
+                    time.sleep(0.02)
+        except BaseException as exc:  # noqa: BLE001 - reported by stop()
+            self.error = exc
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(30)
+        if self.error is not None:
+            raise AssertionError(f"the writer failed: {self.error!r}") from self.error
+
+
+def tick_lag(src: ScratchDb, target_url: str) -> float:
+    """How far the target's newest tick is behind the source's clock now (seconds)."""
+    (now,) = src.cluster.execute("SELECT extract(epoch FROM clock_timestamp())::float8", src.dbname)[0]
+    try:
+        (newest,) = target_exec(target_url, "SELECT max(at) FROM tick")[0]
+    except Exception:  # noqa: BLE001 - SQLite may be busy: counted as no progress
+        return float("inf")
+    return float(now) - float(newest or 0)
+
+
+@pytest.mark.parametrize(("version", "target_kind"), [(15, "sqlite"), (18, "postgresql")],
+                         ids=["pg15-sqlite", "pg18-postgresql"])
+def test_other_tables_keep_flowing_while_a_100k_row_table_joins(
+        version: int, target_kind: str, pg_clusters: ClusterPool, newest_target: Any, tmp_path: Path) -> None:
+    """A table of 100,000 rows added to the publication while a writer commits to it and to another table: the
+    other table's lag stays under 2 seconds for the whole copy (its changes are not held behind the copy), the
+    joining table's changes made meanwhile are held on the target and applied once its copy is ready, and both
+    end equal to the source, each row once."""
+    with contextlib.ExitStack() as stack:
+        src = stack.enter_context(scratch_db(pg_clusters.get(find_install(version), "source"), "src"))
+        target_url = (f"sqlite:///{tmp_path / 'replica.db'}" if target_kind == "sqlite"
+                      else stack.enter_context(scratch_db(newest_target, "tgt")).url)
+        src.cluster.execute("CREATE TABLE tick (id serial PRIMARY KEY, at float8 NOT NULL);"
+                            "CREATE TABLE big (id int PRIMARY KEY, note text NOT NULL);"
+                            f"INSERT INTO big SELECT g, repeat('x', 100) FROM generate_series(1, {BIG_ROWS}) g;"
+                            "CREATE PUBLICATION pub FOR TABLE tick;", src.dbname)
+        cfg_file = config_file(tmp_path / "applier.toml", src, target_url, tmp_path / "work", "sync")
+        first = cli("sync", "-c", str(cfg_file), "-q")
+        assert first.returncode == 0, first.stderr
+        log = tmp_path / "daemon.log"
+        daemon = start_daemon(cfg_file, log)
+        writer = TickWriter(src.dsn)
+        writer.start()
+        lags: list[float] = []
+        try:
+            wait_for("the daemon to follow", lambda: tick_lag(src, target_url) < 1.0)
+            src.cluster.execute("ALTER PUBLICATION pub ADD TABLE big", src.dbname)
+            wait_for("the copy of big to start", lambda: sync_state(target_url, "big") is not None)
+            while sync_state(target_url, "big") != "ready":
+                lags.append(tick_lag(src, target_url))
+                assert daemon.poll() is None, log.read_text()
+                assert len(lags) < 2400, "the copy of big did not end in 4 minutes"
+                time.sleep(0.1)
+            time.sleep(1.0)
+        finally:
+            writer.stop()
+        try:
+            for select in ("SELECT id, at FROM tick ORDER BY id", "SELECT id, note FROM big ORDER BY id"):
+                want = src.cluster.execute(select, src.dbname)
+                wait_for("the target to equal the source", lambda s=select, w=want: target_exec(target_url, s) == w)
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            code = daemon.wait(60)
+        text = log.read_text()
+        assert code == 0, text
+        assert target_exec(target_url, "SELECT count(*) FROM applier_held") == [(0,)]
+    assert len(lags) > 10 and max(lags) < 2.0, f"the lag of tick during the copy of big: max {max(lags):.2f} s"
+    assert "its changes are held on the target (applier_held) until the copy is ready" in text, text
+    assert "table public.big: its copy is ready; the changes held meanwhile are applied" in text, text
     assert "apply failed" not in text and "ERROR" not in text, text

@@ -147,13 +147,18 @@ class Rig(TargetSide):
 
     def decoded(self) -> list[PgOutputMessage]:
         """The slot's pending messages, decoded (does not consume)."""
+        return [msg for msg, _ in self.received()]
+
+    def received(self) -> list[tuple[PgOutputMessage, bytes]]:
+        """The slot's pending messages with their bytes, as the runner hands them to the engine (does not
+        consume)."""
         src = open_peek_source(self.cfg())
         decoder = Decoder()
         msgs = []
         try:
             while (frame := src.read(1.0)) is not None:
                 if type(frame) is XLogData:
-                    msgs.append(decoder.decode(frame.payload))
+                    msgs.append((decoder.decode(frame.payload), bytes(frame.payload)))
         finally:
             src.close()
         return msgs
