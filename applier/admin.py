@@ -338,6 +338,8 @@ def status(cfg: Config) -> dict[str, Any]:
     - ``recopy_needed``: why the replica needs a re-copy (``applier init --new-slot`` after a lost slot), until
       ``applier sync`` completes one;
     - the last error and when, prepared transactions waiting, a pending skip;
+    - ``held``: the tables being copied whose changes are held meanwhile (applier_held, ``applier.engine.holding``):
+      table and source transactions held;
     - ``last_ddl``: the last schema change applied or skipped (``apply.schema_changes = "follow"``, applier_ddl_log):
       its LSN, table, class, result, change, the source's statement and when, or null.
     ``slot_exists`` False is what the CLI turns into a non-zero exit; a source that cannot be reached leaves the
@@ -394,6 +396,8 @@ def status(cfg: Config) -> dict[str, Any]:
         out["conflicts"] = {str(k): int(n) for k, n in conn.execute(sql.count_conflicts,
                                                                      [cfg.apply["name"]]).fetchall()}
         ddl = conn.execute(sql.last_ddl, [cfg.apply["name"]]).fetchone()
+        held = conn.execute(sql.held_tables, [cfg.apply["name"]]).fetchall()
+    out["held"] = [{"table": f"{schema}.{table}", "transactions": int(n)} for _oid, schema, table, n in held]
     cols = ("lsn", "table", "class", "result", "change", "statement", "at")
     out["last_ddl"] = None if ddl is None else {k: None if v is None else str(v) for k, v in zip(cols, ddl)}
     return out

@@ -125,6 +125,8 @@ def status(config: ConfigOpt = None, as_json: Annotated[bool, typer.Option("--js
             for k, v in info.items():
                 if k == "last_ddl" and v is not None:  # one line: what, where, when
                     v = f"{v['change']} ({v['result']}) at LSN {v['lsn']}, {v['at']}"
+                if k == "held" and v:  # tables being copied: their changes wait on the target
+                    v = ", ".join(f"{h['table']} ({h['transactions']} transactions)" for h in v)
                 if k != "error":
                     typer.echo(redact_text(f"{k}: {'-' if v is None or v == [] else v}"))
         if "error" in info:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from applier.admin import status
 from applier.lsn import LSN
 
 from .conftest import Rig
@@ -58,6 +59,7 @@ def test_a_table_being_copied_is_held_and_the_others_flow(rig: Rig) -> None:
     finally:
         engine.close()
         engine.target.close()
+    assert status(rig.cfg())["held"] == [{"table": "public.n", "transactions": 4}]  # what an operator sees
     again = rig.engine(schema_changes="add_columns", wait_for_tables=True)  # a restart: what is held is found on the target
     try:
         assert again.holding.holds(next(oid for oid, t in again.holding.tables.items() if t.table == "n"))
