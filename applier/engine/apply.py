@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from applier.ddl.shape import PREFIX as DDL_PREFIX
+from applier.ddl.shape import parse as parse_ddl
 from applier.decoder.messages import (
     PG_EPOCH_UNIX,
     Begin,
@@ -134,6 +135,8 @@ class ApplyEngine:
         # carries a streamed xid): a change of a table being copied is held as these bytes
         self.raw = b""
         self.raw_in_stream = False
+        # the table whose held changes are being applied (``drain``) and its copy's snapshot
+        self.draining: tuple[int, LSN] | None = None
         self.spools = SpoolSet(work_dir)
         self.stream_xid: int | None = None
         self.txn: SourceTxn | None = None
@@ -470,7 +473,12 @@ class ApplyEngine:
                 return
             self.flush_batch()
             self.ensure_group()
-            self.ddl.captured(m, txn)
+            if self.draining is not None:  # held for the table being drained: applied to it alone, unless in its copy
+                oid, at = self.draining
+                if txn.final_lsn >= at:
+                    self.ddl.captured(m, txn, only=oid)
+                return
+            self.ddl.captured(m, txn, leave=self.hold_ddl(m, txn))
             return
         log.info("logical decoding message at %s: prefix=%r, %d bytes%s", m.lsn, m.prefix, len(m.content),
                  "" if m.transactional else " (non-transactional)",
@@ -587,6 +595,34 @@ class ApplyEngine:
 
     # -- held changes (``applier.engine.holding``) ---------------------------------------------
 
+    def hold_ddl(self, m: Message, txn: SourceTxn) -> frozenset[int]:
+        """The tables of a captured DDL message that the follower leaves alone: those being copied (the message
+        held for each, applied at its drain) and those whose copy, taken after this transaction, has it."""
+        if txn.prepared:
+            return frozenset()
+        cap = parse_ddl(m.content, m.lsn)
+        if cap.error is not None or cap.baseline:
+            return frozenset()
+        leave = set()
+        for oid, schema, name in [(t.oid, t.schema, t.name) for t in cap.tables] + [
+                (d.oid, d.schema, d.name) for d in cap.dropped]:
+            if oid not in self.holding.tables:
+                join = self.target.table_join(schema, name)
+                if join is None:
+                    continue
+                state, at = join
+                if at is not None and txn.final_lsn < at:  # before the copy's snapshot: the copy has it
+                    leave.add(oid)
+                    continue
+                if state == "ready":
+                    continue
+                where = f"at its snapshot {at}" if at is not None else f"({state}, its snapshot not taken yet)"
+                self.holding.start(oid, schema, name, f"table {schema}.{name} is being copied {where} "
+                                                      f"(`applier sync --table`)")
+            self.holding.hold(oid, txn, self.raw_in_stream, self.raw, self.ensure_group)
+            leave.add(oid)
+        return frozenset(leave)
+
     def poll_held(self) -> None:
         """Between transactions: apply the held changes of each table whose copy is now ready (``JoinGate.poll``)."""
         for oid in self.gate.poll():
@@ -598,18 +634,21 @@ class ApplyEngine:
         group (opened if none is)."""
         assert self.txn is None and self.stream_xid is None
         t = self.holding.drained(oid)
+        join = self.target.table_join(t.schema, t.table)
+        self.draining = (oid, join[1] if join is not None and join[1] is not None else LSN(0))
         self.flush_batch()
         self.ensure_group()
         first = last = None
         rows_before = self.stats.rows
-        for lsn, xid, commit_time, changes in self.target.held_changes(oid):
-            txn = self.txn = transaction_of(lsn, xid, commit_time)
-            try:
+        try:
+            for lsn, xid, commit_time, changes in self.target.held_changes(oid):
+                txn = self.txn = transaction_of(lsn, xid, commit_time)
                 with rolled_back_on_error(self.abort_group, partial(_held_failed, t.qualified, txn)):
                     self.replay_isolated(changes)
-            finally:
-                self.txn = None
-            first, last = first or lsn, lsn
+                first, last = first or lsn, lsn
+        finally:
+            self.txn = None
+            self.draining = None
         self.relmap.unbind(oid)  # bound again at its next change: 'ready', the stream's
         with rolled_back_on_error(self.abort_group, lambda exc: ApplyError(
                 f"deleting the held changes of table {t.qualified} failed: {one_line(exc)}")):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 from applier.ddl.changes import AmbiguousColumns, Change, CreateTable, DropTable, RenameTable, diff
 from applier.ddl.shape import Captured, TableShape, from_relation, parse
@@ -128,9 +129,16 @@ class DdlFollower:
 
     # -- capture messages ----------------------------------------------------------------------------------------------
 
-    def captured(self, m: Message, txn: SourceTxn) -> None:
-        """Apply one ``applier.ddl`` message of ``txn`` (in the open group, the rows before it written)."""
+    def captured(self, m: Message, txn: SourceTxn, only: int | None = None, leave: frozenset[int] = frozenset()) -> None:
+        """Apply one ``applier.ddl`` message of ``txn`` (in the open group, the rows before it written): for table
+        ``only`` alone if given, leaving the tables in ``leave`` (held or in a copy: ``applier.engine.holding``)."""
         cap = parse(m.content, m.lsn)
+        if (only is not None or leave) and cap.error is None:
+            def keep(oid: int) -> bool:
+                return (only is None or oid == only) and oid not in leave
+
+            cap = replace(cap, tables=tuple(t for t in cap.tables if keep(t.oid)),
+                          dropped=tuple(d for d in cap.dropped if keep(d.oid)))
         lsn = txn.final_lsn
         where = f"in transaction {txn.xid} finished at {lsn}"
         if cap.error is not None:

@@ -18,8 +18,10 @@ from typing import Any
 
 from applier.admin import status
 from applier.lsn import LSN
+from applier.source import capture
 
 from .conftest import Rig
+from .test_ddl_follow import target_columns
 
 
 def set_join(rig: Rig, state: str, at: LSN | None) -> None:
@@ -102,3 +104,43 @@ def test_changes_before_the_snapshot_are_skipped_at_the_drain(rig: Rig) -> None:
         engine.target.close()
     assert rig.tgt("SELECT id, v FROM n") == [(1, "before")]
     assert rig.tgt("SELECT count(*) FROM applier_held") == [(0,)]
+
+
+def test_captured_ddl_of_a_table_being_copied_is_held_with_its_rows(rig: Rig) -> None:
+    """With DDL capture, a column added to the table being copied is held with the rows around it and added at
+    the drain (the target table is not altered under the running copy); the other table's DDL is applied as it
+    comes."""
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE TABLE n (id int PRIMARY KEY, v text)")
+    rig.publish("t", "n")
+    capture.install(rig.source.dsn)
+    rig.init()
+    rig.src("ALTER TABLE n ALTER COLUMN v SET STATISTICS 100; ALTER TABLE t ALTER COLUMN v SET STATISTICS 100")
+    first = rig.engine(schema_changes="follow", wait_for_tables=True)
+    try:
+        for msg, raw in rig.received():
+            first.handle(msg, raw)
+        first.idle()
+    finally:
+        first.close()
+        first.target.close()
+    at = rig.wal_lsn()
+    set_join(rig, "copying", at)
+    rig.src("BEGIN; INSERT INTO n VALUES (3, 'c'); ALTER TABLE n ADD COLUMN w text; INSERT INTO n VALUES (4, 'd', 'w4');"
+            " ALTER TABLE t ADD COLUMN x int; INSERT INTO t VALUES (1, 'a', 7); COMMIT")
+    engine = rig.engine(schema_changes="follow", wait_for_tables=True)
+    try:
+        for msg, raw in rig.received():
+            engine.handle(msg, raw)
+        engine.idle()
+        assert rig.tgt("SELECT id, v, x FROM t") == [(1, "a", 7)]  # t's DDL and row: applied
+        assert target_columns(rig, "n") == ["id", "v"]  # n: untouched while it is copied
+        set_join(rig, "ready", at)
+        engine.poll_held()
+        engine.flush_group()
+    finally:
+        engine.close()
+        engine.target.close()
+    assert target_columns(rig, "n") == ["id", "v", "w"]
+    assert rig.tgt("SELECT id, v, w FROM n ORDER BY id") == rig.src("SELECT id, v, w FROM n ORDER BY id")
+    assert rig.tgt("SELECT ddl_class, result FROM applier_ddl_log WHERE table_name = 'public.n'") == [
+        ("add_column", "applied")]
