@@ -24,6 +24,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from applier.lsn import LSN
 from applier.sandbox.clusters import Cluster, PgInstall, find_install, find_installs
 from tests.plugins.cli import applier_script, clean_env, write_toml
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
@@ -43,38 +44,44 @@ def _pg18() -> PgInstall:
 
 @dataclass
 class Pair:
-    """A primary and its standby (slot synchronization on), database ``app`` with table t in publication pub."""
+    """A primary, database ``app`` with table t in publication pub, and (``start_standby``) its standby."""
 
     primary: Cluster
-    standby: Cluster
+    standby: Cluster | None = None
 
-    def dsn(self) -> str:
+    def start_standby(self) -> Cluster:
+        """The standby, synchronizing slots, its physical slot in the primary's synchronized_standby_slots. Made
+        after the logical slot: the standby's slot sync worker then finds it at once (idle, it naps longer and
+        longer, up to 30 s)."""
+        self.standby = self.primary.standby("fo-standby", {"sync_replication_slots": "on",
+                                                           "hot_standby_feedback": "on"}, slot=PHYSICAL, dbname=DB)
+        self.primary.execute(f"ALTER SYSTEM SET synchronized_standby_slots = '{PHYSICAL}'")
+        self.primary.execute("SELECT pg_reload_conf()")
+        return self.standby
+
+    def dsn(self, standby_port: int) -> str:
         """The two-host DSN an operator writes: the read-write one of the two."""
-        return (f"host=127.0.0.1,127.0.0.1 port={self.primary.port},{self.standby.port} dbname={DB} user=postgres "
+        return (f"host=127.0.0.1,127.0.0.1 port={self.primary.port},{standby_port} dbname={DB} user=postgres "
                 f"target_session_attrs=read-write connect_timeout=2")
 
     def standby_slot(self) -> tuple[Any, ...] | None:
+        assert self.standby is not None
         rows = self.standby.execute("SELECT synced, temporary, failover, confirmed_flush_lsn::text "
                                     "FROM pg_replication_slots WHERE slot_name = %s", DB, [SLOT])
         return rows[0] if rows else None
 
 
 @pytest.fixture
-def pair(tmp_path: Path) -> Iterator[Pair]:
+def pair() -> Iterator[Pair]:
     primary = Cluster(_pg18(), name="fo-primary")
-    primary.start()
-    standby: Cluster | None = None
+    pair = Pair(primary.start())
     try:
         primary.create_database(DB)
         primary.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE PUBLICATION pub FOR TABLE t", DB)
-        standby = primary.standby("fo-standby", {"sync_replication_slots": "on", "hot_standby_feedback": "on"},
-                                  slot=PHYSICAL, dbname=DB)
-        primary.execute(f"ALTER SYSTEM SET synchronized_standby_slots = '{PHYSICAL}'")
-        primary.execute("SELECT pg_reload_conf()")
-        yield Pair(primary, standby)
+        yield pair
     finally:
-        if standby is not None:
-            standby.stop("immediate")
+        if pair.standby is not None:
+            pair.standby.stop("immediate")
         primary.stop("immediate")
 
 
@@ -93,6 +100,10 @@ class Replica(TargetSide):
     def start(self, *args: str) -> subprocess.Popen[str]:
         return subprocess.Popen([applier_script(), *args, "-c", str(self.config)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=clean_env(), stdin=subprocess.DEVNULL)
+
+    def applied(self) -> LSN:
+        rows = self.tgt("SELECT lsn FROM applier_progress")
+        return LSN.parse(rows[0][0]) if rows else LSN(0)
 
     def rows(self) -> list[tuple[Any, ...]]:
         return sorted(tuple(r) for r in self.tgt("SELECT id, v FROM t"))
@@ -169,22 +180,33 @@ def wait_for(what: str, cond: Any, timeout: float = 60.0) -> None:
 
 def test_run_follows_a_promoted_standby_by_itself_each_row_once(pair: Pair, target: ScratchDb | None,
                                                                 tmp_path: Path) -> None:
-    rep = make_replica(pair.dsn(), target, tmp_path, failover=True)
+    rep = make_replica(pair.primary.dsn(DB), target, tmp_path, failover=True)
     r = rep.applier("init")
     assert r.returncode == 0, r.stderr
     assert pair.primary.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = %s", DB,
                                 [SLOT]) == [(True,)]
+    standby = pair.start_standby()  # as an operator adds one: the DSN then lists both
+    dsn = pair.dsn(standby.port)
+    rep.config.write_text(rep.config.read_text().replace(pair.primary.dsn(DB), dsn))
+    assert dsn in rep.config.read_text()
     daemon = rep.start("run")
     try:
-        with Writer(pair.dsn()) as writer:
+        with Writer(dsn) as writer:
             wait_for("the standby's synchronized copy of the slot",
                      lambda: (s := pair.standby_slot()) is not None and s[0] and not s[1])
-            wait_for("rows applied before the failover", lambda: len(rep.rows()) >= 50)
+            wait_for("rows applied", lambda: len(rep.rows()) >= 50)
+            # the standby's copy stops moving: at the promotion it is behind what the replica applied, so the new
+            # primary sends again what was applied (to be skipped by the recorded position)
+            standby.execute("ALTER SYSTEM SET sync_replication_slots = off")
+            standby.execute("SELECT pg_reload_conf()")
+            time.sleep(0.5)
+            copy = LSN.parse(pair.standby_slot()[3])  # type: ignore[index]
+            wait_for("rows applied past the standby's copy", lambda: rep.applied() > copy and len(rep.rows()) >= 100)
             pair.primary.stop("fast")  # mid-stream: the writer and the applier lose it
-            pair.standby.promote()
+            standby.promote()
             before = writer.committed
             wait_for("the writer on the new primary", lambda: writer.committed >= before + 100)
-        expected = sorted(pair.standby.execute("SELECT id, v FROM t", DB))
+        expected = sorted(standby.execute("SELECT id, v FROM t", DB))
         wait_for("the replica equal to the new primary", lambda: rep.rows() == expected)
     finally:
         daemon.send_signal(signal.SIGTERM)
@@ -194,6 +216,7 @@ def test_run_follows_a_promoted_standby_by_itself_each_row_once(pair: Pair, targ
     # each row once: the target holds exactly the new primary's rows (a key applied twice would have failed or
     # been counted as a conflict)
     assert rep.rows() == expected
+    assert "confirmed up to" not in err  # the copy behind the replica was accepted
     status = json.loads(rep.applier("status", "--json").stdout)
     assert status["source_timeline"] == 2 and status["conflicts"] == {}, status
 
