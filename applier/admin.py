@@ -32,7 +32,7 @@ from applier.errors import SlotLost
 from applier.lsn import LSN
 from applier.progress.store import HEAD_REVISION, VERSION_TABLE, Progress, ProgressSQL, prune_conflicts, shape_row
 from applier.rows import one_row
-from applier.source import capture
+from applier.source import capture, failover
 from applier.source.base import SourceError, StreamOptions
 from applier.source.walsender import SLOT_STATE, WalSender, slot_state
 from applier.targets import opener
@@ -63,6 +63,9 @@ def check_source(cfg: Config, need_slot: bool = True) -> dict[str, Any]:
     returns facts (``server_version``, ``slot``: see ``check_slot``). ``applier check`` (``applier.check``) runs
     the same checks one by one."""
     with source_connect(cfg) as conn:
+        refused = failover.refusal(cfg, conn.info.server_version)
+        if refused is not None:
+            raise refused
         check_wal_level(cfg, conn)
         check_publications(cfg, conn)
         slot = check_slot(cfg, conn, need_slot)
@@ -91,10 +94,12 @@ def check_publications(cfg: Config, conn: psycopg.Connection[Any]) -> str:
 
 def check_slot(cfg: Config, conn: psycopg.Connection[Any], need_slot: bool = True) -> tuple[Any, ...] | None:
     """The slot is a logical pgoutput slot of this database, and exists if ``need_slot`` (ConfigError if not);
-    its row (plugin, slot_type, two_phase, confirmed_flush_lsn, same database), None when there is none."""
+    its row (plugin, slot_type, two_phase, confirmed_flush_lsn, same database, failover: 'true', 'false', or None
+    before PostgreSQL 17), None when there is none."""
     row = conn.execute(
-        "SELECT plugin, slot_type, two_phase, confirmed_flush_lsn::text, database = current_database() "
-        "FROM pg_replication_slots WHERE slot_name = %s", [cfg.source["slot"]]).fetchone()
+        "SELECT plugin, slot_type, two_phase, confirmed_flush_lsn::text, database = current_database(), "
+        "to_jsonb(s) ->> 'failover' FROM pg_replication_slots s WHERE slot_name = %s",
+        [cfg.source["slot"]]).fetchone()
     if row is None and need_slot:
         raise SlotMissing(f"{cfg.where('source', 'slot')}: replication slot {cfg.source['slot']!r} does not exist "
                           f"on the source (run `applier init`)")
@@ -202,7 +207,8 @@ def init(cfg: Config, new_slot: bool = False) -> list[str]:
             if lost is not None and facts["slot"] is not None:  # invalidated: nothing can stream from it again
                 ws.drop_slot(slot)
                 done.append(f"slot {slot!r}: dropped (it {lost.what})")
-            info = ws.create_slot(slot, two_phase=cfg.source["two_phase"], snapshot="export")
+            info = ws.create_slot(slot, two_phase=cfg.source["two_phase"], snapshot="export",
+                                  failover=cfg.source["failover"])
             # while the walsender is open its snapshot is the slot's start: the tables' shapes as of there
             try:
                 kept: int | str = _keep_shapes_at(cfg, info.snapshot_name, info.consistent_point)
@@ -227,6 +233,11 @@ def init(cfg: Config, new_slot: bool = False) -> list[str]:
             done.append(f"re-copy needed: {why}")
     else:
         done.append(f"slot {slot!r}: exists (confirmed up to {facts['slot'][3]})")
+        if cfg.source["failover"] and facts["slot"][5] == "false":
+            with WalSender(cfg.source["dsn"], connect_timeout=cfg.source["connect_timeout"]) as ws:
+                given = failover.give_failover(cfg, ws, facts["slot"][5])
+            if given is not None:
+                done.append(given[1])
     return done
 
 
@@ -335,6 +346,9 @@ def status(cfg: Config) -> dict[str, Any]:
     - ``running``: who holds the target's progress row now (applier.targets.claim), or null;
     - ``slot_retained_bytes``: the WAL the slot holds back on the source (``pg_current_wal_lsn() -
       restart_lsn``, what fills its disk), with its ``slot_wal_status`` (``lost``: invalidated);
+    - ``failover`` (with ``source.failover``): what ``applier.source.failover.readiness`` found (its ``warnings``:
+      what the slot lacks to survive a promotion), or the ``error`` of a source older than PostgreSQL 17;
+      ``source_timeline``: the source's timeline the progress was last written on;
     - ``recopy_needed``: why the replica needs a re-copy (``applier init --new-slot`` after a lost slot), until
       ``applier sync`` completes one;
     - the last error and when, prepared transactions waiting, a pending skip;
@@ -367,6 +381,10 @@ def status(cfg: Config) -> dict[str, Any]:
             "WHERE s.slot_name = %s", [cfg.source["slot"]]).fetchone()
         if conn is not None:
             out["ddl_capture"] = capture.state(conn).detail
+            if cfg.source["failover"]:
+                refused = failover.refusal(cfg, conn.info.server_version)
+                out["failover"] = ({"error": str(refused)} if refused is not None
+                                   else failover.readiness(cfg, conn).as_dict())
         if row is None or conn is None:
             out["slot_exists"] = None if conn is None else False
         else:
@@ -391,6 +409,7 @@ def status(cfg: Config) -> dict[str, Any]:
     out["skip_lsn"] = None if progress.skip_lsn is None else str(progress.skip_lsn)
     out["prepared_waiting"] = list_prepared(cfg)
     out["recopy_needed"] = progress.recopy_needed
+    out["source_timeline"] = progress.source_timeline
     sql = _progress_sql(cfg)
     with target_db(cfg) as conn:
         out["conflicts"] = {str(k): int(n) for k, n in conn.execute(sql.count_conflicts,

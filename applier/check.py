@@ -35,7 +35,7 @@ from applier.errors import InUseError, SlotLost
 from applier.lsn import LSN
 from applier.migrate.schema import check_table, read_source_tables
 from applier.rows import one_row
-from applier.source import capture
+from applier.source import capture, failover
 from applier.source.base import SourceError
 from applier.source.walsender import SLOT_STATE, WalSender, session_dsn, slot_state
 from applier.targets import opener
@@ -51,7 +51,8 @@ _FAILURES = (ConfigError, SourceError, InUseError, SlotLost, psycopg.Error, sqli
 
 @dataclass
 class Result:
-    """One check: ``state`` is 'ok', 'fail' or 'skip'; ``detail`` what was found or what is wrong."""
+    """One check: ``state`` is 'ok', 'warn' (passed, with what is missing: the apply commands warn and go on),
+    'fail' or 'skip'; ``detail`` what was found or what is wrong."""
 
     name: str
     state: str
@@ -61,6 +62,13 @@ class Result:
     def line(self) -> str:
         """One line for people."""
         return f"{self.state:<4}  {self.name}: {self.detail}"
+
+
+@dataclass
+class Warned:
+    """What a check that passed found missing (its result is 'warn')."""
+
+    warning: str
 
 
 @dataclass
@@ -74,16 +82,19 @@ class Checks:
     slot: tuple[Any, ...] | None = None  # admin.check_slot's row
 
     def passed(self, name: str) -> bool:
-        return any(r.name == name and r.state == "ok" for r in self.results)
+        return any(r.name == name and r.state in ("ok", "warn") for r in self.results)
 
-    def run(self, name: str, check: Callable[[], str], needs: tuple[str, ...] = ()) -> None:
-        """Run ``check`` (returns what it found; raises one of ``_FAILURES``) unless a check it needs failed."""
+    def run(self, name: str, check: Callable[[], str | Warned], needs: tuple[str, ...] = ()) -> None:
+        """Run ``check`` (returns what it found, or a ``Warned``; raises one of ``_FAILURES``) unless a check it needs
+        failed."""
         missing = [n for n in needs if not self.passed(n)]
         if missing:
             self.results.append(Result(name, "skip", f"needs {', '.join(missing)}"))
             return
         try:
-            self.results.append(Result(name, "ok", check()))
+            found = check()
+            self.results.append(Result(name, "warn", found.warning) if isinstance(found, Warned)
+                                else Result(name, "ok", found))
         except _FAILURES as exc:
             error = exc if isinstance(exc, (ConfigError, SourceError, InUseError, SlotLost)) \
                 else ConfigError(f"{name}: {one_line(exc)[:300]}")
@@ -123,6 +134,8 @@ def run_checks(cfg: Config) -> list[Result]:
         c.run("replication connection", replication, ("source privileges",))
         c.run("slot", slot, src)
         c.run("slot state", lambda: _slot_state(cfg, _conn(c)), ("slot",))
+        if s["failover"]:
+            c.run("failover", lambda: _failover(cfg, _conn(c)), ("source connection",))
         c.run("target", lambda: _target(cfg))
         c.run("slot and progress", lambda: _progress(c), ("slot", "replication connection", "target"))
         c.run("target tables", lambda: _tables(cfg, _conn(c)), ("publications", "target"))
@@ -146,6 +159,17 @@ def _slot_state(cfg: Config, conn: psycopg.Connection[Any]) -> str:
         raise InUseError(f"{cfg.where('source', 'slot')}: slot {slot!r} is in use by process {active_pid} on the "
                          f"source (another applier or consumer streams from it)")
     return f"not in use, wal_status {wal_status}"
+
+
+def _failover(cfg: Config, conn: psycopg.Connection[Any]) -> str | Warned:
+    """``source.failover``: a source that has failover slots (17+: a fail if not, as the apply commands stop), and
+    what the slot lacks to survive a promotion (``applier.source.failover``: a warning, as they warn)."""
+    refused = failover.refusal(cfg, conn.info.server_version)
+    if refused is not None:
+        raise refused
+    found = failover.readiness(cfg, conn)
+    missing = found.warnings()
+    return Warned(f"{found.summary()}; missing: " + "; ".join(missing)) if missing else found.summary()
 
 
 def _target(cfg: Config) -> str:

@@ -31,6 +31,9 @@ SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
         "binary": (bool, False),
         "streaming": ((bool, str), False),
         "two_phase": (bool, False),
+        # the slot made with FAILOVER (PostgreSQL 17+), so a standby that synchronizes slots keeps it through a
+        # promotion (``applier.source.failover``)
+        "failover": (bool, False),
         "origin": (str, None),
         "sql_interface": (bool, False),
         "status_interval": (float, 10.0),

@@ -127,7 +127,10 @@ def status(config: ConfigOpt = None, as_json: Annotated[bool, typer.Option("--js
                     v = f"{v['change']} ({v['result']}) at LSN {v['lsn']}, {v['at']}"
                 if k == "held" and v:  # tables being copied: their changes wait on the target
                     v = ", ".join(f"{h['table']} ({h['transactions']} transactions)" for h in v)
-                if k != "error":
+                if k == "failover":  # one line of what was found, then one per thing missing
+                    for line in [v.get("summary") or v.get("error")] + [f"missing: {w}" for w in v.get("warnings", ())]:
+                        typer.echo(redact_text(f"failover: {line}"))
+                elif k != "error":
                     typer.echo(redact_text(f"{k}: {'-' if v is None or v == [] else v}"))
         if "error" in info:
             fail(info["error"], CONNECTION)

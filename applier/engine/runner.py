@@ -77,6 +77,7 @@ from applier.errors import ApplyError, Conflicted, ConflictStopped, FinalError, 
 from applier.inspect import current_wal_insert_lsn
 from applier.lsn import LSN
 from applier.progress.store import Progress
+from applier.source import failover
 from applier.source.base import SlotInUseError, Source, SourceError, stream_options
 from applier.source.base import is_transient as source_transient
 from applier.source.chunks import ChunkReader
@@ -134,7 +135,7 @@ def open_source(cfg: Config, progress: Progress, wrap: Callable[[Source], Source
     """
     s = cfg.source
     src: Source
-    system = None
+    system = timeline = None
     money = None  # binary mode: how the session that decodes prints money (applier.targets.binary.MONEY_PROBE)
     if s["binary"]:  # here, not at the top: start-up time (text mode never loads the binary converters)
         from applier.targets.binary import MONEY_PROBE, money_of_probe
@@ -152,9 +153,16 @@ def open_source(cfg: Config, progress: Progress, wrap: Callable[[Source], Source
         src = ws = WalSender(session_dsn(s["dsn"]), status_interval=s["status_interval"],
                              connect_timeout=s["connect_timeout"])
         try:
-            system = ws.identify_system()["systemid"]
+            ident = ws.identify_system()
+            system, timeline = ident["systemid"], int(ident["timeline"] or 0) or None
             rows = ws.command(SLOT_STATE.replace("%s", quote_literal(s["slot"])))
             check_progress_owner(cfg, progress, system, slot_state(s["slot"], rows[0] if rows else None, progress.lsn))
+            if progress.source_timeline is not None and timeline is not None and timeline != progress.source_timeline:
+                log.info("the source failed over: system %s, timeline %d → %d; following slot %r on the new "
+                         "primary from %s", system, progress.source_timeline, timeline, s["slot"], progress.lsn)
+            given = failover.give_failover(cfg, ws, rows[0][4]) if rows else None
+            if given is not None:
+                (log.info if given[0] else log.warning)("%s", given[1])
             if s["binary"]:
                 money = money_of_probe(ws.command(MONEY_PROBE)[0])
             ws.start(s["slot"], progress.lsn, stream_options(cfg))
@@ -164,7 +172,7 @@ def open_source(cfg: Config, progress: Progress, wrap: Callable[[Source], Source
         except BaseException:
             ws.close()
             raise
-    return ChunkReader(wrap(src) if wrap is not None else src, system_id=system, money_text=money)
+    return ChunkReader(wrap(src) if wrap is not None else src, system_id=system, money_text=money, timeline=timeline)
 
 
 def check_progress_owner(cfg: Config, progress: Progress, system: str | None, confirmed: LSN | None) -> None:
@@ -179,13 +187,19 @@ def check_progress_owner(cfg: Config, progress: Progress, system: str | None, co
     only ever confirmed up to what the target holds, so a slot ``confirmed`` past the recorded
     position was made again under the same name, or the target lost what it had (restored from
     an older backup): the server would silently start after the transactions in between.
+
+    A failover keeps the system identifier (a new timeline, logged by ``open_source``): a promoted standby's
+    synchronized copy of the slot is often confirmed behind the recorded position (it is synchronized
+    periodically), which is accepted: streaming starts at the recorded position and the engine skips every
+    transaction ending at or before it. A copy ahead of it is refused here as any slot is.
     """
     slot = cfg.source["slot"]
     name = cfg.apply["name"]
     if system is not None and progress.source_system is not None and progress.source_system != system:
         raise ConfigError(
             f"{cfg.where('source', 'dsn')}: the source is PostgreSQL system {system}, but the target's progress "
-            f"for {name!r} (at {progress.lsn}) was recorded from system {progress.source_system}; its "
+            f"for {name!r} (at {progress.lsn}) was recorded from system {progress.source_system}: another database "
+            f"cluster, not a failover (a promoted standby keeps the system identifier); its "
             f"positions mean nothing on this source. Point source.dsn back at that cluster, or replicate into a "
             f"fresh target (`applier init` + `applier sync`)")
     if progress.slot is not None and progress.slot != slot:
@@ -197,7 +211,8 @@ def check_progress_owner(cfg: Config, progress: Progress, system: str | None, co
         raise ConfigError(
             f"{cfg.where('source', 'slot')}: slot {slot!r} is confirmed up to {confirmed}, past the target's "
             f"progress for {name!r} at {progress.lsn}: the transactions in between can no longer be streamed (the "
-            f"slot was made again, or the target restored from an older state). Copy the tables again "
+            f"slot was made again, the target restored from an older state, or a promoted standby's copy of the "
+            f"slot moved past WAL the replica never saw). Copy the tables again "
             f"(`applier sync --force`)")
 
 
@@ -250,6 +265,7 @@ class Runner:
                                                                  self.command, cfg.source["connect_timeout"])
         self.down_since: float | None = None  # when the outage in hand began (a connection lost or never made)
         self.announced = False  # whether the start line was logged
+        self.timeline: int | None = -1  # the source's timeline the failover slot was last checked on (-1: never)
         if metrics is not None:
             metrics.probe(cfg.source["dsn"], cfg.source["slot"], backend_of(cfg).server_dsn(opener.location(cfg)))
 
@@ -400,7 +416,11 @@ class Runner:
                 engine.twophase.waiting = prepared_count(target)
                 self.metrics.watch(engine, source)
             self._connected(progress.lsn)
-            target.stream_from(source.system_id, cfg.source["slot"], source.money_text)
+            target.stream_from(source.system_id, cfg.source["slot"], source.money_text, source.timeline)
+            if cfg.source["failover"] and source.timeline != self.timeline:  # the first session, and after a failover
+                self.timeline = source.timeline
+                for line in failover.warnings_now(cfg):
+                    log.warning("failover: %s", line)
             if self.catchup and self.goal is not None and goal_reached(progress.lsn, self.goal):
                 self.summary.applied = progress.lsn
                 return

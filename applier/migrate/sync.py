@@ -313,15 +313,15 @@ class TargetDb:
         return {int(p): (int(r), int(b)) for p, r, b in self.execute(parts_sql(self.ph)[2], [name, run, tbl])}
 
     def finish(self, name: str, lsn: LSN, source_system: str | None, slot: str,
-               shapes: Sequence[TableShape] = ()) -> None:
-        """Progress row to ``lsn`` of ``source_system`` and ``slot``, pending skip cleared, sync row 'done', the followed
+               shapes: Sequence[TableShape] = (), timeline: int | None = None) -> None:
+        """Progress row to ``lsn`` of ``source_system`` (on ``timeline``) and ``slot``, pending skip cleared, sync row 'done', the followed
         shapes replaced by ``shapes`` (the copied tables' at ``lsn``): one durable transaction."""
         sql = self.backend.sql
         ph = self.ph
         self.transaction([
             (f"DELETE FROM applier_ddl_tables WHERE name = {ph}", [name]),
             *[(sql.keep_shape, shape_row(name, s, lsn)) for s in shapes],
-            (sql.upsert, [name, str(lsn), None, source_system, slot]),
+            (sql.upsert, [name, str(lsn), None, source_system, slot, timeline]),
             (sql.clear_skip, [name]),
             (f"UPDATE applier_sync SET state = 'done', finished_at = {ph} WHERE name = {ph}", [_now(), name]),
             (f"DELETE FROM applier_sync_parts WHERE name = {ph}", [name]),
@@ -488,8 +488,10 @@ def _copy_with_new_slot(cfg: Config, target: TargetDb, tables: list[SourceTable]
     incomplete = False  # this run's slot exists and no copy has completed with it
     try:
         try:
-            system = ws.identify_system()["systemid"]
-            info = ws.create_slot(slot, two_phase=cfg.source["two_phase"], snapshot="export")
+            ident = ws.identify_system()
+            system = ident["systemid"]
+            info = ws.create_slot(slot, two_phase=cfg.source["two_phase"], snapshot="export",
+                                  failover=cfg.source["failover"])
         except SourceError as exc:
             raise SyncError(f"{cfg.where('source', 'slot')}: {exc}") from None
         incomplete = True
@@ -508,7 +510,7 @@ def _copy_with_new_slot(cfg: Config, target: TargetDb, tables: list[SourceTable]
                             + "\n  ".join(failed))
         reporter.close()
         target.finish(name, info.consistent_point, system, slot,
-                      shapes_in_snapshot(cfg, info.snapshot_name, in_snapshot, say))
+                      shapes_in_snapshot(cfg, info.snapshot_name, in_snapshot, say), int(ident["timeline"] or 0) or None)
         incomplete = False
         say(f"sync complete: {result.rows:,} rows in {len(result.tables)} tables; the target is at "
             f"{info.consistent_point}, `applier run` / `catchup` continue from there")

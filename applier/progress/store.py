@@ -10,7 +10,7 @@ from applier.ddl.shape import TableShape
 from applier.lsn import LSN
 
 # The newest alembic revision of the control tables (tests check it against migrations/).
-HEAD_REVISION = "0007"
+HEAD_REVISION = "0008"
 VERSION_TABLE = "applier_alembic_version"
 # Every control table at HEAD_REVISION, alembic's last (``applier drop --control-tables`` drops them in this order);
 # each but the last has the ``name`` column of apply.name.
@@ -21,8 +21,9 @@ CONTROL_TABLES = ("applier_held", "applier_ddl_log", "applier_ddl_tables", "appl
 class Progress(NamedTuple):
     """What the target has applied: end LSN of the last source transaction, a pending skip, the source's
     system identifier (IDENTIFY_SYSTEM) and the slot the LSN belongs to (None: not recorded yet), the last
-    error an applier met (one line) with its time (ISO 8601, UTC), and why the replica needs a re-copy
-    (``applier init --new-slot`` after a lost slot; cleared when ``applier sync`` completes), or None."""
+    error an applier met (one line) with its time (ISO 8601, UTC), why the replica needs a re-copy
+    (``applier init --new-slot`` after a lost slot; cleared when ``applier sync`` completes), or None, and the
+    source's timeline (IDENTIFY_SYSTEM) of the last write (None: not recorded)."""
 
     lsn: LSN
     commit_time: int | None
@@ -32,6 +33,7 @@ class Progress(NamedTuple):
     last_error: str | None = None
     last_error_at: str | None = None
     recopy_needed: str | None = None
+    source_timeline: int | None = None
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...] | None) -> Progress:
@@ -81,23 +83,26 @@ class ProgressSQL(NamedTuple):
 
 
 def _upsert(ph: str, also: str = "", where: str = "") -> str:
-    """The progress row of (name, lsn, commit_time, source_system, slot) written (a NULL system or slot keeps the
-    one recorded); ``also``: more SET items; ``where``: the condition an existing row must meet to be updated."""
-    return (f"INSERT INTO applier_progress (name, lsn, commit_time, source_system, slot, updated_at) "
-            f"VALUES ({ph}, {ph}, {ph}, {ph}, {ph}, CURRENT_TIMESTAMP) "
+    """The progress row of (name, lsn, commit_time, source_system, slot, source_timeline) written (a NULL system,
+    slot or timeline keeps the one recorded); ``also``: more SET items; ``where``: the condition an existing row
+    must meet to be updated."""
+    return (f"INSERT INTO applier_progress (name, lsn, commit_time, source_system, slot, source_timeline, "
+            f"updated_at) VALUES ({ph}, {ph}, {ph}, {ph}, {ph}, {ph}, CURRENT_TIMESTAMP) "
             f"ON CONFLICT (name) DO UPDATE SET lsn = excluded.lsn, commit_time = excluded.commit_time, "
             f"source_system = coalesce(excluded.source_system, applier_progress.source_system), "
-            f"slot = coalesce(excluded.slot, applier_progress.slot), updated_at = excluded.updated_at{also}{where}")
+            f"slot = coalesce(excluded.slot, applier_progress.slot), "
+            f"source_timeline = coalesce(excluded.source_timeline, applier_progress.source_timeline), "
+            f"updated_at = excluded.updated_at{also}{where}")
 
 
 def progress_sql(ph: str, has_sync_tables: str) -> ProgressSQL:
     """The statements of ``ProgressSQL`` with the parameter marker ``ph``; ``has_sync_tables``: a query whose one
     value says whether the table applier_sync_tables exists."""
     return ProgressSQL(
-        select=(f"SELECT lsn, commit_time, skip_lsn, source_system, slot, last_error, last_error_at, recopy_needed "
-                f"FROM applier_progress WHERE name = {ph}"),
+        select=(f"SELECT lsn, commit_time, skip_lsn, source_system, slot, last_error, last_error_at, recopy_needed, "
+                f"source_timeline FROM applier_progress WHERE name = {ph}"),
         upsert=_upsert(ph, ", recopy_needed = NULL"),
-        # (name, lsn, commit_time, source_system, slot, the position read): one row written, or none when another
+        # (name, lsn, commit_time, source_system, slot, source_timeline, the position read): one row written, or none when another
         # process moved the position since (a row that did not exist is inserted; one inserted meanwhile
         # conflicts, and its position is compared as any)
         advance=_upsert(ph, where=f" WHERE applier_progress.lsn = {ph}"),

@@ -449,6 +449,35 @@ class Cluster:
         """SIGKILL the postmaster and its children, as a crash would; start() recovers."""
         _kill_postmaster(self.datadir)
 
+    def standby(self, name: str, settings: dict[str, str] | None = None, slot: str | None = None,
+                dbname: str = "postgres") -> Cluster:
+        """A streaming standby of this running cluster, started: ``pg_basebackup -R`` (as the server user), then
+        ``primary_conninfo`` naming ``dbname`` (slot synchronization needs one) and, with ``slot``, a physical
+        slot made on this cluster as its ``primary_slot_name``; ``settings`` go into its configuration."""
+        standby = Cluster(self.install, name=name, settings={
+            **{k: v for k, v in self._settings.items() if k != "cluster_name"}, "cluster_name": name,
+            "primary_conninfo": f"host=127.0.0.1 port={self.port} user=postgres dbname={_conninfo_quote(dbname)}",
+            **({"primary_slot_name": slot} if slot else {}), **(settings or {})})
+        if slot:
+            self.execute("SELECT pg_create_physical_replication_slot(%s)", params=[slot])
+        argv = [str(self.install.bin("pg_basebackup")), "-D", str(standby.datadir), "-h", "127.0.0.1",
+                "-p", str(self.port), "-U", "postgres", "-R", "--no-sync", "-X", "stream", "-c", "fast"]
+        proc = _run_server_tool(argv, standby._user, cwd=standby.base_dir, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"pg_basebackup of {self.name} failed with exit code {proc.returncode}: "
+                               f"{proc.stdout}{proc.stderr}")
+        standby._write_file(standby.datadir / "postgresql.auto.conf", "")  # -R's primary_conninfo: ours instead
+        standby._start_server()
+        return standby
+
+    def promote(self) -> None:
+        """``pg_ctl promote -w``: a standby becomes a primary (on a new timeline)."""
+        argv = [str(self.install.bin("pg_ctl")), "promote", "-w", "-t", str(_PG_CTL_TIMEOUT_S), "-D", str(self.datadir)]
+        proc = _run_server_tool(argv, self._user, cwd=self.base_dir, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"pg_ctl promote of {self.name} failed with exit code {proc.returncode}: "
+                               f"{proc.stdout}{proc.stderr}")
+
     def dsn(self, dbname: str = "postgres", **extra: str) -> str:
         """libpq conninfo for ``dbname`` as superuser ``postgres``, plus ``extra`` keys."""
         params = {"host": "127.0.0.1", "port": str(self.port), "user": "postgres"}

@@ -36,9 +36,10 @@ class ChunkReader:
     """Reads ``source`` and decodes what it gives, a chunk at a time; see the module header."""
 
     def __init__(self, source: Source, chunk: int = 512, chunk_bytes: int = 8 << 20,
-                 system_id: str | None = None, money_text: Any = None) -> None:
+                 system_id: str | None = None, money_text: Any = None, timeline: int | None = None) -> None:
         self.source = source
         self.system_id = system_id  # the source's IDENTIFY_SYSTEM systemid, when it has one
+        self.timeline = timeline  # and its timeline
         self.money_text = money_text  # binary mode: how the source session prints money (target.binary.money_text)
         self.chunk = chunk
         self.chunk_bytes = chunk_bytes

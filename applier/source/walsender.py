@@ -128,11 +128,14 @@ class WalSender:
         return dict(zip(("systemid", "timeline", "xlogpos", "dbname"), row))
 
     def create_slot(self, slot: str, *, two_phase: bool = False, snapshot: str | None = None,
-                    temporary: bool = False) -> SlotInfo:
-        """CREATE_REPLICATION_SLOT … LOGICAL pgoutput; snapshot is 'export', 'use', 'nothing' or None."""
+                    temporary: bool = False, failover: bool = False) -> SlotInfo:
+        """CREATE_REPLICATION_SLOT … LOGICAL pgoutput; snapshot is 'export', 'use', 'nothing' or None; ``failover``
+        (PostgreSQL 17+: ``applier.source.failover.refusal`` says so before) a slot that standbys synchronize."""
         opts = []
         if two_phase:
             opts.append("TWO_PHASE")
+        if failover:
+            opts.append("FAILOVER")
         if snapshot is not None:
             opts.append(f"SNAPSHOT {quote_literal(snapshot)}")
         temp = " TEMPORARY" if temporary else ""
@@ -141,6 +144,10 @@ class WalSender:
             sql += " (" + ", ".join(opts) + ")"
         row = self.command(sql)[0]
         return SlotInfo(slot_name=row[0] or slot, consistent_point=LSN.parse(row[1] or "0/0"), snapshot_name=row[2])
+
+    def set_failover(self, slot: str) -> None:
+        """ALTER_REPLICATION_SLOT … (FAILOVER true) (PostgreSQL 17+; refused while another process streams from it)."""
+        self.command(f"ALTER_REPLICATION_SLOT {quote_ident(slot)} (FAILOVER true)")
 
     def drop_slot(self, slot: str, wait: bool = True) -> None:
         """DROP_REPLICATION_SLOT."""
@@ -348,8 +355,10 @@ def slot_lost(slot: str, sqlstate: bytes | None, message: str, detail: bytes | N
 
 # the slot's position and whether it was invalidated: wal_status 'lost' (its WAL removed), PostgreSQL 17+'s
 # invalidation_reason, 16's conflicting (columns a version lacks read as NULL through to_jsonb)
+# (and, last, 17+'s failover: 'true', 'false' or NULL before 17)
 SLOT_STATE = ("SELECT confirmed_flush_lsn::text, wal_status, to_jsonb(s) ->> 'invalidation_reason', "
-              "to_jsonb(s) ->> 'conflicting' FROM pg_replication_slots s WHERE slot_name = %s")
+              "to_jsonb(s) ->> 'conflicting', to_jsonb(s) ->> 'failover' FROM pg_replication_slots s "
+              "WHERE slot_name = %s")
 
 
 def slot_state(slot: str, row: Any, applied: LSN | None) -> LSN | None:
@@ -357,7 +366,7 @@ def slot_state(slot: str, row: Any, applied: LSN | None) -> LSN | None:
     known) if the slot does not exist or was invalidated."""
     if row is None:
         raise SlotLost(slot, "does not exist on the source (dropped)", None if applied is None else str(applied))
-    confirmed, wal_status, reason, conflicting = row
+    confirmed, wal_status, reason, conflicting = row[:4]
     if reason or wal_status == "lost" or conflicting in (True, "true"):
         why = reason or ("conflict with recovery" if conflicting in (True, "true") else "wal_removed")
         raise SlotLost(slot, f"was invalidated on the source ({why}: wal_status {wal_status or 'lost'})",

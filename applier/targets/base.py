@@ -449,18 +449,21 @@ class TargetBase:
     detects_origin = False  # *_origin_differs can be told here (PostgreSQL: track_commit_timestamp, origin set up)
     reorder_tables = False  # see ``RowWriter``
     pipelined = False  # see ``RowWriter``: set by ``pipeline`` (the engine), honoured where a target can
-    # the source this session applies from (``stream_from``): its system identifier and slot, recorded with each
-    # progress write; in binary mode money as the source session prints it (``applier.targets.binary.money_text``)
+    # the source this session applies from (``stream_from``): its system identifier, slot and timeline, recorded with
+    # each progress write; in binary mode money as the source session prints it (``applier.targets.binary.money_text``)
     source_system: str | None = None
     slot: str | None = None
+    timeline: int | None = None
     money_text: Converter | None = None
     _has_sync_tables: bool | None = None  # whether applier_sync_tables exists (asked once)
 
-    def stream_from(self, source_system: str | None, slot: str | None, money_text: Converter | None) -> None:
+    def stream_from(self, source_system: str | None, slot: str | None, money_text: Converter | None,
+                    timeline: int | None = None) -> None:
         """The source this session applies from (see ``Target``)."""
         self.source_system = source_system
         self.slot = slot
         self.money_text = money_text
+        self.timeline = timeline
 
     def pipeline(self, on: bool) -> None:
         """Let statements go out without waiting for their results, or not (see ``RowWriter``)."""
@@ -769,7 +772,8 @@ class TargetBase:
         """Record ``lsn`` as applied, in the open transaction, if the row is still where this session read it;
         ProgressMoved if another process moved it (the caller rolls back)."""
         read = self._next_lsn or self._read_lsn
-        self.cur.execute(self.sql.advance, [self.name, str(lsn), commit_time, self.source_system, self.slot, read])
+        self.cur.execute(self.sql.advance, [self.name, str(lsn), commit_time, self.source_system, self.slot,
+                                            self.timeline, read])
         if self.cur.rowcount != 1:
             raise self.progress_moved(read)
         self._next_lsn = str(lsn)

@@ -232,15 +232,17 @@ class Target(RowWriter, Transactions, ControlStore, TwoPhase, ConflictProbe, Cla
              Protocol):
     """A target of the engine: every role, and the session's own two.
 
-    - ``stream_from(source_system, slot, money_text)``: the source this session applies from, told once it is
-      known (after ``read_progress``, before the first change): the source cluster's system identifier and the
-      slot the LSNs come from are recorded with each ``write_progress`` (None: what the row holds stays), so
-      that another cluster or slot is refused later (``applier.engine.runner.check_progress_owner``); in binary
-      mode ``money_text`` reads money as the source session prints it, for the bindings made after.
+    - ``stream_from(source_system, slot, money_text, timeline)``: the source this session applies from, told once
+      it is known (after ``read_progress``, before the first change): the source cluster's system identifier, the
+      slot the LSNs come from and the source's timeline are recorded with each ``write_progress`` (None: what the
+      row holds stays), so that another cluster or slot is refused later and a new timeline is known for a
+      failover (``applier.engine.runner.check_progress_owner``); in binary mode ``money_text`` reads money as the
+      source session prints it, for the bindings made after.
     - ``close`` rolls back anything open, closes the connection and gives up the claim.
     """
 
-    def stream_from(self, source_system: str | None, slot: str | None, money_text: Converter | None) -> None: ...
+    def stream_from(self, source_system: str | None, slot: str | None, money_text: Converter | None,
+                    timeline: int | None = None) -> None: ...
     def close(self) -> None: ...
 
 

@@ -772,7 +772,8 @@ class PostgresTarget(TargetBase):
         enc = self._conn.info.encoding
         self._next_lsn = str(lsn)
         self._progress = ([None if v is None else str(v).encode(enc)
-                           for v in (self.name, lsn, commit_time, self.source_system, self.slot, self._read_lsn)],
+                           for v in (self.name, lsn, commit_time, self.source_system, self.slot, self.timeline,
+                                     self._read_lsn)],
                           clear_skip)
 
     def commit(self, source_lsn: LSN, commit_time: int | None = None) -> None:
