@@ -290,12 +290,13 @@ class TargetDb:
         return dict(zip(("state", "run", "slot", "consistent_point", "started_at", "finished_at"), rows[0]))
 
     def start_run(self, name: str, run: str, slot: str) -> None:
-        """Sync row to 'copying' with a new run id; forget the partitions of earlier runs and the tables joined
-        by ``sync --table`` (this copy copies every published table)."""
+        """Sync row to 'copying' with a new run id; forget the partitions of earlier runs, the tables joined
+        by ``sync --table`` and the changes held for them (this copy copies every published table)."""
         ph = self.ph
         self.transaction([
             (f"DELETE FROM applier_sync_parts WHERE name = {ph}", [name]),
             (f"DELETE FROM applier_sync_tables WHERE name = {ph}", [name]),
+            (f"DELETE FROM applier_held WHERE name = {ph}", [name]),
             (f"DELETE FROM applier_sync WHERE name = {ph}", [name]),
             (f"INSERT INTO applier_sync (name, state, run, slot, started_at) VALUES ({ph}, 'copying', {ph}, {ph}, {ph})",
              [name, run, slot, _now()]),
