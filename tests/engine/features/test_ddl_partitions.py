@@ -7,16 +7,16 @@ transaction: a row, CREATE TABLE p2 PARTITION OF parent, a row routed to p2, ALT
 default, a row, and an update of the first row. What a user checks afterwards: on PostgreSQL, p2 is a partition of
 the target's parent with the source's bound and every level has the new column; on SQLite, the tables the stream
 sends (and no other) hold what the source's hold, the column's default filled in as the source fills it.
-ATTACH PARTITION, which applier does not do itself, stops with one line saying what to do on the target, and the
+ATTACH and DETACH PARTITION, which applier does not do itself, stop with one line saying what to do on the target, and the
 stream goes on once the target holds the table as the source does.
 
 Without the change (capture describing only the command's own table, the follower taking every table as one of
-its own; checked: 14 of these 16 fail, the two SQLite leaf-mode ATTACH cases, where nothing changes, pass either
-way): on PostgreSQL p2 is made a plain table beside the parent and the apply stops when a row brings the new column
+its own; checked: 20 of these 24 fail, the four SQLite leaf-mode ATTACH/DETACH cases, where nothing changes, pass
+either way): on PostgreSQL p2 is made a plain table beside the parent and the apply stops when a row brings the new column
 to p1 (a partition takes no ADD COLUMN); via the root the row routed to p2 finds no partition; on SQLite the
 leaves' rows written before the column came keep NULL where the source has its default, and via the root a stray
-p2 table is made; the ATTACH is not noticed (via the root a PostgreSQL target's parent has no partition for x's
-rows; otherwise the target's parent lacks x's rows, or x's update is a missing row, silently).
+p2 table is made; ATTACH and DETACH are not noticed (via the root a PostgreSQL target's parent has no partition for x's
+rows; otherwise the target's parent lacks or keeps the table's rows, or an update is a missing row, silently).
 """
 
 from __future__ import annotations
@@ -125,3 +125,31 @@ def test_attach_partition_stops_until_the_target_holds_the_table_so(rig: Rig, vi
         rig.tgt_script("INSERT INTO parent SELECT * FROM x; DROP TABLE x")
     rig.catchup(**FOLLOW)
     assert content(rig, "parent") == content(rig, "parent", on_source=True)
+
+
+@pytest.mark.parametrize("via_root", [False, True], ids=["leaves", "via-root"])
+def test_detach_partition_stops_until_the_target_holds_the_table_so(rig: Rig, via_root: bool) -> None:
+    replica(rig, via_root)
+    rig.src("CREATE TABLE p2 PARTITION OF parent FOR VALUES FROM (10) TO (20); INSERT INTO parent VALUES (2, 12, 'b')")
+    rig.catchup(**FOLLOW)
+    rig.src("BEGIN; ALTER TABLE parent DETACH PARTITION p2; INSERT INTO p2 VALUES (3, 13, 'c');"
+            "UPDATE p2 SET v = 'b2' WHERE id = 2; COMMIT")
+    if rig.target is None and not via_root:  # p2 is sent as itself before and after: nothing on the target changes
+        rig.catchup(**FOLLOW)
+        assert content(rig, "p2") == content(rig, "p2", on_source=True) == [(2, 12, "b2"), (3, 13, "c")]
+        return
+    with pytest.raises(ApplyError) as stop:
+        rig.catchup(**FOLLOW)
+    line = str(stop.value)
+    assert "\n" not in line and "source table public.p2 was detached from partitioned table public.parent" in line
+    if rig.target is not None:
+        assert "run `ALTER TABLE public.parent DETACH PARTITION public.p2` on the target" in line, line
+        rig.tgt_script("ALTER TABLE parent DETACH PARTITION p2")
+    else:
+        assert "its rows are now sent as its own" in line and "make its target table with them" in line, line
+        rig.tgt_script(SQLITE_TABLE.format("p2") + "; INSERT INTO p2 SELECT * FROM parent WHERE k >= 10 AND k < 20;"
+                       "DELETE FROM parent WHERE k >= 10 AND k < 20")
+    rig.catchup(**FOLLOW)
+    for table in ("parent", "p2"):
+        assert content(rig, table) == content(rig, table, on_source=True), table
+    assert content(rig, "p2") == [(2, 12, "b2"), (3, 13, "c")]
