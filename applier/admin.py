@@ -201,12 +201,14 @@ def init(cfg: Config, new_slot: bool = False) -> list[str]:
             now = one_row(conn.execute("SELECT pg_current_wal_lsn()::text"))[0]
         raise SlotLost(slot, f"{lost.what}; a new slot would start at the source's position now ({now}), so the "
                              f"changes between {progress.lsn} and it would never reach the replica", str(progress.lsn))
+    system: str | None = None  # the source's system identifier, read when the slot is made
     if facts["slot"] is None or lost is not None:
         ws = WalSender(cfg.source["dsn"], connect_timeout=cfg.source["connect_timeout"])
         try:
             if lost is not None and facts["slot"] is not None:  # invalidated: nothing can stream from it again
                 ws.drop_slot(slot)
                 done.append(f"slot {slot!r}: dropped (it {lost.what})")
+            system = ws.identify_system()["systemid"]
             info = ws.create_slot(slot, two_phase=cfg.source["two_phase"], snapshot="export",
                                   failover=cfg.source["failover"])
             # while the walsender is open its snapshot is the slot's start: the tables' shapes as of there
@@ -238,6 +240,11 @@ def init(cfg: Config, new_slot: bool = False) -> list[str]:
                 given = failover.give_failover(cfg, ws, facts["slot"][5])
             if given is not None:
                 done.append(given[1])
+    if progress.lsn == 0 and progress.slot is None:
+        # the progress row says from here on that this target follows the slot (nothing applied yet: 0/0), as
+        # CREATE SUBSCRIPTION makes its origin; `applier sync --table` joins tables only to such a replica
+        with target_db(cfg) as conn:
+            conn.execute(_progress_sql(cfg).start, [cfg.apply["name"], system, slot])
     return done
 
 

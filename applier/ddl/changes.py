@@ -64,10 +64,15 @@ class Change:
 
 @dataclass(frozen=True, slots=True)
 class CreateTable(Change):
+    """A table created; ``parent``: as a partition (``table.partition_bound``) of this table's target table, which
+    is partitioned (a PostgreSQL target; the engine checks it)."""
+
+    parent: TableShape | None = None
     klass: ClassVar[DdlClass] = DdlClass.CREATE_TABLE
 
     def describe(self) -> str:
-        return f"create table {self.table.qualified} ({len(self.table.columns)} columns)"
+        what = f" as a partition of {self.parent.qualified}" if self.parent is not None else ""
+        return f"create table {self.table.qualified}{what} ({len(self.table.columns)} columns)"
 
 
 @dataclass(frozen=True, slots=True)

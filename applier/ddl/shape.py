@@ -60,7 +60,8 @@ class IndexShape:
 class TableShape:
     """A source table: OID, schema, name, relkind (``r``, ``p``), parent OID (a partition), columns in attnum order,
     primary key columns in key order, replica identity (``d``, ``n``, ``f``, ``i``) and its index, indexes by name;
-    ``captured``: described by capture (attnums, NOT NULL, defaults, indexes known) or not (a Relation message)."""
+    ``captured``: described by capture (attnums, NOT NULL, defaults, indexes known) or not (a Relation message);
+    a partition's bound and whether its rows are sent as its root's (``via_root``)."""
 
     oid: int
     schema: str
@@ -73,6 +74,19 @@ class TableShape:
     relkind: str = "r"
     parent: int | None = None
     captured: bool = True
+    partition_bound: str | None = None  # a partition's ``FOR VALUES …`` / ``DEFAULT``
+    via_root: bool | None = None  # a partition or partitioned table: sent as its root's (None: not said)
+
+    @property
+    def sent(self) -> bool:
+        """Whether pgoutput sends this table's rows under its own name: a plain table; a partition unless its
+        publication sends them as the root's (``publish_via_partition_root``); a partitioned table only as a root
+        sent so. Not said (a capture older than ``via_root``): as a plain table."""
+        if self.via_root is None:
+            return True
+        if self.relkind == "p":
+            return self.via_root and self.parent is None
+        return not self.via_root
 
     @property
     def qualified(self) -> str:
@@ -194,7 +208,8 @@ def _table(t: Mapping[str, Any], captured: bool | None) -> TableShape:
                                  columns=None if i.get("columns") is None else tuple(i["columns"]))
                       for i in t.get("indexes") or ()),
         relkind=str(t.get("relkind") or "r"), parent=None if t.get("parent") is None else int(t["parent"]),
-        captured=bool(t.get("captured", True)) if captured is None else captured)
+        captured=bool(t.get("captured", True)) if captured is None else captured,
+        partition_bound=t.get("partition_bound"), via_root=None if t.get("via_root") is None else bool(t["via_root"]))
 
 
 def from_relation(rel: Relation, types: Mapping[int, Type]) -> TableShape:

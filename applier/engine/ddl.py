@@ -166,22 +166,49 @@ class DdlFollower:
             if not u.publications:
                 log.info("source table %s is no longer published %s (%s): target table kept as it is", u.qualified,
                          where, cap.tag, extra={"lsn": lsn})
+        described = {t.oid: t for t in cap.tables}
+        carried: set[int] = set()  # tables of this message whose change went to their target table
+        for new in sorted(cap.tables, key=lambda t: _depth(t, described)):  # a partitioned table before its partitions
+            self.table(new, cap, lsn, where, carried)
         for new in cap.tables:
-            self.table(new, cap, lsn, where)
+            if new.relkind == "p" and new.via_root is not None:  # its partitions are all described: any other gone
+                self._detached(new, described, cap, lsn, where)
 
-    def table(self, new: TableShape, cap: Captured, lsn: LSN, where: str) -> None:
-        """Bring the target table of ``new`` (a table as the capture message describes it) to that shape."""
+    def table(self, new: TableShape, cap: Captured, lsn: LSN, where: str, carried: set[int] | None = None) -> None:
+        """Bring the target table of ``new`` (a table as the capture message describes it) to that shape.
+
+        Partitions (see the README's table): a partition of a table of the same message whose change went to a
+        target table it is a partition of has it already (PostgreSQL carried it down, as on the source); a table whose
+        rows are not sent under its own name (``TableShape.sent``) and has no target table is only remembered; a
+        partition created under a partitioned target table is created as its partition, with the source's bound."""
         old = self.shape(new.oid)
+        parent = None if new.parent is None else self.shape(new.parent)
+        carried = set() if carried is None else carried
         changes: list[Change] = []
+        if old is not None and old.parent != new.parent:
+            self._moved(old, new, cap, where)
         if old is not None:
-            try:
-                changes = diff(old, new)
-            except AmbiguousColumns as exc:  # known only from Relation messages: attnums unknown
-                raise ApplyError(f"{exc} {where}; source statement: {shown(cap.statement)}") from None
+            if parent is not None and parent.oid in carried and self.target.target_partition_of(new, parent):
+                carried.add(new.oid)  # its partitions too
+            elif not new.sent and not self.target.target_exists(new):
+                pass  # its rows come as its root's (or its partitions'): nothing on the target to change
+            else:
+                try:
+                    changes = diff(old, new)
+                except AmbiguousColumns as exc:  # known only from Relation messages: attnums unknown
+                    raise ApplyError(f"{exc} {where}; source statement: {shown(cap.statement)}") from None
+                carried.add(new.oid)
         elif not self.target.target_exists(new):
             if cap.tag.startswith("CREATE TABLE"):
-                changes = [CreateTable(new)]
-            elif self.new_table is not None:
+                if parent is not None and new.partition_bound and self.target.target_partitioned(parent):
+                    changes = [CreateTable(new, parent)]
+                elif new.sent:
+                    changes = [CreateTable(new)]
+                else:
+                    log.info("source table %s %s is not created on the target: its rows are sent as its root's "
+                             "(publish_via_partition_root) or its partitions'", new.qualified, where,
+                             extra={"lsn": lsn})
+            elif self.new_table is not None and new.sent:
                 self.new_table(new, lsn)
         for c in changes:
             self.change(c, cap, lsn, where)
@@ -189,6 +216,46 @@ class DdlFollower:
             self._keep(new, lsn)
         if changes:
             self.relmap.unbind(new.oid)
+
+    def _detached(self, parent: TableShape, described: Mapping[int, TableShape], cap: Captured, lsn: LSN,
+                  where: str) -> None:
+        """The partitions of ``parent`` known before and not described now: detached (ALTER TABLE … DETACH PARTITION);
+        each is a table of its own from here on."""
+        for oid in sorted(set(self.known) | set(self.pending)):
+            old = self.shape(oid)
+            if old is not None and old.parent == parent.oid and oid not in described:
+                new = replace(old, parent=None, partition_bound=None, via_root=None)
+                self._moved(old, new, cap, where)
+                self._keep(new, lsn)
+                self.relmap.unbind(oid)
+
+    def _moved(self, old: TableShape, new: TableShape, cap: Captured, where: str) -> None:
+        """A table attached to a partitioned table (``new.parent``) or detached from one (``old.parent``): an
+        ApplyError (the runner retries; the line says what to do on the target) until the target holds it as the
+        source now does; applier does not attach, detach or move rows between target tables itself."""
+        attached = new.parent is not None
+        oid = new.parent if attached else old.parent
+        parent = None if oid is None else self.shape(oid)
+        if parent is None:
+            return
+        head = (f"source table {new.qualified} was {'attached to' if attached else 'detached from'} partitioned table "
+                f"{parent.qualified} {where} (source statement: {shown(cap.statement)})")
+        if self.target.target_partitioned(parent):
+            if self.target.target_partition_of(new, parent) != attached:
+                todo = (f"ATTACH PARTITION {new.qualified} {new.partition_bound}" if attached
+                        else f"DETACH PARTITION {new.qualified}")
+                raise ApplyError(f"{head}: applier does not attach or detach partitions; run `ALTER TABLE "
+                                 f"{parent.qualified} {todo}` on the target (on their target tables), and the stream "
+                                 f"goes on")
+        elif old.sent != new.sent:
+            if attached and self.target.target_exists(old):
+                raise ApplyError(f"{head}: its rows are now sent as its root's (publish_via_partition_root), and "
+                                 f"applier does not move the rows of its target table into the root's: move them (and "
+                                 f"drop the table) on the target, and the stream goes on")
+            if not attached and not self.target.target_exists(new):
+                raise ApplyError(f"{head}: its rows are now sent as its own, and applier does not move them out of "
+                                 f"the root's target table: make its target table with them (taking them out of the "
+                                 f"root's) on the target, and the stream goes on")
 
     def change(self, c: Change, cap: Captured | None, lsn: LSN, where: str) -> None:
         """One change by its class's policy: written (apply), only logged (skip) or refused (error)."""
@@ -242,3 +309,12 @@ class DdlFollower:
             if renames:
                 self.relmap.unbind(rel.oid)
         self._keep(new, lsn)
+
+
+def _depth(t: TableShape, described: Mapping[int, TableShape]) -> int:
+    """How many of ``t``'s ancestors the same message describes (a partitioned table is handled before its
+    partitions)."""
+    depth, seen = 0, t
+    while seen.parent is not None and seen.parent in described and depth < len(described):
+        depth, seen = depth + 1, described[seen.parent]
+    return depth

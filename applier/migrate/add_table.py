@@ -2,7 +2,7 @@
 
 ``sync_tables(cfg, ["schema.table", ...])`` copies tables that were added to the
 publications (or whose publication was added to ``source.publications``) after
-the full ``applier sync``, and joins them to the stream without a gap or a
+the full ``applier sync`` (or ``applier init`` of a target made by pg_dump), and joins them to the stream without a gap or a
 double, while ``applier run`` keeps running or not:
 
 1. per table, in this order: its ``applier_sync_tables`` row set to 'init' (a
@@ -40,7 +40,9 @@ walsender's ``START_REPLICATION`` command in ``pg_stat_activity``): one started 
 publication was added to ``source.publications`` would pass S without the table's changes. When no
 applier streams, the command says which publications ``applier run`` must be started with.
 
-Refused, one line each: a target without a completed full sync, a two-phase
+Refused, one line each: a target that is no replica yet (neither a completed full sync nor the progress row
+``applier init`` writes: a target made by pg_dump, then init, is one) or whose full sync is interrupted or
+running, a two-phase
 config (a prepared transaction is applied before its commit LSN is known, so
 it cannot be placed against S; PostgreSQL's ``ALTER SUBSCRIPTION … REFRESH
 PUBLICATION`` refuses ``copy_data`` with ``two_phase`` too), a table that is
@@ -123,10 +125,10 @@ def _sync_tables(cfg: Config, names: list[str], force: bool, spark: Any, reporte
     target = TargetDb(cfg)
     claims: list[Held | None] = []
     try:
-        _need_done_sync(target, name)
+        _need_replica(target, name)
         tables = _published(cfg, names)
         claims = [_claim_copy(target, name, t) for t in tables]
-        _need_done_sync(target, name)  # again, claimed: a full sync that starts now sees the claims and stops
+        _need_replica(target, name)  # again, claimed: a full sync that starts now sees the claims and stops
         _check_streamed(cfg, tables, say)
         run = uuid.uuid4().hex
         for t in tables:
@@ -140,14 +142,20 @@ def _sync_tables(cfg: Config, names: list[str], force: bool, spark: Any, reporte
                 claim.release()
 
 
-def _need_done_sync(target: TargetDb, name: str) -> None:
-    """SyncError unless the full sync of ``name`` is done."""
+def _need_replica(target: TargetDb, name: str) -> None:
+    """SyncError unless the target is a replica for ``name`` that a joined table can follow: its full sync done, or
+    no sync at all and the progress row there (``applier init`` writes it: a target made by pg_dump, then init)."""
     state = target.sync_state(name)
-    if state is None or state["state"] != "done":
-        raise SyncError(f"`applier sync --table` adds tables to a replica that `applier sync` made, but for "
-                        f"apply.name {name!r} " + ("no sync has run" if state is None else
-                                                   f"the sync is {state['state']} (interrupted or running)")
-                        + ": run `applier sync` first (it copies every published table)")
+    if state is not None and state["state"] == "done":
+        return
+    if state is not None:
+        raise SyncError(f"`applier sync --table` adds tables to a replica, but for apply.name {name!r} the full sync "
+                        f"is {state['state']} (interrupted or running): let it end, or run `applier sync` again")
+    if not target.execute(target.backend.sql.select, [name]):
+        raise SyncError(f"`applier sync --table` adds tables to a replica, but for apply.name {name!r} this target "
+                        f"is none yet (no sync has run, and no progress row from `applier init`): run `applier sync` "
+                        f"first (it copies every published table), or `applier init` when the tables are on the "
+                        f"target already (made by pg_dump)")
 
 
 def _claim_copy(target: TargetDb, name: str, t: SourceTable) -> Held | None:

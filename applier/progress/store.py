@@ -50,6 +50,9 @@ class ProgressSQL(NamedTuple):
     upsert: str  # a copy's (``applier sync``): sets the position whatever it was, clears ``recopy_needed``
     advance: str  # the engine's: moves the position only from the one read (compare-and-set; see ``_sql``)
     set_recopy: str  # (name, lsn, why): follow from ``lsn``, the replica needs a re-copy (``applier init --new-slot``)
+    # (name, source_system, slot): the row of a replica ``applier init`` made, nothing applied yet (0/0); a row there
+    # already is kept. ``applier sync --table`` takes the row as the sign that the target follows the slot
+    start: str
     set_skip: str
     record_error: str
     clear_skip: str
@@ -108,6 +111,8 @@ def progress_sql(ph: str, has_sync_tables: str) -> ProgressSQL:
         advance=_upsert(ph, where=f" WHERE applier_progress.lsn = {ph}"),
         set_recopy=(f"INSERT INTO applier_progress (name, lsn, recopy_needed) VALUES ({ph}, {ph}, {ph}) "
                     f"ON CONFLICT (name) DO UPDATE SET lsn = excluded.lsn, recopy_needed = excluded.recopy_needed"),
+        start=(f"INSERT INTO applier_progress (name, lsn, source_system, slot, updated_at) "
+               f"VALUES ({ph}, '0/0', {ph}, {ph}, CURRENT_TIMESTAMP) ON CONFLICT (name) DO NOTHING"),
         # (name, error, at): the row may not exist yet (nothing applied)
         record_error=(f"INSERT INTO applier_progress (name, lsn, last_error, last_error_at) "
                       f"VALUES ({ph}, '0/0', {ph}, {ph}) ON CONFLICT (name) DO UPDATE SET "

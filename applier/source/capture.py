@@ -24,6 +24,9 @@ transaction::
      "tables": [{"oid": 16384, "schema": "public", "name": "t",
                  "relkind": "r",          -- r, p (partitioned); "parent": oid of a partition's parent or null
                  "parent": null,
+                 "partition_bound": null, -- a partition's "FOR VALUES ..." (or "DEFAULT"), else null
+                 "via_root": null,        -- a partition or partitioned table: whether a publication of it has
+                                          -- publish_via_partition_root (its rows are sent as the root's), else null
                  "columns": [{"attnum": 1, "name": "id", "type": "integer", "type_oid": 23,
                               "typmod": -1, "type_name": "pg_catalog.int4", "not_null": true,
                               "default": null, "identity": "", "generated": null}],
@@ -36,7 +39,10 @@ transaction::
      "unpublished": [{"oid": 16390, "schema": "public", "name": "u", "publications": ["q"]}]}
 
 Tables are described as they are AFTER the command; names are as the catalog
-has them (unquoted). A dropped table (``sql_drop``) is in ``dropped`` with an
+has them (unquoted). A command on a partitioned table (ALTER TABLE, ATTACH/DETACH PARTITION, CREATE INDEX)
+describes it and then each of its partitions, all levels (a partition detached is no longer among them).
+``partition_bound`` and ``via_root`` came within version 1 (a reader ignores keys it does not know; an older
+capture's documents lack them). A dropped table (``sql_drop``) is in ``dropped`` with an
 empty ``tables``. DROP INDEX (also CONCURRENTLY) describes the index's table
 after the drop in ``tables`` (an index dropped by another command's cascade is
 not). ``unpublished`` (optional: absent means empty) lists the tables, still
@@ -99,6 +105,9 @@ CREATE FUNCTION applier_ddl.describe(rel oid) RETURNS jsonb LANGUAGE sql STABLE 
   SELECT jsonb_build_object(
     'oid', c.oid::bigint, 'schema', n.nspname, 'name', c.relname, 'relkind', c.relkind,
     'parent', (SELECT i.inhparent::bigint FROM pg_inherits i WHERE i.inhrelid = c.oid AND c.relispartition LIMIT 1),
+    'partition_bound', CASE WHEN c.relispartition THEN pg_get_expr(c.relpartbound, c.oid) END,
+    'via_root', CASE WHEN c.relispartition OR c.relkind = 'p' THEN EXISTS (SELECT 1 FROM pg_publication p
+       WHERE p.pubviaroot AND p.pubname IN (SELECT applier_ddl.publications(c.oid))) END,
     'columns', COALESCE((SELECT jsonb_agg(jsonb_build_object(
          'attnum', a.attnum, 'name', a.attname, 'type', format_type(a.atttypid, a.atttypmod),
          'type_oid', a.atttypid::bigint, 'typmod', a.atttypmod,
@@ -147,7 +156,10 @@ BEGIN
         SELECT CASE WHEN c.relkind = 'i' OR c.relkind = 'I' THEN (SELECT indrelid FROM pg_index WHERE indexrelid = c.oid)
                     WHEN c.relkind IN ('r', 'p') THEN c.oid END
           INTO rel FROM pg_class c WHERE c.oid = cmd.objid;
-        rels := CASE WHEN rel IS NOT NULL AND applier_ddl.published(rel) THEN ARRAY[rel] ELSE '{}' END;
+        -- a partitioned table: its partitions too, as the command left them (their columns, indexes, parent)
+        rels := CASE WHEN rel IS NOT NULL AND applier_ddl.published(rel) THEN ARRAY[rel] || ARRAY(
+                  SELECT t.relid FROM pg_partition_tree(rel) t JOIN pg_class k ON k.oid = t.relid
+                   WHERE t.level > 0 AND k.relkind IN ('r', 'p') ORDER BY t.level, t.relid) ELSE '{}' END;
       ELSIF cmd.classid = 'pg_publication_rel'::regclass THEN
         rels := ARRAY(SELECT prrelid FROM pg_publication_rel WHERE oid = cmd.objid);
       ELSIF cmd.classid = 'pg_publication_namespace'::regclass THEN
@@ -316,13 +328,15 @@ def state(source: str | psycopg.Connection[Any]) -> CaptureState:
 
 
 def shapes(conn: psycopg.Connection[Any], oids: Sequence[int]) -> list[TableShape] | None:
-    """The shapes (``applier_ddl.describe``) of the tables ``oids`` as the connection's transaction snapshot sees
-    them, in OID order (a table not there is left out); None when capture is not installed in that snapshot.
+    """The shapes (``applier_ddl.describe``) of the tables ``oids`` and of the partitioned tables they are partitions
+    of, as the connection's transaction snapshot sees them, in OID order (a table not there is left out); None when
+    capture is not installed in that snapshot.
     psycopg.Error when they cannot be read (the functions dropped since the snapshot, an index that is gone)."""
     if not state(conn).installed:
         return None
-    rows = conn.execute("SELECT applier_ddl.describe(r)::text FROM unnest(%s::oid[]) AS r ORDER BY r",
-                        [list(oids)]).fetchall()
+    rows = conn.execute("SELECT applier_ddl.describe(r)::text FROM (SELECT unnest(%s::oid[]) AS r UNION SELECT "
+                        "pg_partition_ancestors(o) FROM unnest(%s::oid[]) AS o) AS t ORDER BY r",
+                        [list(oids), list(oids)]).fetchall()
     return [TableShape.from_json(str(text)) for (text,) in rows if text is not None]
 
 

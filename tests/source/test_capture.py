@@ -154,6 +154,31 @@ def test_partitions_created_under_for_all_tables_are_described_with_their_parent
     assert (part["name"], part["relkind"], part["parent"]) == ("m1", "r", parent["oid"])
 
 
+@pytest.mark.parametrize("via_root", [False, True])
+def test_a_command_on_a_partitioned_table_describes_its_partitions_with_their_bounds(db, via_root):
+    sql(db, f"CREATE PUBLICATION everything FOR ALL TABLES WITH (publish_via_partition_root = {via_root})")
+    sql(db, "CREATE TABLE m (id int, k int) PARTITION BY RANGE (k)")
+    sql(db, "CREATE TABLE m1 PARTITION OF m FOR VALUES FROM (0) TO (10) PARTITION BY LIST (id)")
+    sql(db, "CREATE TABLE m11 PARTITION OF m1 DEFAULT")
+    sql(db, "CREATE TABLE x (id int, k int, c int)")
+    sql(db, "ALTER TABLE m ADD COLUMN c int")
+    sql(db, "ALTER TABLE m ATTACH PARTITION x FOR VALUES FROM (10) TO (20)")
+    sql(db, "ALTER TABLE m DETACH PARTITION x")
+    add, attach, detach = documents(db)[-3:]
+    described = [(t["name"], t["relkind"], t["partition_bound"], t["via_root"], [c["name"] for c in t["columns"]])
+                 for t in add["tables"]]
+    assert described == [("m", "p", None, via_root, ["id", "k", "c"]),
+                         ("m1", "p", "FOR VALUES FROM (0) TO (10)", via_root, ["id", "k", "c"]),
+                         ("m11", "r", "DEFAULT", via_root, ["id", "k", "c"])]
+    assert [(t["name"], t["partition_bound"]) for t in attach["tables"]] == [
+        ("m", None), ("m1", "FOR VALUES FROM (0) TO (10)"), ("m11", "DEFAULT"),
+        ("x", "FOR VALUES FROM (10) TO (20)")]  # in OID order (the follower takes a parent before its partitions)
+    assert [t["name"] for t in detach["tables"]] == ["m", "m1", "m11"]  # x is gone from the tree
+    assert [shape.parse(json.dumps(d), LSN(1)).tables[-1].sent for d in (add, detach)] == [not via_root] * 2
+    plain = sql(db, "SELECT applier_ddl.describe('x'::regclass)::text")[0][0]
+    assert (json.loads(plain)["partition_bound"], json.loads(plain)["via_root"]) == (None, None)
+
+
 def columns(doc: dict, table: int = 0) -> list[tuple]:
     return [(c["attnum"], c["name"], c["type"], c["type_oid"], c["not_null"], c["default"], c["identity"],
              c["generated"]) for c in doc["tables"][table]["columns"]]

@@ -94,6 +94,21 @@ class DdlWriter:
                                 [qualified(*self.target_of(shape.schema, shape.name))]).fetchone()
         return bool(row and row[0])
 
+    def partitioned(self, shape: TableShape) -> bool:
+        """Whether the target table of ``shape`` is a partitioned table."""
+        row = self.conn.execute("SELECT EXISTS (SELECT 1 FROM pg_class WHERE oid = to_regclass(%s) AND relkind = 'p')",
+                                [qualified(*self.target_of(shape.schema, shape.name))]).fetchone()
+        return bool(row and row[0])
+
+    def partition_of(self, shape: TableShape, parent: TableShape) -> bool:
+        """Whether the target table of ``shape`` is a partition of the target table of ``parent``."""
+        row = self.conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE c.relispartition "
+            "AND i.inhrelid = to_regclass(%s) AND i.inhparent = to_regclass(%s))",
+            [qualified(*self.target_of(shape.schema, shape.name)),
+             qualified(*self.target_of(parent.schema, parent.name))]).fetchone()
+        return bool(row and row[0])
+
     def write(self, change: Change, lsn: LSN) -> None:
         """Write ``change`` in the open transaction; an ApplyError (FinalError) in one line when it fails."""
         schema, table = self.target_of(change.table.schema, change.table.name)
@@ -117,7 +132,7 @@ class DdlWriter:
         qt = qualified(schema, table)
         match change:
             case CreateTable():
-                self._create(change.table, schema, table, label, lsn)
+                self._create(change.table, schema, table, label, lsn, change.parent)
             case DropTable():
                 if self._exists(qt):
                     self._run(f"DROP TABLE {qt}")
@@ -173,7 +188,8 @@ class DdlWriter:
                      c.name, c.default)
         return out + (" NOT NULL" if c.not_null else "")
 
-    def _create(self, shape: TableShape, schema: str | None, table: str, label: str, lsn: LSN) -> None:
+    def _create(self, shape: TableShape, schema: str | None, table: str, label: str, lsn: LSN,
+                parent: TableShape | None = None) -> None:
         qt = qualified(schema, table)
         if self._exists(qt):
             have = [(str(r[0]), str(r[1])) for r in self.conn.execute(
@@ -188,6 +204,13 @@ class DdlWriter:
             return
         if schema:
             self._run(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")
+        if parent is not None and shape.partition_bound:
+            # a partition: columns, key and the parent's indexes come from the parent (as the source's did)
+            self._run(f"CREATE TABLE {qt} PARTITION OF {qualified(*self.target_of(parent.schema, parent.name))} "
+                      f"{shape.partition_bound}")
+            if shape.replica_identity != "d":
+                self._replica_identity(shape, qt)
+            return
         parts = [self._column(c, label, lsn) for c in shape.columns]
         if shape.primary_key:
             parts.append(self._primary_key(shape, schema))

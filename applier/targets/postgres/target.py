@@ -561,6 +561,14 @@ class PostgresTarget(TargetBase):
         """Whether the target table of source table ``shape`` exists (see ``SchemaWriter``)."""
         return DdlWriter(self.conn, self.table_map).exists(shape)
 
+    def target_partitioned(self, shape: TableShape) -> bool:
+        """Whether the target table of source table ``shape`` is a partitioned table (see ``SchemaWriter``)."""
+        return DdlWriter(self.conn, self.table_map).partitioned(shape)
+
+    def target_partition_of(self, shape: TableShape, parent: TableShape) -> bool:
+        """Whether the target table of ``shape`` is a partition of ``parent``'s (see ``SchemaWriter``)."""
+        return DdlWriter(self.conn, self.table_map).partition_of(shape, parent)
+
     def follow(self, rel: Relation, types: dict[int, Type], lsn: LSN, no_ddl: str | None = None) -> None:
         """Make the target table fit ``rel`` (see ``SchemaFollower``): ADD COLUMN with the source's type (format_type of a
         built-in type's OID and typmod, the same on every server; a user type by its Type message's name),

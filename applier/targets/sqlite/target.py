@@ -92,6 +92,14 @@ class SqliteTarget(TargetBase):
         """Whether the target table of source table ``shape`` exists."""
         return self.schema_writer.target_exists(shape)
 
+    def target_partitioned(self, shape: TableShape) -> bool:
+        """SQLite has no partitioned tables (see ``SchemaWriter``)."""
+        return False
+
+    def target_partition_of(self, shape: TableShape, parent: TableShape) -> bool:
+        """SQLite has no partitions (see ``SchemaWriter``)."""
+        return False
+
     def follow(self, rel: Relation, types: dict[int, Type], lsn: LSN, no_ddl: str | None = None) -> None:
         """Make the target table fit ``rel`` (see ``SchemaFollower``): ADD COLUMN with the mapped declared type
         (``applier.targets.sqlite.values.sqlite_declared``). A type change needs nothing and is never refused: SQLite holds

@@ -17,8 +17,10 @@ import random
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -27,7 +29,7 @@ from applier.admin import skip, status
 from applier.errors import ApplyError, FinalError
 from applier.lsn import LSN
 from applier.source import capture
-from tests.plugins.cli import applier_script, clean_env
+from tests.plugins.cli import clean_env
 
 from .conftest import Rig, run_cli
 from .test_observability import by_label, daemon, free_port, scrape_until
@@ -297,10 +299,35 @@ def test_without_capture_a_table_renamed_on_the_source_is_renamed_on_the_target(
     assert ddl_log(rig) == [("public.t2", "rename_table", "applied", "rename table public.t to public.t2")]
 
 
+WARM_RUN = ("import sys\n"
+            "from applier.cli.main import main\n"
+            "import applier.admin, applier.engine.heartbeat, applier.engine.runner\n"
+            "if sys.stdin.readline():\n"
+            "    sys.argv[0] = 'applier'\n"
+            "    main()\n")
+
+
+def warm_run(config: Path, err: Path) -> subprocess.Popen[bytes]:
+    """``applier run -c CONFIG`` as the script runs it (``applier.cli.main.main``) in a process of its own, its
+    modules imported before it is told to go (``go``): started while the one before it applies, it makes a round
+    of kill and restart cost a connect rather than an interpreter's start. Its stderr is appended to ``err``."""
+    with err.open("ab") as out:
+        return subprocess.Popen([sys.executable, "-c", WARM_RUN, "run", "-c", str(config)], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=out, env=clean_env(), start_new_session=True)
+
+
+def go(proc: subprocess.Popen[bytes]) -> None:
+    """Let a ``warm_run`` process run its command."""
+    assert proc.stdin is not None
+    proc.stdin.write(b"go\n")
+    proc.stdin.close()
+
+
 def test_sigkill_during_a_stream_of_ddl_and_dml_applies_each_transaction_once(cli_rig: Rig) -> None:
-    """`applier run` SIGKILLed five times while the source commits transactions that add, rename and retype
+    """`applier run` SIGKILLed ten times while the source commits transactions that add, rename and retype
     columns and create indexes between their rows: after a final catchup the target's columns and ordered rows
-    equal the source's (each DDL applied once: twice would stop on a column that exists)."""
+    equal the source's (each DDL applied once: twice would stop on a column that exists). Each kill lands once the
+    new process has applied something (the progress row moved), a random moment later, while the writer writes."""
     rig = cli_rig
     rig.both("CREATE TABLE t (id int PRIMARY KEY, v text)")
     rig.publish("t")
@@ -312,7 +339,7 @@ def test_sigkill_during_a_stream_of_ddl_and_dml_applies_each_transaction_once(cl
     def write() -> None:
         with psycopg.connect(rig.source.dsn, autocommit=True) as conn:
             i = 0
-            while not stop.is_set() and i < 400:
+            while not stop.is_set() and i < 2000:  # until the kills are over
                 i += 1
                 with conn.transaction():
                     conn.execute("INSERT INTO t (id, v) VALUES (%s, %s)", [i, f"r{i}"])
@@ -325,22 +352,40 @@ def test_sigkill_during_a_stream_of_ddl_and_dml_applies_each_transaction_once(cl
                     elif i % 10 == 3 and i > 20:
                         conn.execute(f"CREATE INDEX ix{i} ON t (d{i - 13})")
                     conn.execute("UPDATE t SET v = v || '+' WHERE id = %s", [i - 1])
-                time.sleep(0.01)
+                time.sleep(0.02)
 
     writer = threading.Thread(target=write)
     writer.start()
     err = rig.tmp / "run.err"
+    started: list[subprocess.Popen[bytes]] = []  # killed at the end if still there (the test failed)
+
+    def warm() -> subprocess.Popen[bytes]:
+        started.append(warm_run(config, err))
+        return started[-1]
+
+    ready = [warm(), warm()]
     try:
-        for _ in range(5):
-            with err.open("ab") as out:
-                proc = subprocess.Popen([applier_script(), "run", "-c", str(config)], stdout=subprocess.DEVNULL,
-                                        stderr=out, stdin=subprocess.DEVNULL, env=clean_env(), start_new_session=True)
-            time.sleep(random.uniform(0.8, 2.0))
+        for kill in range(10):
+            seen = rig.progress_lsn()
+            proc = ready.pop(0)
+            go(proc)
+            if kill < 8:
+                ready.append(warm())  # the next ones import while this one applies
+            deadline = time.monotonic() + 60
+            while rig.progress_lsn() == seen:  # polled: the kill comes as soon as this process applies
+                assert proc.poll() is None and time.monotonic() < deadline, f"kill {kill}: " + err.read_text()
+                time.sleep(0.02)
+            time.sleep(random.uniform(0, 0.2))
+            assert writer.is_alive(), f"kill {kill}: the writer ended before it"
             proc.send_signal(signal.SIGKILL)
             proc.wait(30)
     finally:
         stop.set()
         writer.join(60)
+        for left in started:
+            if left.poll() is None:
+                left.kill()
+                left.wait(30)
     r = run_cli("catchup", "-c", str(config))
     assert r.returncode == 0, r.stderr + err.read_text()
     assert target_columns(rig) == source_columns(rig, "t")
