@@ -147,6 +147,7 @@ class TickWriter(threading.Thread):
         self.dsn = dsn
         self.halt = threading.Event()
         self.next_id = BIG_ROWS + 1
+        self.big = threading.Event()  # big exists: write to it too
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -155,9 +156,10 @@ class TickWriter(threading.Thread):
                 while not self.halt.is_set():
                     with conn.transaction():
                         conn.execute("INSERT INTO tick (at) VALUES (extract(epoch FROM clock_timestamp()))")
-                        conn.execute("INSERT INTO big VALUES (%s, 'new')", [self.next_id])
-                        conn.execute("UPDATE big SET note = note || '+' WHERE id = %s", [self.next_id // 2])
-                    self.next_id += 1
+                        if self.big.is_set():
+                            conn.execute("INSERT INTO big VALUES (%s, 'new')", [self.next_id])
+                            conn.execute("UPDATE big SET note = note || '+' WHERE id = %s", [self.next_id // 2])
+                            self.next_id += 1
                     time.sleep(0.02)
         except BaseException as exc:  # noqa: BLE001 - reported by stop()
             self.error = exc
@@ -179,22 +181,31 @@ def tick_lag(src: ScratchDb, target_url: str) -> float:
     return float(now) - float(newest or 0)
 
 
-@pytest.mark.parametrize(("version", "target_kind"), [(15, "sqlite"), (18, "postgresql")],
-                         ids=["pg15-sqlite", "pg18-postgresql"])
+@pytest.mark.parametrize(("version", "target_kind", "how"), [
+    (15, "sqlite", "added"), (18, "postgresql", "added"), (18, "sqlite", "FOR ALL TABLES"),
+    (15, "postgresql", "FOR TABLES IN SCHEMA public")], ids=["pg15-sqlite-added", "pg18-postgresql-added",
+                                                           "pg18-sqlite-all-tables", "pg15-postgresql-in-schema"])
 def test_other_tables_keep_flowing_while_a_100k_row_table_joins(
-        version: int, target_kind: str, pg_clusters: ClusterPool, newest_target: Any, tmp_path: Path) -> None:
-    """A table of 100,000 rows added to the publication while a writer commits to it and to another table: the
-    other table's lag stays under 2 seconds for the whole copy (its changes are not held behind the copy), the
-    joining table's changes made meanwhile are held on the target and applied once its copy is ready, and both
-    end equal to the source, each row once."""
+        version: int, target_kind: str, how: str, pg_clusters: ClusterPool, newest_target: Any,
+        tmp_path: Path) -> None:
+    """A table that starts to be published while a writer commits to it and to another table (one of 100,000 rows
+    added to the publication, or one created and filled in a FOR ALL TABLES or TABLES IN SCHEMA publication,
+    without DDL capture): the other table's lag stays under 2 seconds from the new table's first change to the end of its
+    copy (its changes are not held behind the copy), the new table's changes are held on the target meanwhile and
+    applied once its copy is ready (those before the copy's snapshot skipped), and both end equal to the source,
+    each row once."""
     with contextlib.ExitStack() as stack:
         src = stack.enter_context(scratch_db(pg_clusters.get(find_install(version), "source"), "src"))
         target_url = (f"sqlite:///{tmp_path / 'replica.db'}" if target_kind == "sqlite"
                       else stack.enter_context(scratch_db(newest_target, "tgt")).url)
+        # added: 100,000 rows copied; created: a table of 1,000 rows made by one transaction in the stream (not
+        # larger: a transaction is applied in commit order, however large, so the other tables would wait for it)
+        rows = BIG_ROWS if how == "added" else 1000
+        make_big = ("CREATE TABLE big (id int PRIMARY KEY, note text NOT NULL);"
+                    f"INSERT INTO big SELECT g, repeat('x', 100) FROM generate_series(1, {rows}) g;")
         src.cluster.execute("CREATE TABLE tick (id serial PRIMARY KEY, at float8 NOT NULL);"
-                            "CREATE TABLE big (id int PRIMARY KEY, note text NOT NULL);"
-                            f"INSERT INTO big SELECT g, repeat('x', 100) FROM generate_series(1, {BIG_ROWS}) g;"
-                            "CREATE PUBLICATION pub FOR TABLE tick;", src.dbname)
+                            + (make_big + "CREATE PUBLICATION pub FOR TABLE tick;" if how == "added"
+                               else f"CREATE PUBLICATION pub {how};"), src.dbname)
         cfg_file = config_file(tmp_path / "applier.toml", src, target_url, tmp_path / "work", "sync")
         target_exec(target_url, "CREATE TABLE tick (id int PRIMARY KEY, at float8 NOT NULL)")  # as pg_dump makes it
         first = cli("init", "-c", str(cfg_file))
@@ -202,11 +213,15 @@ def test_other_tables_keep_flowing_while_a_100k_row_table_joins(
         log = tmp_path / "daemon.log"
         daemon = start_daemon(cfg_file, log)
         writer = TickWriter(src.dsn)
+        writer.next_id = rows + 1
+        if how == "added":
+            writer.big.set()
         writer.start()
         lags: list[float] = []
         try:
             wait_for("the daemon to follow", lambda: tick_lag(src, target_url) < 1.0)
-            src.cluster.execute("ALTER PUBLICATION pub ADD TABLE big", src.dbname)
+            src.cluster.execute("ALTER PUBLICATION pub ADD TABLE big" if how == "added" else make_big, src.dbname)
+            writer.big.set()
             while sync_state(target_url, "big") != "ready":  # from its first change to the end of its copy
                 lags.append(tick_lag(src, target_url))
                 assert daemon.poll() is None, log.read_text()
