@@ -92,7 +92,7 @@ class Steady(Bench):
         wanted = {"native": True, "applier_pg": True, "applier_sqlite": args.sqlite, "applier_pure": args.pure}
         self.lag_consumers = {c: label for c, label in CONSUMERS.items() if wanted[c]}
 
-    def processes(self, c: str, slot: str, dbname: str, sub: str, daemon: C.ApplierDaemon | None) -> dict[str, set[int]]:
+    def processes(self, slot: str, dbname: str, sub: str, daemon: C.ApplierDaemon | None) -> dict[str, set[int]]:
         """The consumer's processes by part: ``process`` (applier, or the native apply worker), ``backend``
         (applier's target backends) and ``walsender`` (the source's, for its slot)."""
         wal = {r[0] for r in self.src.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s"
@@ -107,14 +107,14 @@ class Steady(Bench):
         return {"process": {daemon.proc.pid}, "backend": {r[0] for r in rows}, "walsender": wal}
 
     def window_start(self, c: str, slot: str, dbname: str, sub: str, daemon: C.ApplierDaemon | None) -> Any:
-        procs = self.processes(c, slot, dbname, sub, daemon)
-        return (c, slot, dbname, sub, daemon, {p: cpu_s(p) for pids in procs.values() for p in pids})
+        procs = self.processes(slot, dbname, sub, daemon)
+        return (slot, dbname, sub, daemon, {p: cpu_s(p) for pids in procs.values() for p in pids})
 
     def window_end(self, window: Any) -> dict[str, Any]:
         """CPU seconds of each part since ``window_start``: a process that started meanwhile counts whole,
         one that is gone cannot be read (named in ``gone``)."""
-        c, slot, dbname, sub, daemon, before = window
-        procs = self.processes(c, slot, dbname, sub, daemon)
+        slot, dbname, sub, daemon, before = window
+        procs = self.processes(slot, dbname, sub, daemon)
         gone = [p for p in before if all(p not in pids for pids in procs.values())]
         cpu = {}
         for part, pids in procs.items():
