@@ -622,11 +622,12 @@ def wait_matching(read: Callable[[], list[tuple[int, ...]]], expected: list[tupl
 class ApplierDaemon:
     """``applier run -c config`` as a child process, stopped with SIGTERM."""
 
-    def __init__(self, config: Path, log_dir: Path) -> None:
+    def __init__(self, config: Path, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        """``env``: variables added to the child's (PG*/APPLIER_* are not passed on from this process)."""
         self.err_path = log_dir / f"{config.stem}.err"
         with open(log_dir / f"{config.stem}.out", "wb") as out, open(self.err_path, "wb") as err:
             self.proc = subprocess.Popen([*applier_argv(), "run", "-c", str(config)], stdin=subprocess.DEVNULL,
-                                         stdout=out, stderr=err, env=client_env())
+                                         stdout=out, stderr=err, env={**client_env(), **(env or {})})
 
     def stderr_tail(self) -> str:
         return " ".join(self.err_path.read_text(errors="replace").split())[-700:]

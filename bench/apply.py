@@ -60,6 +60,7 @@ from applier.text import one_line as _one_line
 POLL_S = 0.01
 LAG_INTERVAL_S = 0.1  # W7: one lag sample every 100 ms
 LAG_CONSUMERS = {"native": "native subscription", "applier_pg": "applier run > PG", "applier_sqlite": "applier run > SQLite"}
+PURE_ENV = {"APPLIER_PURE_PYTHON": "1"}  # a consumer whose name ends in "_pure" runs the pure-Python row path
 SNAPSHOT_ENV = "BENCH_APPLIER_SNAPSHOT"
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -187,6 +188,7 @@ class Bench:
         self.version_num = C.server_version_num(src)
         self.retry_interval = C.setting_seconds(dst, "wal_retrieve_retry_interval")
         self.last_enable = -1e9
+        self.lag_consumers = LAG_CONSUMERS  # W7's consumers, one run each per rate (bench/steady.py picks its own)
 
     # -- targets --------------------------------------------------------------------------------------
 
@@ -401,7 +403,7 @@ class Bench:
                                "tables": [t.name for t in w.tables], "interval_s": LAG_INTERVAL_S, "rates": {}}
         for rate in w.params["rates"]:
             runs: dict[str, Any] = {}
-            for c in LAG_CONSUMERS:
+            for c in self.lag_consumers:
                 try:
                     runs[c] = self._lag_run(w, wdir, rate, c, tz)
                 except Exception as exc:  # noqa: BLE001 - one consumer failing must not stop the others
@@ -455,13 +457,14 @@ class Bench:
                 self.last_enable = time.monotonic()
                 check = C.native_check(dst, dbname, sub)
             else:
-                daemon = C.ApplierDaemon(cfg, wdir)
+                daemon = C.ApplierDaemon(cfg, wdir, PURE_ENV if c.endswith("_pure") else None)
                 cleanup.append(daemon.kill)
                 check = daemon.check
             started_s = C.wait_streaming(src, slot, 120.0, check)
 
             floor_lsn = LSN.parse(src.execute("SELECT pg_current_wal_lsn()::text")[0][0])
             floor_time = time.time()
+            window = self.window_start(c, slot, dbname, sub, daemon)
             out_path = wdir / f"pgbench_{rate}_{c}.out"
             with open(out_path, "wb") as out:
                 pgbench = subprocess.Popen(w.pgbench_argv(src, rate), stdin=subprocess.DEVNULL, stdout=out,
@@ -480,6 +483,7 @@ class Bench:
             read = ((lambda: C.sqlite_checksum(path, checks)) if c == "applier_sqlite"
                     else (lambda: C.pg_checksum(dst, dbname, checks)))
             drain_s, matches = C.wait_matching(read, expected, probe, self.args.timeout, check)
+            window_res = self.window_end(window)
             after = (C.checkpoint_count(src), C.checkpoint_count(dst))
             out_res: dict[str, Any] = {
                 "pgbench": {**w.parse_pgbench(text), "rate": rate, "clients": w.clients(rate)},
@@ -487,7 +491,7 @@ class Bench:
                 "seconds": lag_stats([x for _t, _b, x in samples]),
                 "samples": len(samples), "started_s": started_s, "drain_s": drain_s, "target_matches": matches,
                 "checkpoints_during": (after[0] - before[0]) + (after[1] - before[1]),
-                "series": [list(x) for x in samples],
+                "series": [list(x) for x in samples], **window_res,
             }
             if daemon is not None:
                 code, rss = daemon.stop()
@@ -497,7 +501,7 @@ class Bench:
             else:
                 dst.execute(sql.SQL("ALTER SUBSCRIPTION {} DISABLE").format(sql.Identifier(sub)), dbname)
             b, x = out_res["bytes"], out_res["seconds"]
-            log(f"  {rate:,}/s {LAG_CONSUMERS[c]:<22} lag p50/p99/max {b['p50']:,}/{b['p99']:,}/{b['max']:,} bytes, "
+            log(f"  {rate:,}/s {self.lag_consumers[c]:<22} lag p50/p99/max {b['p50']:,}/{b['p99']:,}/{b['max']:,} bytes, "
                 f"{x['p50']:.3f}/{x['p99']:.3f}/{x['max']:.3f} s; {out_res['pgbench'].get('tps') or 0:,.0f} tps; "
                 f"drained in {drain_s:.2f} s{'' if matches else '  TARGET DIFFERS'}")
             return out_res
@@ -507,6 +511,16 @@ class Bench:
                     step()
                 except Exception as exc:  # noqa: BLE001 - clean up what can be
                     log(f"  clean-up: {one_line(exc)}")
+
+
+    def window_start(self, c: str, slot: str, dbname: str, sub: str, daemon: C.ApplierDaemon | None) -> Any:
+        """Called when consumer ``c`` streams, just before pgbench starts; what it returns goes to ``window_end``.
+        Nothing here; bench/steady.py reads the consumers' CPU time."""
+        return None
+
+    def window_end(self, window: Any) -> dict[str, Any]:
+        """Called once the target matches the source after pgbench; its items join the run's result."""
+        return {}
 
 
 def lag_stats(values: list[Any]) -> dict[str, Any]:
