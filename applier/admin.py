@@ -325,7 +325,9 @@ def skip(cfg: Config, lsn: LSN) -> str:
     check_target(cfg)
     progress = read_progress(cfg)
     applied = progress.lsn
-    if lsn < applied:
+    with target_db(cfg) as conn:  # a transaction held for a table being copied is applied later: skippable
+        held = conn.execute(_progress_sql(cfg).held_at, [cfg.apply["name"], str(lsn)]).fetchone() is not None
+    if lsn < applied and not held:
         raise ConfigError(f"--lsn {lsn}: the target is already at {applied}, so the transaction finished at {lsn} "
                           f"was applied (or skipped) before; only a transaction not yet applied can be skipped")
     with source_connect(cfg) as conn:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -68,7 +68,7 @@ from applier.decoder.pgoutput import decode_message
 from applier.engine.batch import Batch
 from applier.engine.conflicts import DEFAULT_POLICIES, Change, Resolver
 from applier.engine.ddl import DdlFollower
-from applier.engine.holding import transaction_of, truncate_of
+from applier.engine.holding import meta_key, transaction_of, truncate_of
 from applier.engine.joingate import JoinGate, Place
 from applier.engine.newtables import NewTables
 from applier.engine.relation import RawMessage, RelationMap
@@ -85,6 +85,7 @@ from applier.text import one_line
 log = logging.getLogger("applier.engine")
 
 BATCH_ROWS = 2000
+DRAIN_ROWS = 200  # held rows applied per target transaction (the source is read between two)
 
 
 class ApplyEngine:
@@ -143,7 +144,7 @@ class ApplyEngine:
         self.stats = Stats()
         # the open target transaction (group)
         self.group_open = False
-        self.group_end = LSN(0)
+        self.group_end = applied  # a group with no source transaction in it (``advance``, ``drain``) keeps it
         self.group_time: int | None = None
         self.group_started = 0.0
         self.group_rows_n = 0
@@ -348,8 +349,8 @@ class ApplyEngine:
         """Cache the relation; a new message for a known OID replaces it and re-reads the target."""
         if m.oid in self.bindings:
             self.flush_batch()  # what was queued under the old binding goes first
-        if self.ddl is not None and self.txn is not None:
-            self.ddl.relation(m, self.relmap.types, self.txn, self.ensure_group)
+        if self.ddl is not None and self.txn is not None and m.oid not in self.holding.tables:  # (a held table's:
+            self.ddl.relation(m, self.relmap.types, self.txn, self.ensure_group)  # followed when it is drained)
         self.relmap.add_relation(m, self.raw_message)
 
     def handle_type(self, m: Type) -> None:
@@ -449,7 +450,7 @@ class ApplyEngine:
             b = None if oid in self.holding.tables and not txn.prepared else self.binding(oid)
             place = Place.HOLD if b is None else Place.APPLY if b.join is None else self.gate.place(b, txn)
             if place is Place.HOLD:  # a table being copied: its part of the TRUNCATE is held
-                self.holding.hold(oid, txn, False, truncate_of(oid, m.cascade, m.restart_identity), self.ensure_group)
+                self.holding.hold(oid, txn, False, truncate_of(oid, m.restart_identity), self.ensure_group)
             elif place is Place.APPLY:
                 assert b is not None
                 bs.append(b)
@@ -623,45 +624,83 @@ class ApplyEngine:
             leave.add(oid)
         return frozenset(leave)
 
-    def poll_held(self) -> None:
-        """Between transactions: apply the held changes of each table whose copy is now ready (``JoinGate.poll``)."""
+    def poll_held(self) -> bool:
+        """Between transactions: apply held changes of each table whose copy is now ready (``JoinGate.poll``), a
+        step each (``drain``); True while a drain has more to apply (poll again at once, after a commit)."""
+        more = False
         for oid in self.gate.poll():
-            self.drain(oid)
+            more = self.drain(oid) or more
+        return more
 
-    def drain(self, oid: int) -> None:
-        """Apply the held changes of table ``oid`` (its copy is ready) in the order they were held, each with its
-        source transaction's commit LSN (the join gate skips those in the copy), and delete them, in the open
-        group (opened if none is)."""
+    def drain(self, oid: int, limit: int = DRAIN_ROWS) -> bool:
+        """Apply the first ``limit`` held rows of table ``oid`` (its copy is ready) in the order they were held,
+        each with its source transaction's commit LSN (the join gate skips those in the copy; `applier skip --lsn`
+        skips one), and delete them, in the open group (opened if none is). True if more remain: the table stays
+        held, its new changes after them."""
         assert self.txn is None and self.stream_xid is None
-        t = self.holding.drained(oid)
+        t = self.holding.tables.pop(oid)  # its held changes are applied now, not held again
         join = self.target.table_join(t.schema, t.table)
-        self.draining = (oid, join[1] if join is not None and join[1] is not None else LSN(0))
+        at = join[1] if join is not None and join[1] is not None else LSN(0)
         self.flush_batch()
         self.ensure_group()
-        first = last = None
+        self.group_end = LSN(max(self.group_end, self.applied))  # the position stays where it is
+        if not t.draining and self.ddl is not None:
+            self.ddl.reread()  # the copy kept the table's shape at its snapshot
+        t.draining = True
+        rows = self.target.held_changes(oid, limit)
+        skipped = applied = 0
         rows_before = self.stats.rows
+        self.draining = (oid, at)
         try:
-            for lsn, xid, commit_time, changes in self.target.held_changes(oid):
-                txn = self.txn = transaction_of(lsn, xid, commit_time)
-                with rolled_back_on_error(self.abort_group, partial(_held_failed, t.qualified, txn)):
-                    self.replay_isolated(changes)
-                first, last = first or lsn, lsn
+            with self.relmap.isolated():
+                for _id, lsn, xid, commit_time, changes in rows:
+                    if self.skip_lsn is not None and lsn == self.skip_lsn:
+                        log.warning("skipping the held transaction of table %s finished at %s, as asked by `applier "
+                                    "skip`", t.qualified, lsn, extra={"lsn": lsn})
+                        self.group_clears_skip = True
+                        skipped += 1
+                        continue
+                    txn = self.txn = transaction_of(lsn, xid, commit_time)
+                    with rolled_back_on_error(self.abort_group, partial(_held_failed, t.qualified, txn)):
+                        self.replay(self.unseen(changes))
+                        self.flush_batch()
+                    applied += 1
+        except BaseException:
+            self.holding.tables[oid] = t  # held still: the session ends, the next one starts again from the target
+            raise
         finally:
             self.txn = None
             self.draining = None
+        if skipped:
+            self.skip_lsn = None
+        if rows:
+            with rolled_back_on_error(self.abort_group, lambda exc: ApplyError(
+                    f"deleting the held changes of table {t.qualified} failed: {one_line(exc)}")):
+                self.target.forget_held(oid, rows[-1][0])
+            log.info("table %s: its copy is ready; %d held rows applied (%d rows of source transactions %s to %s; "
+                     "those committed before the copy's snapshot %s skipped, in the copy)", t.qualified, len(rows),
+                     self.stats.rows - rows_before, rows[0][1], rows[-1][1], at)
+        if len(rows) == limit:
+            self.holding.tables[oid] = t
+            return True
         self.relmap.unbind(oid)  # bound again at its next change: 'ready', the stream's
-        with rolled_back_on_error(self.abort_group, lambda exc: ApplyError(
-                f"deleting the held changes of table {t.qualified} failed: {one_line(exc)}")):
-            self.target.forget_held(oid)
-        if first is not None:
-            log.info("table %s: its copy is ready; the changes held meanwhile are applied (%d rows of source "
-                     "transactions %s to %s; those committed before the copy's snapshot skipped, in the copy)",
-                     t.qualified, self.stats.rows - rows_before, first, last)
+        log.info("table %s: its copy is ready; the changes held meanwhile are applied", t.qualified)
+        return False
+
+    def unseen(self, changes: bytes) -> Iterator[tuple[bool, bytes]]:
+        """The records of a held row but the Relation and Type messages the relation cache has already (every row
+        starts with them: replayed again, each would make the table be bound again)."""
+        meta = self.relmap.meta_raw
+        for in_stream, raw in records(changes):
+            key = meta_key(in_stream, raw)
+            if key is None or meta.get(key) != (in_stream, raw):
+                yield in_stream, raw
 
 
 def _held_failed(table: str, txn: SourceTxn, exc: BaseException) -> ApplyError:
     return ApplyError(f"applying the changes of table {table} held while it was copied (transaction {txn.xid} "
-                      f"finished at {txn.final_lsn}) failed: {one_line(exc)}")
+                      f"finished at {txn.final_lsn}) failed: {one_line(exc)}; `applier skip --lsn {txn.final_lsn}` "
+                      f"skips that transaction's changes of the table")
 
 
 _SPOOLED_IN_PREPARE = frozenset({Insert, Update, Delete, Truncate, Relation, Type, Message})

@@ -120,6 +120,11 @@ class DdlFollower:
             self._known = None
             self.pending.clear()
 
+    def reread(self) -> None:
+        """The shapes on the target were written by another process (``applier sync --table`` keeps a copied
+        table's shape at its snapshot): read them again at next use."""
+        self._known = None
+
     def finished(self, xid: int) -> None:
         """COMMIT or ROLLBACK PREPARED of ``xid`` on the target: the shapes it wrote, if any, are decided; read
         again at next use."""

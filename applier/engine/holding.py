@@ -7,20 +7,23 @@ snapshot S not taken, or the change committed at or after S) are *held*: appende
 (``applier.engine.spool``) to a buffer per table, written as an ``applier_held`` row (migration 0007) in the target
 transaction of their source transaction, with its progress. Once the table's row is 'ready' the engine applies
 them (``ApplyEngine.drain``) in the order they were written, which is commit order, each with its source
-transaction's commit LSN, so the join gate skips those committed before S (they are in the copy); then it deletes
-them, in that same target transaction.
+transaction's commit LSN, so the join gate skips those committed before S (they are in the copy), a few hundred
+rows per target transaction, deleting those it applied in the same one; the table stays held (its new changes
+go after the rest) until none is left.
 
-Each held transaction's records start with the Relation message of its table and every Type message known
-(binary mode needs them), so it is replayed with its own relation cache (``RelationMap.isolated``) as the schema
-was when it was received; a later Relation message of the table inside the transaction is held too.
+Each row's records start with every Type message known and the Relation message of its table, and both are
+written again when the table's Relation message changes inside the transaction, so a row is replayed with a
+relation cache of its own (``RelationMap.isolated``) as the schema was when it was received. A TRUNCATE of the
+table with others is held as a TRUNCATE of the table alone, without CASCADE (applied later, CASCADE would reach
+the tables the stream has written since).
 
 Invariants:
-- once a table has held changes, every later change of it is held (``holds``) until they are drained: no change
+- once a table has held changes, every later change of it is held (``tables``) until they are drained: no change
   of the table is applied before one held earlier;
 - held rows are written only in the open group, after the changes of the transaction before them; a group rolled
   back takes them with it (``rolled_back`` forgets the buffers), and the stream sends them again;
-- a session starts with the tables the target holds changes of (``load``): a restart between hold and drain loses
-  and doubles nothing.
+- a session starts with the tables the target holds changes of (``load``): a restart between hold and drain, or
+  between two steps of a drain, loses and doubles nothing.
 
 State: on the object, per session (the engine's).
 """
@@ -47,13 +50,13 @@ CHUNK_BYTES = 4 << 20
 @dataclass
 class HeldTable:
     """A table whose changes are held: its source name, the buffer of the transaction in hand, the Relation
-    message last held in it, the applier_held rows written (this session, or found on the target at its start)."""
+    message last held in it, whether its drain has begun (``ApplyEngine.drain``), the dead copy said."""
 
     schema: str
     table: str
     buf: bytearray = field(default_factory=bytearray)
     relation: bytes | None = None  # the Relation message heading ``buf`` (or held in it last)
-    rows: int = 0
+    draining: bool = False
     said_dead: str | None = None  # the copy found dead, said once
 
     @property
@@ -75,13 +78,9 @@ class Holding:
     def load(self) -> None:
         """The tables the target holds changes of (a session's start)."""
         for oid, schema, table, n in self.target.held_tables():
-            self.tables[oid] = HeldTable(schema, table, rows=n)
+            self.tables[oid] = HeldTable(schema, table)
             log.info("table %s.%s: %d source transactions held on the target for its copy (applier_held); "
                      "applied once its copy is ready", schema, table, n)
-
-    def holds(self, oid: int) -> bool:
-        """Whether changes of ``oid`` are held (every change of it is, until drained)."""
-        return oid in self.tables
 
     def start(self, oid: int, schema: str, table: str, why: str) -> None:
         """Hold the changes of ``oid`` from now on; ``why`` is said once (INFO)."""
@@ -96,14 +95,14 @@ class Holding:
         if self.open_txn is not txn:
             self.end_txn(ensure_group)
             self.open_txn = txn
-        if not t.buf:  # a row's first records: the definitions its changes need (binary mode reads Type messages)
-            for (kind, _), (flag, mraw) in self.relmap.meta_raw.items():
-                if kind == "Y":
-                    t.buf += record(flag, mraw)
         rel = self.relmap.meta_raw.get(("R", oid))
-        if rel is not None and rel[1] is not t.relation:  # the first change, or the table's Relation message changed
-            t.buf += record(rel[0], rel[1])
-            t.relation = rel[1]
+        if not t.buf or rel is not None and rel[1] is not t.relation:  # a row's first records, or a new Relation:
+            for (kind, _), (flag, mraw) in self.relmap.meta_raw.items():  # the definitions its changes need
+                if kind == "Y":  # (binary mode reads Type messages; a new column may have a new type)
+                    t.buf += record(flag, mraw)
+            if rel is not None:
+                t.buf += record(rel[0], rel[1])
+                t.relation = rel[1]
         t.buf += record(in_stream, raw)
         if len(t.buf) >= CHUNK_BYTES:
             self._write(oid, t, txn, ensure_group)
@@ -123,8 +122,7 @@ class Holding:
         ensure_group()
         self.target.hold(oid, t.schema, t.table, txn.final_lsn, txn.xid, txn.commit_time, bytes(t.buf))
         t.buf.clear()
-        t.relation = None  # each row carries its definitions: rows are replayed one by one
-        t.rows += 1
+        t.relation = None  # each row carries its definitions
 
     def rolled_back(self) -> None:
         """The open group was rolled back: what was buffered goes with it (the stream sends it again)."""
@@ -133,14 +131,19 @@ class Holding:
             t.buf.clear()
             t.relation = None
 
-    def drained(self, oid: int) -> HeldTable:
-        """Forget table ``oid``: its held changes are being applied (``ApplyEngine.drain``)."""
-        return self.tables.pop(oid)
 
 
-def truncate_of(oid: int, cascade: bool, restart_identity: bool) -> bytes:
-    """A pgoutput Truncate message of table ``oid`` alone (what is held of a TRUNCATE of several tables)."""
-    return b"T" + struct.pack(">iBI", 1, int(cascade) | int(restart_identity) << 1, oid)
+def truncate_of(oid: int, restart_identity: bool) -> bytes:
+    """A pgoutput Truncate message of table ``oid`` alone, without CASCADE (what is held of a TRUNCATE)."""
+    return b"T" + struct.pack(">iBI", 1, int(restart_identity) << 1, oid)
+
+
+def meta_key(in_stream: bool, raw: bytes) -> tuple[str, int] | None:
+    """The ``RelationMap.meta_raw`` key of a Relation or Type message (None for any other message)."""
+    if raw[:1] not in (b"R", b"Y"):
+        return None
+    at = 5 if in_stream else 1  # a streamed message carries the xid first
+    return ("R" if raw[:1] == b"R" else "Y", int.from_bytes(raw[at:at + 4], "big"))
 
 
 def transaction_of(lsn: LSN, xid: int, commit_time: int | None) -> SourceTxn:

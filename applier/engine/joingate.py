@@ -162,7 +162,10 @@ class JoinGate:
         new_tables "sync", no row and no join running."""
         qualified = f"{schema}.{table}"
         if join is None:
-            if self.joiner is None or self.joiner.running(qualified):
+            if self.joiner is None:
+                return (f"table {qualified} has changes held for its copy, but no copy of it is recorded any more "
+                        f"(applier_sync_tables): run `{shell_command('applier', 'sync', '--table', qualified)}`")
+            if self.joiner.running(qualified):
                 return None
             return f"the join of table {qualified} (apply.new_tables = \"sync\") is not running"
         if join[0] == "ready":

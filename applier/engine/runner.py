@@ -421,7 +421,8 @@ class Runner:
                 self.timeline = source.timeline
                 for line in failover.warnings_now(cfg):
                     log.warning("failover: %s", line)
-            if self.catchup and self.goal is not None and goal_reached(progress.lsn, self.goal):
+            if (self.catchup and self.goal is not None and goal_reached(progress.lsn, self.goal)
+                    and not engine.holding.tables):  # (held changes: the loop ends at once and waits for them)
                 self.summary.applied = progress.lsn
                 return
             self._loop(engine, source, target, careful, self.fail_lsn)
@@ -538,8 +539,8 @@ class Runner:
             if self.joiner.children:  # a join started by apply.new_tables "sync" may have ended: say so
                 self.joiner.reap()
             if holding and not engine.in_transaction and time.monotonic() >= next_poll:
-                engine.poll_held()  # a copy ready: its held changes are applied
-                next_poll = time.monotonic() + TABLE_POLL
+                more = engine.poll_held()  # a copy ready: its held changes are applied, a step at a time
+                next_poll = time.monotonic() + (0.0 if more else TABLE_POLL)
             if self.stop.is_set():
                 if not engine.in_transaction:
                     engine.flush_group()
@@ -622,11 +623,11 @@ class Runner:
         log.info("catch-up reached its goal; waiting for the copy of %s to apply the changes held for it",
                  ", ".join(t.qualified for t in engine.holding.tables.values()))
         while engine.holding.tables and not self.stop.is_set():
-            engine.poll_held()
+            more = engine.poll_held()
             engine.flush_group()
             source.confirm(target.durable_lsn())
             source.send_status()  # the walsender hears from us while the copy runs (wal_sender_timeout)
-            if engine.holding.tables:
+            if engine.holding.tables and not more:
                 self.stop.wait(TABLE_POLL)
 
 

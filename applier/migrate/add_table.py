@@ -25,8 +25,8 @@ double, while ``applier run`` keeps running or not:
 
 The engine (``applier.engine.apply``) skips a joining table's changes of source
 transactions committed before S (they are in the copy) and applies the later
-ones once the table is 'ready'; until then they wait, and ``applier run`` holds
-at S (its lag grows) while the copy runs.
+ones once the table is 'ready'; until then they are held on the target
+(``applier.engine.holding``) and ``applier run`` goes on with the other tables.
 
 Each table's copy is *claimed* for the whole command (``claim.copy_claim_name``: an advisory lock on
 the target connection, a lock file beside a SQLite target) before its row is written: a second

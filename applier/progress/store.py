@@ -77,12 +77,14 @@ class ProgressSQL(NamedTuple):
     record_ddl: str
     last_ddl: str
     # applier_held (``applier.engine.holding``): (name, oid, schema, table, commit_lsn, xid, commit_time, changes)
-    # added; (name) -> (oid, schema, table) of each table with held rows; (name, oid) -> (commit_lsn, xid,
-    # commit_time, changes) in the order written; (name, oid) deleted
+    # added; (name) -> (oid, schema, table, transactions) of each table with held rows; (name, oid, limit) ->
+    # (id, commit_lsn, xid, commit_time, changes), the first ``limit`` in the order written; (name, oid, id) the
+    # rows up to id deleted
     hold: str
     held_tables: str
     held_changes: str
     forget_held: str
+    held_at: str  # (name, commit_lsn) -> a row when a transaction finished there is held
 
 
 def _upsert(ph: str, also: str = "", where: str = "") -> str:
@@ -152,9 +154,10 @@ def progress_sql(ph: str, has_sync_tables: str) -> ProgressSQL:
               f"changes) VALUES ({', '.join([ph] * 8)})"),
         held_tables=(f"SELECT source_oid, min(schema_name), min(table_name), count(DISTINCT commit_lsn) FROM applier_held "
                      f"WHERE name = {ph} GROUP BY source_oid ORDER BY source_oid"),
-        held_changes=(f"SELECT commit_lsn, xid, commit_time, changes FROM applier_held WHERE name = {ph} "
-                      f"AND source_oid = {ph} ORDER BY id"),
-        forget_held=f"DELETE FROM applier_held WHERE name = {ph} AND source_oid = {ph}",
+        held_changes=(f"SELECT id, commit_lsn, xid, commit_time, changes FROM applier_held WHERE name = {ph} "
+                      f"AND source_oid = {ph} ORDER BY id LIMIT {ph}"),
+        forget_held=f"DELETE FROM applier_held WHERE name = {ph} AND source_oid = {ph} AND id <= {ph}",
+        held_at=f"SELECT 1 FROM applier_held WHERE name = {ph} AND commit_lsn = {ph} LIMIT 1",
     )
 
 

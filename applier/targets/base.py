@@ -744,16 +744,15 @@ class TargetBase:
         cur.execute(self.sql.held_tables, [self.name])
         return [(int(oid), str(schema), str(table), int(n)) for oid, schema, table, n in cur.fetchall()]
 
-    def held_changes(self, oid: int) -> Iterator[tuple[LSN, int, int | None, bytes]]:
-        """The applier_held rows of source table ``oid``, in the order they were added (read one at a time)."""
+    def held_changes(self, oid: int, limit: int) -> list[tuple[int, LSN, int, int | None, bytes]]:
+        """The first ``limit`` applier_held rows of source table ``oid``, in the order they were added."""
         cur = self.conn.cursor()
-        cur.execute(self.sql.held_changes, [self.name, oid])
-        while (row := cur.fetchone()) is not None:
-            yield LSN.parse(row[0]), int(row[1]), row[2], bytes(row[3])
+        cur.execute(self.sql.held_changes, [self.name, oid, limit])
+        return [(int(r[0]), LSN.parse(r[1]), int(r[2]), r[3], bytes(r[4])) for r in cur.fetchall()]
 
-    def forget_held(self, oid: int) -> None:
-        """Delete the applier_held rows of source table ``oid``, in the open transaction."""
-        self.cur.execute(self.sql.forget_held, [self.name, oid])
+    def forget_held(self, oid: int, upto: int) -> None:
+        """Delete the applier_held rows of source table ``oid`` up to id ``upto``, in the open transaction."""
+        self.cur.execute(self.sql.forget_held, [self.name, oid, upto])
 
     # The compare-and-set of the progress row (``ProgressSQL.advance``): the position as this session read it or
     # last committed it, and the one written in the open transaction (it becomes the first when that commits).

@@ -28,7 +28,7 @@ Invariants every target keeps, whatever the role:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from applier.ddl.changes import Change
@@ -103,11 +103,13 @@ class ControlStore(Protocol):
       (another process applied meanwhile; the caller rolls back). ``clear_skip`` clears a pending skip with it.
     - ``record_error`` keeps one line as the last error, in a transaction of its own (none may be open).
     - ``table_join(schema, table)`` reads the applier_sync_tables row of a source table joining the stream
-      (``applier sync --table``), or None; read once per binding (and by the holding's poll), never per change.
+      (``applier sync --table``), or None; read once per binding, by the holding's poll and per captured DDL,
+      never per row.
     - ``hold`` adds an applier_held row (changes of a table whose copy runs, ``applier.engine.holding``) in the
       open transaction; ``held_tables`` lists (source OID, schema, table, transactions) of the tables with held
-      rows; ``held_changes(oid)`` yields a table's rows (commit LSN, xid, commit time, changes) in the order they
-      were added; ``forget_held(oid)`` deletes them, in the open transaction.
+      rows; ``held_changes(oid, limit)`` returns a table's first ``limit`` rows (id, commit LSN, xid, commit time,
+      changes) in the order they were added; ``forget_held(oid, upto)`` deletes them up to id ``upto``, in the
+      open transaction.
     - ``prune_conflicts(age)`` deletes this applier's applier_conflicts rows recorded more than ``age`` seconds
       ago, in a transaction of its own (none may be open); how many.
     """
@@ -122,8 +124,8 @@ class ControlStore(Protocol):
     def hold(self, oid: int, schema: str, table: str, commit_lsn: LSN, xid: int, commit_time: int | None,
              changes: bytes) -> None: ...
     def held_tables(self) -> list[tuple[int, str, str, int]]: ...
-    def held_changes(self, oid: int) -> Iterator[tuple[LSN, int, int | None, bytes]]: ...
-    def forget_held(self, oid: int) -> None: ...
+    def held_changes(self, oid: int, limit: int) -> list[tuple[int, LSN, int, int | None, bytes]]: ...
+    def forget_held(self, oid: int, upto: int) -> None: ...
 
 
 class TwoPhase(Protocol):

@@ -25,7 +25,8 @@ depends_on = None
 def upgrade() -> None:
     op.create_table(
         "applier_held",
-        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        # bigint on PostgreSQL (a long life of holds); SQLite's rowid alias must be spelt INTEGER
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
         sa.Column("name", sa.Text, nullable=False),  # apply.name
         sa.Column("source_oid", sa.BigInteger, nullable=False),
         sa.Column("schema_name", sa.Text, nullable=False),  # the source table, as its applier_sync_tables row names it
