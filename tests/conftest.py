@@ -3,6 +3,7 @@
 Under pytest-xdist (``-n N --dist worksteal``, pyproject.toml) each worker first gets one contiguous share of the
 collected tests. The slow ones (Spark jobs, the kill loops) are spread so that each share starts with an equal part
 of them: left in collection order they would all fall to the last worker and run alone at the end of the run.
+The tests of a file whose module fixture is costly (TOGETHER) stay on one worker, so it is made once.
 Which tests run is unchanged, only their order.
 """
 
@@ -17,6 +18,9 @@ pytest_plugins = ["tests.plugins.clusters"]
 # tests that take tens of seconds each: the Spark jobs and the SIGKILL loops
 SLOW = ("tests/spark/", "tests/engine/test_crash.py", "tests/engine/twophase/test_crash_2pc.py",
         "tests/engine/test_randomized.py", "tests/engine/features/test_ddl_follow.py::test_sigkill")
+# slow tests that share a module fixture too costly to make on more than one worker (the regression database: a
+# minute of psql scripts): all on one worker, at the start of its share (work stealing takes from a share's end)
+TOGETHER = ("tests/spark/test_regress_db.py",)
 
 
 def shares(total: int, workers: int) -> list[int]:
@@ -28,6 +32,19 @@ def shares(total: int, workers: int) -> list[int]:
     return out
 
 
+def leads(slow: list[pytest.Item], workers: int) -> list[list[pytest.Item]]:
+    """The slow tests each worker starts with: those of a TOGETHER file all on one worker, first, the others
+    spread one by one, each to the worker with the fewest so far."""
+    units: dict[str, list[pytest.Item]] = {}
+    for item in slow:
+        path = item.nodeid.split("::")[0]
+        units.setdefault(path if path in TOGETHER else item.nodeid, []).append(item)
+    out: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    for unit in sorted(units.values(), key=lambda u: -len(u) if u[0].nodeid.startswith(TOGETHER) else 0):
+        min(out, key=len).extend(unit)
+    return out
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers < 2:
@@ -35,8 +52,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     slow = [i for i in items if i.nodeid.startswith(SLOW)]
     fast = [i for i in items if not i.nodeid.startswith(SLOW)]
     ordered: list[pytest.Item] = []
-    for k, size in enumerate(shares(len(items), workers)):
-        lead = slow[k::workers]
+    for size, lead in zip(shares(len(items), workers), leads(slow, workers)):
         take = max(0, size - len(lead))
         ordered += lead + fast[:take]
         del fast[:take]

@@ -1,29 +1,33 @@
 """``applier verify`` against a PostgreSQL target hashes the key ranges on the servers: rows stay there.
 
-What a user relies on, and can check in Spark's event log (``spark.eventLog.enabled``, the input
-records of every task, as the Spark UI shows them): verifying a large table reads into Spark only the
-rows of the key ranges that differ, yet the report names every differing key (a changed value, a
-missing row, an extra row) with both sides' values, as before. A table whose target column is
-declared differently is compared by reading its rows (the canonical text of a value may depend on its
-type), and still agrees.
+What a user relies on, and can check in Spark's status (the input records of every task, as the Spark UI and
+its event log show them): verifying a large table reads into Spark only the rows of the key ranges that
+differ, yet the report names every differing key (a changed value, a missing row, an extra row) with both
+sides' values, as before. A table whose target column is declared otherwise is compared by reading its rows
+(the canonical text of a value may depend on its type), and still agrees.
+
+verify runs in this process on the shared session (``spark``): the report's lines and status are what
+``applier verify`` prints and exits with (tests/spark/test_failures.py runs the command); the records read
+are summed from Spark's status store over the stages of verify's own jobs.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from applier.config import Config
+from applier.migrate.spark.verify import VerifyReport, verify
 from applier.migrate.sync import sync
-from tests.plugins.cli import applier_script, clean_env, toml_value
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config
 
 pytest.importorskip("pyspark")
 
-ROWS = 300_000
+ROWS = 50_000
 DECLARED = 5_000
 
 SOURCE = f"""
@@ -39,50 +43,42 @@ CREATE PUBLICATION pub FOR TABLE big, declared;
 """
 
 
-def _verify(tmp_path: Path, src: ScratchDb, target_url: str) -> tuple[subprocess.CompletedProcess[str], int]:
-    """``applier verify`` as a user runs it, with Spark's event log on: (the run, input records of all tasks)."""
-    events = tmp_path / "spark-events"
-    events.mkdir(exist_ok=True)
-    cfg = tmp_path / "applier.toml"
-    values = {"source": {"dsn": src.dsn, "slot": "applier", "publications": ["pub"]}, "target": {"url": target_url},
-              "apply": {"work_dir": str(tmp_path / "work")}, "spark": {"master": "local[2]", "partitions": 4}}
-    cfg.write_text("".join(f"[{section}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in keys.items())
-                           for section, keys in values.items()))
-    conf = {"spark.eventLog.enabled": "true", "spark.eventLog.dir": events.as_uri(),
-            "spark.eventLog.compress": "false", "spark.eventLog.rolling.enabled": "false"}
-    env = {**clean_env(), "PYSPARK_SUBMIT_ARGS": " ".join(f"--conf {k}={v}" for k, v in conf.items()) + " pyspark-shell"}
-    res = subprocess.run([applier_script(), "verify", "-c", str(cfg)], capture_output=True, text=True, timeout=600,
-                         env=env, cwd=tmp_path, stdin=subprocess.DEVNULL)
-    logs = list(events.iterdir())
-    assert len(logs) == 1, (logs, res.stderr)
-    read = 0
-    for line in logs[0].read_text().splitlines():
-        event = json.loads(line)
-        if event["Event"] == "SparkListenerTaskEnd":
-            read += event["Task Metrics"]["Input Metrics"]["Records Read"]
-    logs[0].unlink()
-    return res, read
+def _verify(spark: Any, cfg: Config) -> tuple[VerifyReport, int]:
+    """verify on the shared session: (its report, the input records of all tasks of its jobs)."""
+    group = f"verify-{uuid.uuid4().hex}"
+    sc = spark.sparkContext
+    sc.setJobGroup(group, "test_verify_on_servers")
+    try:
+        report = verify(cfg, spark=spark)
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+    sc._jsc.sc().listenerBus().waitUntilEmpty()  # the status store has every task's end
+    store = sc._jsc.sc().statusStore()
+    tracker = sc.statusTracker()
+    stages = {s for job in tracker.getJobIdsForGroup(group) for s in tracker.getJobInfo(job).stageIds}
+    return report, sum(store.lastStageAttempt(s).inputRecords() for s in stages)
 
 
 def test_verify_hashes_key_ranges_on_the_servers_and_names_the_differing_keys(
         spark, src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
     src.cluster.execute(SOURCE, src.dbname)
-    assert sync(make_config(src, dst.url, tmp_path / "work"), spark=spark).rows == ROWS + DECLARED
+    cfg = make_config(src, dst.url, tmp_path / "work", partitions=4)
+    assert sync(cfg, spark=spark).rows == ROWS + DECLARED
     # the target declares a column otherwise: that table's rows are read (and agree)
     dst.cluster.execute("ALTER TABLE declared ALTER COLUMN v TYPE text", dst.dbname)
 
-    res, read = _verify(tmp_path, src, dst.url)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.splitlines()[-3:] == [f"public.big: OK, {ROWS:,} rows, 1024 key ranges agree",
-                                            f"public.declared: OK, {DECLARED:,} rows, 1024 key ranges agree",
-                                            "verify: the source and the target agree"]
+    report, read = _verify(spark, cfg)
+    assert report.status == 0, report.lines()
+    assert report.lines()[-3:] == [f"public.big: OK, {ROWS:,} rows, 1024 key ranges agree",
+                                   f"public.declared: OK, {DECLARED:,} rows, 1024 key ranges agree",
+                                   "verify: the source and the target agree"]
     assert read == 2 * DECLARED  # both sides of the table declared otherwise; nothing of big
 
     dst.cluster.execute("UPDATE big SET f = 0.5 WHERE id = 1234; DELETE FROM big WHERE id = 5678; "
                         "INSERT INTO big (id, v) VALUES (9999999, 'extra')", dst.dbname)
-    res, read = _verify(tmp_path, src, dst.url)
-    assert res.returncode == 1, res.stdout + res.stderr
-    out = res.stdout.splitlines()
+    report, read = _verify(spark, cfg)
+    assert report.status == 1, report.lines()
+    out = report.lines()
     assert f"public.big: DIFFERENT: source {ROWS:,} rows, target {ROWS:,} rows; 3 of 1024 key ranges differ; " \
            "3 differing keys (1 missing on the target, 1 extra on the target, 1 changed)" in out, out
     assert "  (id)=('1234'): f: source '176.28571428571428', target '0.5'" in out, out
