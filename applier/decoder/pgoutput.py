@@ -351,6 +351,25 @@ def read_delete(r: _Reader, in_stream: bool) -> Delete:
     return Delete(xid, oid, part, r.tuple_data("key tuple" if part == "K" else "old tuple"))
 
 
+def write_truncate(oid: int, restart_identity: bool) -> bytes:
+    """A Truncate message (outside a stream block) of relation ``oid`` alone, without CASCADE: what applier keeps of a
+    TRUNCATE for a table whose changes it holds (``applier.engine.holding``)."""
+    return bytes([MessageKind.TRUNCATE]) + _I32.pack(1) + bytes([int(restart_identity) << 1]) + _U32.pack(oid)
+
+
+_DEFINITIONS: dict[int, str] = {MessageKind.RELATION: "R", MessageKind.TYPE: "Y"}
+
+
+def definition_key(raw: bytes, in_stream: bool) -> tuple[str, int] | None:
+    """("R", OID) of a Relation message's bytes, ("Y", OID) of a Type message's (the keys of
+    ``RelationMap.meta_raw``); None for any other kind. ``in_stream``: the message carries a streamed xid first."""
+    tag = _DEFINITIONS.get(raw[0]) if raw else None
+    if tag is None or len(raw) < 9:
+        return None
+    at = 5 if in_stream else 1
+    return tag, _U32.unpack_from(raw, at)[0]
+
+
 def read_truncate(r: _Reader, in_stream: bool) -> Truncate:
     xid = r.xid_if(in_stream)
     n = r.i32("relation count")

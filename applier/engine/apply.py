@@ -64,11 +64,11 @@ from applier.decoder.messages import (
     Type,
     Update,
 )
-from applier.decoder.pgoutput import decode_message
+from applier.decoder.pgoutput import decode_message, definition_key, write_truncate
 from applier.engine.batch import Batch
 from applier.engine.conflicts import DEFAULT_POLICIES, Change, Resolver
 from applier.engine.ddl import DdlFollower
-from applier.engine.holding import meta_key, transaction_of, truncate_of
+from applier.engine.holding import transaction_of
 from applier.engine.joingate import JoinGate, Place
 from applier.engine.newtables import NewTables
 from applier.engine.relation import RawMessage, RelationMap
@@ -450,7 +450,7 @@ class ApplyEngine:
             b = None if oid in self.holding.tables and not txn.prepared else self.binding(oid)
             place = Place.HOLD if b is None else Place.APPLY if b.join is None else self.gate.place(b, txn)
             if place is Place.HOLD:  # a table being copied: its part of the TRUNCATE is held
-                self.holding.hold(oid, txn, False, truncate_of(oid, m.restart_identity), self.ensure_group)
+                self.holding.hold(oid, txn, False, write_truncate(oid, m.restart_identity), self.ensure_group)
             elif place is Place.APPLY:
                 assert b is not None
                 bs.append(b)
@@ -692,7 +692,7 @@ class ApplyEngine:
         starts with them: replayed again, each would make the table be bound again)."""
         meta = self.relmap.meta_raw
         for in_stream, raw in records(changes):
-            key = meta_key(in_stream, raw)
+            key = definition_key(raw, in_stream)
             if key is None or meta.get(key) != (in_stream, raw):
                 yield in_stream, raw
 

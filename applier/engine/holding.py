@@ -31,7 +31,6 @@ State: on the object, per session (the engine's).
 from __future__ import annotations
 
 import logging
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -131,19 +130,6 @@ class Holding:
             t.buf.clear()
             t.relation = None
 
-
-
-def truncate_of(oid: int, restart_identity: bool) -> bytes:
-    """A pgoutput Truncate message of table ``oid`` alone, without CASCADE (what is held of a TRUNCATE)."""
-    return b"T" + struct.pack(">iBI", 1, int(restart_identity) << 1, oid)
-
-
-def meta_key(in_stream: bool, raw: bytes) -> tuple[str, int] | None:
-    """The ``RelationMap.meta_raw`` key of a Relation or Type message (None for any other message)."""
-    if raw[:1] not in (b"R", b"Y"):
-        return None
-    at = 5 if in_stream else 1  # a streamed message carries the xid first
-    return ("R" if raw[:1] == b"R" else "Y", int.from_bytes(raw[at:at + 4], "big"))
 
 
 def transaction_of(lsn: LSN, xid: int, commit_time: int | None) -> SourceTxn:

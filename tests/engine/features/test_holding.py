@@ -14,14 +14,33 @@ the other table's rows after it are not applied and nothing is in applier_held.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from applier.admin import status
+from applier.engine.apply import ApplyEngine
 from applier.lsn import LSN
 from applier.source import capture
 
 from .conftest import Rig
 from .test_ddl_follow import target_columns
+
+
+@contextmanager
+def fed_engine(rig: Rig, **kw: Any) -> Iterator[ApplyEngine]:
+    """An engine as `applier run` makes it (it waits for copies) that has applied the slot's pending messages (as the
+    runner hands them over, then idle); closed at the end."""
+    msgs = rig.received()
+    engine = rig.engine(wait_for_tables=True, **kw)
+    try:
+        for msg, raw in msgs:
+            engine.handle(msg, raw)
+        engine.idle()
+        yield engine
+    finally:
+        engine.close()
+        engine.target.close()
 
 
 def set_join(rig: Rig, state: str, at: LSN | None) -> None:
@@ -47,20 +66,12 @@ def test_a_table_being_copied_is_held_and_the_others_flow(rig: Rig) -> None:
             " INSERT INTO t VALUES (3, 'z'); COMMIT")
     rig.src("BEGIN; TRUNCATE n, t; INSERT INTO n VALUES (5, 'e', 'w5'); INSERT INTO t VALUES (4, 'q'); COMMIT")
     rig.src("BEGIN; INSERT INTO n VALUES (6, 'f', 'w6'); UPDATE n SET w = 'w5+' WHERE id = 5; COMMIT")
-    msgs = rig.received()
-    engine = rig.engine(schema_changes="add_columns", wait_for_tables=True)
-    try:
-        for msg, raw in msgs:
-            engine.handle(msg, raw)
-        engine.idle()
+    with fed_engine(rig, schema_changes="add_columns") as engine:
         assert rig.tgt("SELECT id, v FROM t ORDER BY id") == [(4, "q")]  # t applied through the copy of n
         assert rig.tgt("SELECT id, v, w FROM n ORDER BY id") == [(1, "a", None), (2, "b", None)]  # n: the copy only
         held = rig.tgt("SELECT table_name, count(*) FROM applier_held GROUP BY table_name")
         assert held == [("n", 4)], held  # the four transactions after the snapshot
         assert engine.applied == engine.last_commit_end
-    finally:
-        engine.close()
-        engine.target.close()
     assert status(rig.cfg())["held"] == [{"table": "public.n", "transactions": 4}]  # what an operator sees
     again = rig.engine(schema_changes="add_columns", wait_for_tables=True)  # a restart: what is held is found on the target
     try:
@@ -95,21 +106,13 @@ def test_changes_before_the_snapshot_are_skipped_at_the_drain(rig: Rig) -> None:
     rig.init()
     set_join(rig, "init", None)
     rig.src("INSERT INTO n VALUES (1, 'before')")
-    msgs: list[Any] = rig.received()
-    engine = rig.engine(wait_for_tables=True)
-    try:
-        for msg, raw in msgs:
-            engine.handle(msg, raw)
-        engine.idle()
+    with fed_engine(rig) as engine:
         assert rig.tgt("SELECT count(*) FROM applier_held") == [(1,)]
         at = rig.wal_lsn()  # the copy's snapshot, taken after the insert: the copy has it
         rig.tgt("INSERT INTO n VALUES (1, 'before')")
         set_join(rig, "ready", at)
         engine.poll_held()
         engine.flush_group()
-    finally:
-        engine.close()
-        engine.target.close()
     assert rig.tgt("SELECT id, v FROM n") == [(1, "before")]
     assert rig.tgt("SELECT count(*) FROM applier_held") == [(0,)]
 
@@ -123,31 +126,18 @@ def test_captured_ddl_of_a_table_being_copied_is_held_with_its_rows(rig: Rig) ->
     capture.install(rig.source.dsn)
     rig.init()
     rig.src("ALTER TABLE n ALTER COLUMN v SET STATISTICS 100; ALTER TABLE t ALTER COLUMN v SET STATISTICS 100")
-    first = rig.engine(schema_changes="follow", wait_for_tables=True)
-    try:
-        for msg, raw in rig.received():
-            first.handle(msg, raw)
-        first.idle()
-    finally:
-        first.close()
-        first.target.close()
+    with fed_engine(rig, schema_changes="follow"):
+        pass  # the shapes known from capture, applied
     at = rig.wal_lsn()
     set_join(rig, "copying", at)
     rig.src("BEGIN; INSERT INTO n VALUES (3, 'c'); ALTER TABLE n ADD COLUMN w text; INSERT INTO n VALUES (4, 'd', 'w4');"
             " ALTER TABLE t ADD COLUMN x int; INSERT INTO t VALUES (1, 'a', 7); COMMIT")
-    engine = rig.engine(schema_changes="follow", wait_for_tables=True)
-    try:
-        for msg, raw in rig.received():
-            engine.handle(msg, raw)
-        engine.idle()
+    with fed_engine(rig, schema_changes="follow") as engine:
         assert rig.tgt("SELECT id, v, x FROM t") == [(1, "a", 7)]  # t's DDL and row: applied
         assert target_columns(rig, "n") == ["id", "v"]  # n: untouched while it is copied
         set_join(rig, "ready", at)
         engine.poll_held()
         engine.flush_group()
-    finally:
-        engine.close()
-        engine.target.close()
     assert target_columns(rig, "n") == ["id", "v", "w"]
     assert rig.tgt("SELECT id, v, w FROM n ORDER BY id") == rig.src("SELECT id, v, w FROM n ORDER BY id")
     assert rig.tgt("SELECT ddl_class, result FROM applier_ddl_log WHERE table_name = 'public.n'") == [
