@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from applier.ddl.shape import PREFIX as DDL_PREFIX
+from applier.ddl.shape import Captured
 from applier.ddl.shape import parse as parse_ddl
 from applier.decoder.messages import (
     PG_EPOCH_UNIX,
@@ -474,12 +475,13 @@ class ApplyEngine:
                 return
             self.flush_batch()
             self.ensure_group()
+            cap = parse_ddl(m.content, m.lsn)
             if self.draining is not None:  # held for the table being drained: applied to it alone, unless in its copy
                 oid, at = self.draining
                 if txn.final_lsn >= at:
-                    self.ddl.captured(m, txn, only=oid)
+                    self.ddl.captured(cap, txn, only=oid)
                 return
-            self.ddl.captured(m, txn, leave=self.hold_ddl(m, txn))
+            self.ddl.captured(cap, txn, leave=self.hold_ddl(cap, txn))
             return
         log.info("logical decoding message at %s: prefix=%r, %d bytes%s", m.lsn, m.prefix, len(m.content),
                  "" if m.transactional else " (non-transactional)",
@@ -596,12 +598,11 @@ class ApplyEngine:
 
     # -- held changes (``applier.engine.holding``) ---------------------------------------------
 
-    def hold_ddl(self, m: Message, txn: SourceTxn) -> frozenset[int]:
+    def hold_ddl(self, cap: Captured, txn: SourceTxn) -> frozenset[int]:
         """The tables of a captured DDL message that the follower leaves alone: those being copied (the message
         held for each, applied at its drain) and those whose copy, taken after this transaction, has it."""
         if txn.prepared:
             return frozenset()
-        cap = parse_ddl(m.content, m.lsn)
         if cap.error is not None or cap.baseline:
             return frozenset()
         leave = set()

@@ -34,8 +34,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from applier.ddl.changes import AmbiguousColumns, Change, CreateTable, DropTable, RenameTable, diff
-from applier.ddl.shape import Captured, TableShape, from_relation, parse
-from applier.decoder.messages import Message, Relation, Type
+from applier.ddl.shape import Captured, TableShape, from_relation
+from applier.decoder.messages import Relation, Type
 from applier.engine.relation import RelationMap
 from applier.engine.tally import Tally
 from applier.engine.txn import Skip, SourceTxn
@@ -134,10 +134,11 @@ class DdlFollower:
 
     # -- capture messages ----------------------------------------------------------------------------------------------
 
-    def captured(self, m: Message, txn: SourceTxn, only: int | None = None, leave: frozenset[int] = frozenset()) -> None:
-        """Apply one ``applier.ddl`` message of ``txn`` (in the open group, the rows before it written): for table
-        ``only`` alone if given, leaving the tables in ``leave`` (held or in a copy: ``applier.engine.holding``)."""
-        cap = parse(m.content, m.lsn)
+    def captured(self, cap: Captured, txn: SourceTxn, only: int | None = None,
+                 leave: frozenset[int] = frozenset()) -> None:
+        """Apply one ``applier.ddl`` message of ``txn`` (``parse``d; in the open group, the rows before it written):
+        for table ``only`` alone if given, leaving the tables in ``leave`` (held or in a copy:
+        ``applier.engine.holding``)."""
         if (only is not None or leave) and cap.error is None:
             def keep(oid: int) -> bool:
                 return (only is None or oid == only) and oid not in leave

@@ -129,6 +129,14 @@ def start_daemon(cfg_file: Path, log: Path) -> subprocess.Popen[bytes]:
                                 env=clean_env(), stdin=subprocess.DEVNULL)
 
 
+def synced_and_running(src: ScratchDb, cfg_file: Path, log: Path) -> subprocess.Popen[bytes]:
+    """SOURCE on the source, copied to the target by `applier sync`, and `applier run` started on it."""
+    src.cluster.execute(SOURCE, src.dbname)
+    first = cli("sync", "-c", str(cfg_file), "-q")
+    assert first.returncode == 0, first.stderr
+    return start_daemon(cfg_file, log)
+
+
 def equal_soon(src: ScratchDb, target_url: str, seconds: float = 90) -> None:
     """Wait until the target's n and a equal the source's (the writer stopped); assert it."""
     want_n, want_a = src.cluster.execute(SELECT_N, src.dbname), src.cluster.execute(SELECT_A, src.dbname)
@@ -206,12 +214,9 @@ def test_daemon_killed_during_the_copy(src: ScratchDb, dst: ScratchDb, tmp_path:
 
 
 def _added_under_a_running_daemon(src: ScratchDb, target_url: str, tmp_path: Path, kill: bool) -> None:
-    src.cluster.execute(SOURCE, src.dbname)
     cfg_file = config_file(tmp_path / "applier.toml", src, target_url, tmp_path / "work")
-    first = cli("sync", "-c", str(cfg_file), "-q")
-    assert first.returncode == 0, first.stderr
     log = tmp_path / "daemon.log"
-    daemon = start_daemon(cfg_file, log)
+    daemon = synced_and_running(src, cfg_file, log)
     writer = Writer(src.dsn)
     writer.start()
     adder: subprocess.Popen[str] | None = None

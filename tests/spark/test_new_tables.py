@@ -28,7 +28,16 @@ from applier.sandbox.clusters import find_install
 from tests.plugins.cli import write_toml
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 from tests.spark.conftest import target_exec
-from tests.spark.test_add_table import SOURCE, Writer, cli, equal_then_stop, start_daemon, sync_state, wait_for
+from tests.spark.test_add_table import (
+    SOURCE,
+    Writer,
+    cli,
+    equal_then_stop,
+    start_daemon,
+    sync_state,
+    synced_and_running,
+    wait_for,
+)
 
 pytest.importorskip("pyspark")
 
@@ -50,12 +59,9 @@ def joined(log: Path) -> None:
 
 
 def test_sync_joins_a_table_added_with_rows(src: ScratchDb, target_url: str, tmp_path: Path) -> None:
-    src.cluster.execute(SOURCE, src.dbname)
     cfg_file = config_file(tmp_path / "applier.toml", src, target_url, tmp_path / "work", "sync")
-    first = cli("sync", "-c", str(cfg_file), "-q")
-    assert first.returncode == 0, first.stderr
     log = tmp_path / "daemon.log"
-    daemon = start_daemon(cfg_file, log)
+    daemon = synced_and_running(src, cfg_file, log)
     writer = Writer(src.dsn)
     writer.start()
     try:
@@ -111,12 +117,9 @@ def test_error_names_the_table_the_lsn_and_the_ways_out(src: ScratchDb, dst: Scr
 
 def test_sync_join_survives_a_sigkill_of_the_daemon(src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
     """SIGKILLed while its join copies, the daemon started again ends equal to the source, each row once."""
-    src.cluster.execute(SOURCE, src.dbname)
     cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work", "sync")
-    first = cli("sync", "-c", str(cfg_file), "-q")
-    assert first.returncode == 0, first.stderr
     log = tmp_path / "daemon.log"
-    daemon = start_daemon(cfg_file, log)
+    daemon = synced_and_running(src, cfg_file, log)
     writer = Writer(src.dsn)
     writer.start()
     try:
