@@ -32,6 +32,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from applier.config import load_config
 from applier.migrate.add_table import sync_tables
 from applier.migrate.sync import sync
 from applier.sandbox.clusters import find_install
@@ -129,12 +130,42 @@ def start_daemon(cfg_file: Path, log: Path) -> subprocess.Popen[bytes]:
                                 env=clean_env(), stdin=subprocess.DEVNULL)
 
 
-def synced_and_running(src: ScratchDb, cfg_file: Path, log: Path) -> subprocess.Popen[bytes]:
-    """SOURCE on the source, copied to the target by `applier sync`, and `applier run` started on it."""
+def synced(spark: Any, cfg_file: Path) -> None:
+    """The target copied from the source by the full sync, in this process on the shared Spark session (the
+    command's own start is tested in test_migration and test_failures; here only its result matters)."""
+    sync(load_config(cfg_file, env={}), spark=spark)
+
+
+def synced_and_running(spark: Any, src: ScratchDb, cfg_file: Path, log: Path) -> subprocess.Popen[bytes]:
+    """SOURCE on the source, copied to the target by the full sync, and `applier run` started on it."""
     src.cluster.execute(SOURCE, src.dbname)
-    first = cli("sync", "-c", str(cfg_file), "-q")
-    assert first.returncode == 0, first.stderr
+    synced(spark, cfg_file)
     return start_daemon(cfg_file, log)
+
+
+class Adder(threading.Thread):
+    """`applier sync --table` of ``names`` in this process on the shared Spark session, in the background (where
+    the command's own process is not the point); ``join_result()`` waits and returns its result."""
+
+    def __init__(self, spark: Any, cfg_file: Path, *names: str) -> None:
+        super().__init__(daemon=True)
+        self.args = (spark, load_config(cfg_file, env={}), list(names))
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        spark, cfg, names = self.args
+        try:
+            self.result = sync_tables(cfg, names, spark=spark)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            self.error = exc
+
+    def join_result(self, seconds: float = 300) -> Any:
+        self.join(seconds)
+        assert not self.is_alive(), "`sync --table` did not end"
+        if self.error is not None:
+            raise AssertionError(f"`sync --table` failed: {self.error}") from self.error
+        return self.result
 
 
 def equal_soon(src: ScratchDb, target_url: str, seconds: float = 90) -> None:
@@ -200,44 +231,49 @@ def test_added_while_stopped_then_catchup(spark: Any, src: ScratchDb, target_url
 
 @pytest.mark.parametrize(("version", "target_kind"), [(18, "postgresql"), (18, "sqlite"), (15, "postgresql")],
                          ids=["pg18-postgresql", "pg18-sqlite", "pg15-postgresql"])
-def test_added_under_a_running_daemon(version: int, target_kind: str, pg_clusters: ClusterPool, newest_target: Any,
-                                      tmp_path: Path) -> None:
+def test_added_under_a_running_daemon(spark: Any, version: int, target_kind: str, pg_clusters: ClusterPool,
+                                      newest_target: Any, tmp_path: Path) -> None:
     with contextlib.ExitStack() as stack:
         source = stack.enter_context(scratch_db(pg_clusters.get(find_install(version), "source"), "src"))
         target_url = (f"sqlite:///{tmp_path / 'replica.db'}" if target_kind == "sqlite"
                       else stack.enter_context(scratch_db(newest_target, "tgt")).url)
-        _added_under_a_running_daemon(source, target_url, tmp_path, kill=False)
+        _added_under_a_running_daemon(spark, source, target_url, tmp_path, kill=False)
 
 
-def test_daemon_killed_during_the_copy(src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
-    _added_under_a_running_daemon(src, dst.url, tmp_path, kill=True)
+def test_daemon_killed_during_the_copy(spark: Any, src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
+    _added_under_a_running_daemon(spark, src, dst.url, tmp_path, kill=True)
 
 
-def _added_under_a_running_daemon(src: ScratchDb, target_url: str, tmp_path: Path, kill: bool) -> None:
+def _added_under_a_running_daemon(spark: Any, src: ScratchDb, target_url: str, tmp_path: Path, kill: bool) -> None:
+    """`sync --table` of n under `applier run`: the command itself when ``kill`` (the daemon SIGKILLed during
+    its copy), else in this process."""
     cfg_file = config_file(tmp_path / "applier.toml", src, target_url, tmp_path / "work")
     log = tmp_path / "daemon.log"
-    daemon = synced_and_running(src, cfg_file, log)
+    daemon = synced_and_running(spark, src, cfg_file, log)
     writer = Writer(src.dsn)
     writer.start()
     adder: subprocess.Popen[str] | None = None
     try:
         writer.pause(1.0)
         src.cluster.execute("ALTER PUBLICATION pub ADD TABLE n", src.dbname)
-        writer.pause(2.0)  # the daemon meets n's changes: no target table yet, it waits
-        adder = subprocess.Popen([applier_script(), "sync", "-c", str(cfg_file), "--table", "public.n", "-q"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
-                                 stdin=subprocess.DEVNULL)
-        if kill:  # SIGKILL the daemon while the copy runs, and start it again
-            deadline = time.monotonic() + 120
-            while sync_state(target_url) != "copying" and adder.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
+        wait_for("the daemon to meet n's changes (no target table yet: it waits)",
+                 lambda: "waiting for `applier sync --table public.n`" in log.read_text(), seconds=300)
+        if not kill:
+            res = Adder(spark, cfg_file, "public.n")
+            res.start()
+            assert [t.table for t in res.join_result().tables] == ["public.n"]
+        else:  # SIGKILL the daemon while the command copies, and start it again
+            adder = subprocess.Popen([applier_script(), "sync", "-c", str(cfg_file), "--table", "public.n", "-q"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                                     stdin=subprocess.DEVNULL)
+            wait_for("the copy", lambda: sync_state(target_url) == "copying" or adder.poll() is not None)
             assert sync_state(target_url) == "copying", "the copy was over before the daemon could be killed"
             daemon.send_signal(signal.SIGKILL)
             daemon.wait(30)
             daemon = start_daemon(cfg_file, log)
-        out, err = adder.communicate(timeout=300)
-        assert adder.returncode == 0, err
-        assert "joined to the stream at" in out
+            out, err = adder.communicate(timeout=300)
+            assert adder.returncode == 0, err
+            assert "joined to the stream at" in out
         writer.pause(2.0)
     finally:
         writer.stop()
@@ -249,7 +285,7 @@ def _added_under_a_running_daemon(src: ScratchDb, target_url: str, tmp_path: Pat
     assert "apply failed" not in text and "ERROR" not in text, text
 
 
-def test_refusals(src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
+def test_refusals(spark: Any, src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
     src.cluster.execute(SOURCE + "CREATE TABLE lone (id int PRIMARY KEY);"
                         "CREATE TABLE parent (id int, k int, PRIMARY KEY (id, k)) PARTITION BY RANGE (k);"
                         "CREATE TABLE part1 PARTITION OF parent FOR VALUES FROM (0) TO (10);"
@@ -263,8 +299,7 @@ def test_refusals(src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
         return res.stderr.strip()
 
     src.cluster.execute("ALTER PUBLICATION pub ADD TABLE n, parent", src.dbname)  # parent: through part1
-    done = cli("sync", "-c", str(cfg_file), "-q")
-    assert done.returncode == 0, done.stderr
+    synced(spark, cfg_file)
     line = refused("--table", "public.lone")
     assert "source table public.lone is not published by pub" in line and "ALTER PUBLICATION" in line, line
     assert "source table public.nosuch does not exist" in refused("--table", "nosuch")
@@ -311,7 +346,8 @@ def wait_for(what: str, check: Any, seconds: float = 120) -> None:
 
 
 @pytest.mark.parametrize("target_kind", ["postgresql", "sqlite"])
-def test_copy_killed_and_run_again(target_kind: str, src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
+def test_copy_killed_and_run_again(spark: Any, target_kind: str, src: ScratchDb, dst: ScratchDb,
+                                   tmp_path: Path) -> None:
     """`sync --table` SIGKILLed in the middle of its copy (some partitions written) while `applier run` runs:
     the daemon says the copy is dead, `catchup` fails with that line, and `sync --table` run again empties the
     table and copies it at a new snapshot: equal to the source, each row once, no partitions left over."""
@@ -319,8 +355,7 @@ def test_copy_killed_and_run_again(target_kind: str, src: ScratchDb, dst: Scratc
     src.cluster.execute(SOURCE + big, src.dbname)
     target_url = f"sqlite:///{tmp_path / 'replica.db'}" if target_kind == "sqlite" else dst.url
     cfg_file = config_file(tmp_path / "applier.toml", src, target_url, tmp_path / "work")
-    first = cli("sync", "-c", str(cfg_file), "-q")
-    assert first.returncode == 0, first.stderr
+    synced(spark, cfg_file)
     log = tmp_path / "daemon.log"
     daemon = start_daemon(cfg_file, log)
     writer = Writer(src.dsn)
@@ -354,9 +389,9 @@ def test_copy_killed_and_run_again(target_kind: str, src: ScratchDb, dst: Scratc
         assert "the copy of table public.n at " in stuck.stderr, stuck.stderr
         assert "is not running (no `applier sync --table` holds it" in stuck.stderr, stuck.stderr
         daemon = start_daemon(cfg_file, log)
-        again = cli("sync", "-c", str(cfg_file), "--table", "public.n", "--partitions", "8")
-        assert again.returncode == 0, again.stderr
-        assert "restarting the interrupted copy of public.n (copying" in again.stdout + again.stderr
+        said: list[str] = []  # run again in this process: the killed one was the command
+        sync_tables(load_config(cfg_file, env={}), ["public.n"], spark=spark, say=said.append, partitions=8)
+        assert any("restarting the interrupted copy of public.n (copying" in line for line in said), said
         writer.pause(2.0)
     finally:
         writer.stop()
@@ -369,14 +404,13 @@ def test_copy_killed_and_run_again(target_kind: str, src: ScratchDb, dst: Scratc
     assert target_exec(target_url, "SELECT state FROM applier_sync_tables") == [("ready",)]
 
 
-def test_refused_while_the_running_stream_lacks_the_publication(src: ScratchDb, dst: ScratchDb,
+def test_refused_while_the_running_stream_lacks_the_publication(spark: Any, src: ScratchDb, dst: ScratchDb,
                                                                  tmp_path: Path) -> None:
     """`applier run` streams with the publications it started with: `sync --table` of a table published only by a
     publication added to the config since is refused (the daemon would pass the copy without its changes)."""
     src.cluster.execute(SOURCE, src.dbname)
     cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
-    first = cli("sync", "-c", str(cfg_file), "-q")
-    assert first.returncode == 0, first.stderr
+    synced(spark, cfg_file)
     daemon = start_daemon(cfg_file, tmp_path / "daemon.log")
     try:
         wait_for("the daemon to stream", lambda: src.cluster.execute(
@@ -394,7 +428,7 @@ def test_refused_while_the_running_stream_lacks_the_publication(src: ScratchDb, 
         assert daemon.wait(60) == 0
 
 
-def test_prepared_transaction_committed_during_the_copy(src: ScratchDb, tmp_path: Path) -> None:
+def test_prepared_transaction_committed_during_the_copy(spark: Any, src: ScratchDb, tmp_path: Path) -> None:
     """A two-phase stream into SQLite keeps a prepared transaction until COMMIT PREPARED and applies it then, at
     its commit LSN. Committed while `sync --table` copies the table it changes (after the copy's snapshot), its
     replay waits for the copy like any change (rolled back, no failure), and it lands once: the daemon does not
@@ -404,28 +438,23 @@ def test_prepared_transaction_committed_during_the_copy(src: ScratchDb, tmp_path
     target_url = f"sqlite:///{tmp_path / 'replica.db'}"
     two_phase = config_file(tmp_path / "2pc.toml", src, target_url, tmp_path / "work", source={"two_phase": True})
     plain = config_file(tmp_path / "applier.toml", src, target_url, tmp_path / "work")
-    first = cli("sync", "-c", str(two_phase), "-q")
-    assert first.returncode == 0, first.stderr
+    synced(spark, two_phase)
     log = tmp_path / "daemon.log"
     daemon = start_daemon(two_phase, log)
-    adder: subprocess.Popen[str] | None = None
+    adder = Adder(spark, plain, "public.n")
     try:
         src.cluster.execute("ALTER PUBLICATION pub ADD TABLE n", src.dbname)
-        adder = subprocess.Popen([applier_script(), "sync", "-c", str(plain), "--table", "public.n", "-q"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
-                                 stdin=subprocess.DEVNULL)
-        wait_for("the copy", lambda: sync_state(target_url) == "copying" or adder.poll() is not None)
+        adder.start()
+        wait_for("the copy", lambda: sync_state(target_url) == "copying" or not adder.is_alive())
         src.cluster.execute("BEGIN; INSERT INTO n VALUES (-200000, 7, 'prepared'); UPDATE a SET v = 7 WHERE id = 1;"
                             "PREPARE TRANSACTION 'p1'", src.dbname)
         src.cluster.execute("COMMIT PREPARED 'p1'", src.dbname)
         assert sync_state(target_url) == "copying", "the copy was over before the prepared transaction committed"
-        out, err = adder.communicate(timeout=300)
-        assert adder.returncode == 0, err
+        adder.join_result()
         equal_soon(src, target_url)
         assert daemon.poll() is None, log.read_text()
     finally:
-        if adder is not None and adder.poll() is None:
-            adder.kill()
+        adder.join(300)
         daemon.send_signal(signal.SIGTERM)
         code = daemon.wait(60)
         for (gid,) in src.cluster.execute("SELECT gid FROM pg_prepared_xacts", src.dbname):

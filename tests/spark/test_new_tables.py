@@ -35,6 +35,7 @@ from tests.spark.test_add_table import (
     equal_then_stop,
     start_daemon,
     sync_state,
+    synced,
     synced_and_running,
     wait_for,
 )
@@ -55,13 +56,13 @@ def config_file(path: Path, src: ScratchDb, target_url: str, work: Path, new_tab
 
 def joined(log: Path) -> None:
     """Wait until the daemon says that its join of n ended well."""
-    wait_for("the join of n", lambda: "source table public.n joined the stream" in log.read_text())
+    wait_for("the join of n", lambda: "source table public.n joined the stream" in log.read_text(), seconds=300)
 
 
-def test_sync_joins_a_table_added_with_rows(src: ScratchDb, target_url: str, tmp_path: Path) -> None:
+def test_sync_joins_a_table_added_with_rows(spark: Any, src: ScratchDb, target_url: str, tmp_path: Path) -> None:
     cfg_file = config_file(tmp_path / "applier.toml", src, target_url, tmp_path / "work", "sync")
     log = tmp_path / "daemon.log"
-    daemon = synced_and_running(src, cfg_file, log)
+    daemon = synced_and_running(spark, src, cfg_file, log)
     writer = Writer(src.dsn)
     writer.start()
     try:
@@ -77,14 +78,13 @@ def test_sync_joins_a_table_added_with_rows(src: ScratchDb, target_url: str, tmp
     assert "apply failed" not in text and "ERROR" not in text, text
 
 
-def test_sync_joins_a_table_created_in_a_for_all_tables_publication(src: ScratchDb, dst: ScratchDb,
+def test_sync_joins_a_table_created_in_a_for_all_tables_publication(spark: Any, src: ScratchDb, dst: ScratchDb,
                                                                      tmp_path: Path) -> None:
     src.cluster.execute("CREATE TABLE a (id int PRIMARY KEY, v int NOT NULL);"
                         "INSERT INTO a SELECT g, 0 FROM generate_series(1, 1000) g;"
                         "CREATE PUBLICATION pub FOR ALL TABLES;", src.dbname)
     cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work", "sync")
-    first = cli("sync", "-c", str(cfg_file), "-q")
-    assert first.returncode == 0, first.stderr
+    synced(spark, cfg_file)
     log = tmp_path / "daemon.log"
     daemon = start_daemon(cfg_file, log)
     src.cluster.execute("CREATE TABLE n (id int PRIMARY KEY, v int NOT NULL, note text)", src.dbname)
@@ -115,11 +115,12 @@ def test_error_names_the_table_the_lsn_and_the_ways_out(src: ScratchDb, dst: Scr
     assert "`applier sync --table public.n`" in line and "apply.new_tables = \"sync\"" in line, line
 
 
-def test_sync_join_survives_a_sigkill_of_the_daemon(src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
+def test_sync_join_survives_a_sigkill_of_the_daemon(spark: Any, src: ScratchDb, dst: ScratchDb,
+                                                    tmp_path: Path) -> None:
     """SIGKILLed while its join copies, the daemon started again ends equal to the source, each row once."""
     cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work", "sync")
     log = tmp_path / "daemon.log"
-    daemon = synced_and_running(src, cfg_file, log)
+    daemon = synced_and_running(spark, src, cfg_file, log)
     writer = Writer(src.dsn)
     writer.start()
     try:
