@@ -40,6 +40,11 @@ its partitions'; the target's own rows likewise), in Spark:
   target, extra on the target, or changed, with the first ``max_keys`` (in
   key order) shown with both sides' values.
 
+Small tables (``BATCH_PAGES``) are compared together, up to ``BATCH_TABLES`` in one job 1 (a Spark job
+costs a second or two whatever its size: one per table would cost a schema of many small tables more than
+its rows), told apart by their place in the batch; when that job fails, each of its tables is compared
+alone, so that a failure names its own table.
+
 PostgreSQL target (``compare_on_servers``): when every compared column has the same type on both
 sides and the two servers share an encoding, job 1 runs on the servers instead
 (``applier.migrate.spark.rangehash``: per range of the md5 of the key's canonical text, the row count
@@ -301,40 +306,70 @@ def _hash_sums(F: Any) -> list[Any]:  # noqa: N803 - the usual alias of pyspark.
 _SUMS = ("n", "s1", "s2", "s3")
 
 
-def compare(spark: Any, source_plan: str, target_plan: str, target_format: str, columns: list[str],
-            key: list[str], kind: Kind, max_keys: int, label: str) -> TableResult:
-    """Compare one table (see the module header); fills a TableResult (table names left to the caller)."""
+@dataclass(frozen=True)
+class Compared:
+    """One table whose rows are read into Spark to be compared (``compare``): its plans and columns."""
+
+    label: str  # the source table, for job descriptions and logs
+    source_plan: str
+    target_plan: str
+    target_format: str
+    columns: list[str]
+    key: list[str]
+
+    def sides(self, spark: Any) -> tuple[Any, Any]:
+        """Both sides' rows, ``_prepared``."""
+        key_idx = [self.columns.index(k) for k in self.key]
+        return tuple(_prepared(spark.read.format(fmt).option("plan", plan).load(), len(self.columns), key_idx)
+                     for fmt, plan in (("applier_pg", self.source_plan), (self.target_format, self.target_plan)))
+
+
+def compare(spark: Any, tables: list[Compared], kind: Kind, max_keys: int) -> list[TableResult]:
+    """Compare tables (see the module header): job 1 of all of them at once (one Spark job, the tables told apart
+    by their place in ``tables``: a job per small table would cost more than its rows), then job 2 of each that
+    differs. TableResults in the order of ``tables`` (table names left to the caller). When the job of several
+    fails, each is compared alone, so that a failure names its own table; the job of one raises."""
+    from functools import reduce
+
     from pyspark.sql import functions as F
 
-    ncols = len(columns)
-    key_idx = [columns.index(k) for k in key]
-    res = TableResult("", "", key, ranges=1 << KEY_BITS)
     sc = spark.sparkContext
-    sc.setJobDescription(f"applier verify: {label}")
+    names = ", ".join(t.label for t in tables)
+    sc.setJobDescription(f"applier verify: {names}")
     try:
         # not cached: caching slows down job 1 (the common case: all agree) more than a second read costs job 2
-        src = _prepared(spark.read.format("applier_pg").option("plan", source_plan).load(), ncols, key_idx)
-        tgt = _prepared(spark.read.format(target_format).option("plan", target_plan).load(), ncols, key_idx)
+        sides = [t.sides(spark) for t in tables]
 
-        def side(df: Any, p: str) -> Any:
-            agg = df.groupBy("bucket").agg(*_hash_sums(F))
-            return agg.select("bucket", *[F.col(c).alias(f"{p}{c}") for c in _SUMS])
+        def side(i: int, p: str) -> Any:
+            rows = reduce(lambda a, b: a.unionAll(b), [s[i].select(F.lit(n).alias("t"), "bucket", "h", "m")
+                                                       for n, s in enumerate(sides)])
+            agg = rows.groupBy("t", "bucket").agg(*_hash_sums(F))
+            return agg.select("t", "bucket", *[F.col(c).alias(f"{p}{c}") for c in _SUMS])
 
         t0 = time.monotonic()
-        ranges = side(src, "a_").join(side(tgt, "b_"), on="bucket", how="full_outer").collect()
-        log.debug("%s: key ranges compared in %.1fs", label, time.monotonic() - t0)
-        differing = []
+        try:
+            ranges = side(0, "a_").join(side(1, "b_"), on=["t", "bucket"], how="full_outer").collect()
+        except Exception:
+            if len(tables) == 1:
+                raise
+            log.debug("comparing %s together failed: each alone", names)
+            return [r for t in tables for r in compare(spark, [t], kind, max_keys)]
+        log.debug("%s: key ranges compared in %.1fs", names, time.monotonic() - t0)
+        results = [TableResult("", "", t.key, ranges=1 << KEY_BITS) for t in tables]
+        differing: list[list[int]] = [[] for _ in tables]
         for r in ranges:
+            res = results[r["t"]]
             res.source_rows += r["a_n"] or 0
             res.target_rows += r["b_n"] or 0
             if any(r[f"a_{c}"] != r[f"b_{c}"] for c in _SUMS):
-                differing.append(int(r["bucket"]))
-        res.differing_ranges = len(differing)
-        if differing:
-            differing_keys(src.where(F.col("bucket").isin(differing)), tgt.where(F.col("bucket").isin(differing)),
-                           columns, key, kind, max_keys, res)
-        log.debug("%s: differing keys found in %.1fs", label, time.monotonic() - t0)
-        return res
+                differing[r["t"]].append(int(r["bucket"]))
+        for t, res, (src, tgt), buckets in zip(tables, results, sides, differing, strict=True):
+            res.differing_ranges = len(buckets)
+            if buckets:
+                differing_keys(src.where(F.col("bucket").isin(buckets)), tgt.where(F.col("bucket").isin(buckets)),
+                               t.columns, t.key, kind, max_keys, res)
+                log.debug("%s: differing keys found in %.1fs", t.label, time.monotonic() - t0)
+        return results
     finally:
         sc.setJobDescription(None)
 
@@ -423,6 +458,53 @@ def compare_on_servers(spark: Any, source_plan: str, target_plan: str, columns: 
 
 # -- the command ---------------------------------------------------------------------------------
 
+BATCH_PAGES = 1024  # a table of at most this many pages (8 MB) is read by one task a side, in a job with others
+BATCH_TABLES = 64  # at most this many tables in one job
+
+
+def _on_servers(*args: Any) -> list[TableResult]:
+    return [compare_on_servers(*args)]
+
+
+class _Batch:
+    """The tables of ``report`` waiting to be compared together (``compare``), each by its place in the report,
+    whose result fills that place: a table's failure is its result (``TableResult.error``), the others go on."""
+
+    def __init__(self, report: VerifyReport, compare_many: Any) -> None:
+        self.report = report
+        self.compare_many = compare_many
+        self.waiting: list[tuple[int, Compared]] = []
+
+    def add(self, place: int, table: Compared, small: bool) -> None:
+        """Compare ``table`` with the next ones (``small``), or now, alone."""
+        if not small:
+            self.compare([place], self.compare_many, [table])
+            return
+        self.waiting.append((place, table))
+        if len(self.waiting) >= BATCH_TABLES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Compare the waiting tables."""
+        waiting, self.waiting = self.waiting, []
+        if waiting:
+            self.compare([place for place, _ in waiting], self.compare_many, [t for _, t in waiting])
+
+    def compare(self, places: list[int], run: Any, *args: Any) -> None:
+        """Fill ``places`` of the report with ``run(*args)``'s results (the error of its one table if it fails)."""
+        try:
+            results = run(*args)
+        except Exception as exc:  # noqa: BLE001 - one table's failure is reported, the others go on
+            from applier.migrate.spark.copy import spark_error_line  # start-up time: pyspark
+            assert len(places) == 1  # ``compare`` of several compares each alone when their job fails
+            held = self.report.tables[places[0]]
+            log.debug("comparing %s failed", held.table, exc_info=exc)
+            results = [TableResult(held.table, held.target, held.key, error=spark_error_line(exc))]
+        for place, res in zip(places, results, strict=True):
+            held = self.report.tables[place]
+            res.table, res.target = held.table, held.target
+            self.report.tables[place] = res
+
 def check_spark_target(cfg: Config) -> None:
     """A SQLite target file is read by the Spark workers: it needs a local master."""
     if backend_of(cfg).local_file and not is_local(cfg.spark["master"]):
@@ -468,6 +550,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
             spark = spark_for(cfg)
         tables = read_tables_in_snapshot(cfg, info.snapshot_name)
         target = TargetDb(cfg)
+        batch = _Batch(report, lambda items: compare(spark, items, target.backend.kind, max_keys))
         try:
             same_encoding = False  # PostgreSQL on both sides: the key ranges can be hashed on the servers
             if target.backend.keeps_types:
@@ -493,30 +576,28 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                 qcols = [quote_ident(c) for c in cols]
                 kind = target.backend.kind
                 mapped = not target.backend.keeps_types  # compared as the kind's mapping of the source's values
+                small = t.pages <= BATCH_PAGES  # read whole by one task per side, compared with other small ones
+                parts = 1 if small else nparts
                 src_plan = pg_plan(cfg.source["dsn"], t.qname, qcols + ["NULL"] * len(nulls), pages=t.pages,
-                                   partitions=nparts, snapshot=info.snapshot_name, where=t.rowfilter,
+                                   partitions=parts, snapshot=info.snapshot_name, where=t.rowfilter,
                                    app="applier-verify source", only=t.only,
                                    canonical_types=[c.type_oid for c in compared] + [25] * len(nulls)
                                    if mapped else None)
                 qcols += [quote_ident(c) for c in nulls]
-                fmt, tgt_plan = target.backend.read_plan(target.conn, target.where, qtarget, qcols, nparts)
+                fmt, tgt_plan = target.backend.read_plan(target.conn, target.where, qtarget, qcols, parts)
                 say(f"comparing {t.qualified}")
                 on_servers = not mapped and same_encoding and same_types(
                     [(c.name, c.type_schema, c.type_name, c.type_mod) for c in compared],
                     target_types(target.conn, qtarget))
-                try:
-                    if on_servers:
-                        res = compare_on_servers(spark, src_plan, tgt_plan, cols + nulls, t.key_columns, kind,
-                                                 max_keys, t.qualified)
-                    else:
-                        res = compare(spark, src_plan, tgt_plan, fmt, cols + nulls, t.key_columns, kind,
-                                      max_keys, t.qualified)
-                except Exception as exc:  # noqa: BLE001 - one table's failure is reported, the others go on
-                    from applier.migrate.spark.copy import spark_error_line  # start-up time: pyspark
-                    log.debug("comparing %s failed", t.qualified, exc_info=exc)
-                    res = TableResult(res_name, shown, t.key_columns, error=spark_error_line(exc))
-                res.table, res.target = res_name, shown
-                report.tables.append(res)
+                if on_servers:
+                    report.tables.append(TableResult(res_name, shown, t.key_columns))
+                    batch.compare([len(report.tables) - 1], _on_servers, spark, src_plan, tgt_plan, cols + nulls,
+                                  t.key_columns, kind, max_keys, t.qualified)
+                    continue
+                report.tables.append(TableResult(res_name, shown, t.key_columns))
+                batch.add(len(report.tables) - 1, Compared(t.qualified, src_plan, tgt_plan, fmt, cols + nulls,
+                                                           t.key_columns), small)
+            batch.flush()
         finally:
             target.close()
         if read_progress(cfg).lsn != applied:
