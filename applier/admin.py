@@ -32,7 +32,7 @@ from applier.errors import SlotLost
 from applier.lsn import LSN
 from applier.progress.store import HEAD_REVISION, VERSION_TABLE, Progress, ProgressSQL, prune_conflicts, shape_row
 from applier.rows import one_row
-from applier.source import capture, failover
+from applier.source import capture, failover, slothealth
 from applier.source.base import SourceError, StreamOptions
 from applier.source.walsender import SLOT_STATE, WalSender, slot_state
 from applier.targets import opener
@@ -354,7 +354,10 @@ def status(cfg: Config) -> dict[str, Any]:
       while an applier streams, the walsender's own flush lag);
     - ``running``: who holds the target's progress row now (applier.targets.claim), or null;
     - ``slot_retained_bytes``: the WAL the slot holds back on the source (``pg_current_wal_lsn() -
-      restart_lsn``, what fills its disk), with its ``slot_wal_status`` (``lost``: invalidated);
+      restart_lsn``, what fills its disk), with its ``slot_wal_status`` (``lost``: invalidated), and how near it is
+      to invalidation (``applier.source.slothealth``): ``slot_safe_wal_size``, ``max_slot_wal_keep_size`` (bytes,
+      -1: unlimited), ``slot_idle_seconds`` and ``idle_replication_slot_timeout`` (seconds, 0: off; PostgreSQL 18),
+      ``slot_warnings`` (a line each: ``SlotHealth.warnings``);
     - ``failover`` (with ``source.failover``): what ``applier.source.failover.readiness`` found (its ``warnings``:
       what the slot lacks to survive a promotion), or the ``error`` of a source older than PostgreSQL 17;
       ``source_timeline``: the source's timeline the progress was last written on;
@@ -384,8 +387,7 @@ def status(cfg: Config) -> dict[str, Any]:
     with source or nullcontext() as conn:
         row = None if conn is None else conn.execute(
             "SELECT s.confirmed_flush_lsn::text, s.restart_lsn::text, s.active, s.active_pid, "
-            "pg_current_wal_lsn()::text, r.sent_lsn::text, extract(epoch FROM r.flush_lag)::float8, "
-            "(pg_current_wal_lsn() - s.restart_lsn)::bigint, s.wal_status "
+            "pg_current_wal_lsn()::text, r.sent_lsn::text, extract(epoch FROM r.flush_lag)::float8 "
             "FROM pg_replication_slots s LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid "
             "WHERE s.slot_name = %s", [cfg.source["slot"]]).fetchone()
         if conn is not None:
@@ -397,11 +399,12 @@ def status(cfg: Config) -> dict[str, Any]:
         if row is None or conn is None:
             out["slot_exists"] = None if conn is None else False
         else:
-            confirmed, restart, active, active_pid, current, sent, flush_lag, retained, wal_status = row
+            confirmed, restart, active, active_pid, current, sent, flush_lag = row
             applied = progress.lsn if progress.lsn else LSN.parse(confirmed or "0/0")
             out.update(applied_lsn=str(applied), slot_exists=True, slot_confirmed_lsn=confirmed,
-                       slot_restart_lsn=restart, slot_active=active, slot_active_pid=active_pid,
-                       slot_wal_status=wal_status, slot_retained_bytes=retained, source_wal_lsn=current)
+                       slot_restart_lsn=restart, slot_active=active, slot_active_pid=active_pid)
+            out.update(slothealth.read(conn, cfg.source["slot"]).as_dict())
+            out["source_wal_lsn"] = current
             if active:  # streaming: the walsender knows what it sent and how late the confirmations are
                 behind = sent is not None and LSN.parse(sent) > applied
                 out["lag_bytes"] = max(0, LSN.parse(current) - applied) if behind else 0

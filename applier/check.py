@@ -35,14 +35,14 @@ from applier.errors import InUseError, SlotLost
 from applier.lsn import LSN
 from applier.migrate.schema import check_table, read_source_tables
 from applier.rows import one_row
-from applier.source import capture, failover
+from applier.source import capture, failover, slothealth
 from applier.source.base import SourceError
 from applier.source.walsender import SLOT_STATE, WalSender, session_dsn, slot_state
 from applier.targets import opener
 from applier.targets.backends import backend_of
 from applier.targets.claim import refusal
 from applier.targets.naming import quoted_name, shown_name
-from applier.text import one_line, redact_dsn
+from applier.text import human_bytes, one_line, redact_dsn
 
 # What a check may fail with: each is one line naming what is wrong (a database error is wrapped into a
 # ConfigError naming the check).
@@ -148,17 +148,23 @@ def _conn(c: Checks) -> psycopg.Connection[Any]:
     return c.source
 
 
-def _slot_state(cfg: Config, conn: psycopg.Connection[Any]) -> str:
+def _slot_state(cfg: Config, conn: psycopg.Connection[Any]) -> str | Warned:
     """The slot is not invalidated (SlotLost, as the runner says it: ``slot_state``) and no other process streams
-    from it."""
+    from it; how near it is to invalidation (``applier.source.slothealth``: a warning when near, as ``status``
+    shows it)."""
     slot = cfg.source["slot"]
     slot_state(slot, conn.execute(SLOT_STATE, [slot]).fetchone(), None)
-    active_pid, wal_status = one_row(conn.execute(
-        "SELECT active_pid, wal_status FROM pg_replication_slots WHERE slot_name = %s", [slot]))
+    active_pid = one_row(conn.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", [slot]))[0]
     if active_pid is not None:
         raise InUseError(f"{cfg.where('source', 'slot')}: slot {slot!r} is in use by process {active_pid} on the "
                          f"source (another applier or consumer streams from it)")
-    return f"not in use, wal_status {wal_status}"
+    health = slothealth.read(conn, slot)
+    found = (f"not in use, wal_status {health.wal_status}, holding {human_bytes(health.retained or 0)} of WAL "
+             f"(max_slot_wal_keep_size {health.keep_shown()})")
+    if health.timeout_shown() is not None:
+        found += f", idle_replication_slot_timeout {health.timeout_shown()}"
+    near = health.warnings()
+    return Warned(f"{found}; " + "; ".join(near)) if near else found
 
 
 def _failover(cfg: Config, conn: psycopg.Connection[Any]) -> str | Warned:

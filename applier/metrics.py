@@ -34,11 +34,15 @@ sessions after a failure (an outage) the applied position stands, the seconds ke
 the bytes are the source's current WAL position (``Probe``; the last one received while the
 source cannot be reached) minus the applied position, so the lag grows while the writers do.
 
-``Probe`` (``probe``: the runner hands over where the databases are) asks them, when scraped and at
-most every ``PROBE_EVERY`` seconds, on connections of its own: whether each accepts a connection
-(``applier_source_reachable``, ``applier_target_reachable``), the source's current WAL position
-and the WAL the slot holds back (``pg_current_wal_lsn() - restart_lsn``:
-``applier_slot_retained_bytes``, what fills the source's disk).
+``Probe`` (``probe``: the runner hands over its ``SlotWatch`` and where the target is) asks them, when
+scraped and at most every ``PROBE_EVERY`` seconds, on connections of its own (the source's is the
+runner's ``SlotWatch``, which the runner reads too, so the slot is read at most every few seconds
+whoever asks): whether each accepts a connection (``applier_source_reachable``,
+``applier_target_reachable``), the source's current WAL position, and how near the slot is to
+invalidation (``applier.source.slothealth``): the WAL it holds back (``pg_current_wal_lsn() -
+restart_lsn``: ``applier_slot_retained_bytes``, what fills the source's disk), ``safe_wal_size``,
+``max_slot_wal_keep_size``, its ``wal_status`` (one series per status, 1 for the current one), how long
+it has been idle and ``idle_replication_slot_timeout``.
 
 The LSN gauges are floats, exact up to 2**53 (8 PiB of WAL). prometheus_client also exports a
 ``_created`` series (the time it started) for every counter and histogram.
@@ -53,22 +57,37 @@ import errno
 import math
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import psycopg
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from applier import __version__
 from applier._cmodule import IMPLEMENTATION
 from applier.config import ConfigError
+from applier.source.slothealth import EVERY, KeptConnection, SlotHealth, SlotWatch
 
 if TYPE_CHECKING:
     from applier.engine.apply import ApplyEngine
     from applier.source.chunks import ChunkReader
 
 ERROR_KINDS = ("apply", "connection", "slot_in_use", "spool_full", "slot_lost")
-PROBE_EVERY = 5.0  # seconds a probe of the databases (``Probe``) is reused for scrapes
-PROBE_TIMEOUT = 2  # seconds a probe waits for a connection
+WAL_STATUSES = ("reserved", "extended", "unreserved", "lost")  # pg_replication_slots.wal_status
+# how near the slot is to invalidation (``applier.source.slothealth.SlotHealth``): gauge, help, field
+_SLOT_GAUGES = (
+    ("applier_slot_retained_bytes", "WAL the replication slot holds back on the source (pg_current_wal_lsn() - "
+     "restart_lsn)", "retained"),
+    ("applier_slot_safe_wal_size_bytes", "WAL that can still be written before the slot is in danger of being "
+     "invalidated (pg_replication_slots.safe_wal_size; NaN with max_slot_wal_keep_size -1)", "safe_wal_size"),
+    ("applier_slot_max_wal_keep_size_bytes", "The source's max_slot_wal_keep_size in bytes (-1: unlimited)",
+     "max_keep"),
+    ("applier_slot_idle_seconds", "Seconds since the slot was last streamed from (PostgreSQL 17+'s inactive_since; "
+     "NaN while streamed from)", "idle_seconds"),
+    ("applier_slot_idle_timeout_seconds", "The source's idle_replication_slot_timeout in seconds (0: off; "
+     "PostgreSQL 18+)", "idle_timeout"),
+)
+PROBE_EVERY = EVERY  # seconds a probe of the databases (``Probe``) is reused for scrapes
 GROUP_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 
 
@@ -123,12 +142,17 @@ class Metrics:
         Gauge("applier_build_info", "applier's version and row path (compiled or pure)", ["version", "row_path"],
               registry=r).labels(__version__, IMPLEMENTATION).set(1)
         Gauge("applier_source_reachable", "1 when the source accepts a connection, else 0 (asked when scraped, at "
-              "most every 5 s)", registry=r).set_function(lambda: self._probed()[2])
+              "most every 5 s)", registry=r).set_function(self._source_up)
         Gauge("applier_target_reachable", "1 when the target accepts a connection, else 0 (asked when scraped, at "
-              "most every 5 s)", registry=r).set_function(lambda: self._probed()[3])
-        Gauge("applier_slot_retained_bytes", "WAL the replication slot holds back on the source (pg_current_wal_lsn() "
-              "- restart_lsn); NaN while unknown (the source unreachable, no slot)",
-              registry=r).set_function(lambda: self._probed()[1])
+              "most every 5 s)", registry=r).set_function(lambda: self._probed().target_up)
+        for name, what, field_ in _SLOT_GAUGES:
+            Gauge(name, what + "; NaN while unknown (the source unreachable, no slot)",
+                  registry=r).set_function(partial(self._slot_number, field_))
+        status = Gauge("applier_slot_wal_status", "1 for the replication slot's wal_status on the source (reserved, "
+                       "extended, unreserved: past max_slot_wal_keep_size, invalidated at the next checkpoint; lost: "
+                       "invalidated), 0 for the others; all 0 while unknown", ["status"], registry=r)
+        for state in WAL_STATUSES:
+            status.labels(state).set_function(partial(self._wal_status, state))
         for kind in ERROR_KINDS:  # each kind shows from the start, at 0
             self.errors.labels(kind)
 
@@ -184,9 +208,10 @@ class Metrics:
         for (klass, result), n in ddl.items():
             self.ddl.labels(klass, result).inc(n)
 
-    def probe(self, source_dsn: str, slot: str, target_dsn: str | None) -> None:
-        """Ask these databases when scraped (``Probe``); ``target_dsn`` None: a SQLite target."""
-        self.probe_of = Probe(source_dsn, slot, target_dsn)
+    def probe(self, slots: SlotWatch, target_dsn: str | None) -> None:
+        """Ask the source (through the runner's ``slots``) and the target when scraped (``Probe``); ``target_dsn``
+        None: a SQLite target."""
+        self.probe_of = Probe(slots, target_dsn)
 
     def conflict_stopped(self, kind: str, table: str) -> None:
         """A conflict whose policy is ``error`` stopped the apply (no transaction commits it, but it counts)."""
@@ -226,15 +251,24 @@ class Metrics:
         if not behind:
             return 0.0, 0.0
         if self._engine is None:  # between sessions: the source's WAL goes on
-            current = self._probed()[0]
+            current = self._probed().number("wal_lsn")
             received = max(received, int(current)) if not math.isnan(current) else received
         since = self._pending()
         return float(max(0, received - applied)), max(0.0, time.time() - since) if since is not None else 0.0
 
-    def _probed(self) -> tuple[float, float, float, float]:
-        """(source WAL position, slot retained bytes, source reachable, target reachable); NaN: unknown."""
-        nan = math.nan
-        return self.probe_of.read() if self.probe_of is not None else (nan, nan, nan, nan)
+    def _probed(self) -> Probed:
+        """What the databases said (``Probe``); all unknown without a probe."""
+        return self.probe_of.read() if self.probe_of is not None else Probed(None, math.nan)
+
+    def _source_up(self) -> float:
+        return math.nan if self.probe_of is None else float(self._probed().health is not None)
+
+    def _slot_number(self, field_: str) -> float:
+        return self._probed().number(field_)
+
+    def _wal_status(self, state: str) -> float:
+        health = self._probed().health
+        return float(health is not None and health.wal_status == state)
 
     def _pending(self) -> float | None:
         """When the oldest transaction received and not applied was committed at the source, or its first
@@ -258,50 +292,42 @@ class Metrics:
 
 class Probe:
     """What only the databases know, asked on connections of its own, at most every ``PROBE_EVERY`` seconds (the
-    answer is kept between): see the module header."""
+    answer is kept between): see the module header. The source is asked through the runner's ``SlotWatch``, whose
+    reads the runner shares."""
 
-    def __init__(self, source_dsn: str, slot: str, target_dsn: str | None) -> None:
-        self.source_dsn = source_dsn
-        self.slot = slot
-        self.target_dsn = target_dsn
+    def __init__(self, slots: SlotWatch, target_dsn: str | None) -> None:
+        self.slots = slots
+        self.target = None if target_dsn is None else KeptConnection(target_dsn)
         self._at = -math.inf
-        self._last: tuple[float, float, float, float] = (math.nan, math.nan, math.nan, math.nan)
-        self._conns: dict[str, Any] = {}
+        self._target_up = math.nan
 
-    def read(self) -> tuple[float, float, float, float]:
-        """(source WAL position, slot retained bytes, source reachable 1/0, target reachable 1/0; NaN: unknown)."""
+    def read(self) -> Probed:
+        """The source's answer (``SlotWatch.read``) and whether the target answers (1/0)."""
+        health = self.slots.read()
         now = time.monotonic()
-        if now - self._at < PROBE_EVERY:
-            return self._last
-        self._at = now
-        wal, retained = math.nan, math.nan
-        row = self._ask(self.source_dsn, "SELECT pg_current_wal_lsn() - '0/0'::pg_lsn, pg_current_wal_lsn() - "
-                        "(SELECT restart_lsn FROM pg_replication_slots WHERE slot_name = %s)", [self.slot])
-        if row is not None:
-            wal = float(row[0])
-            retained = float(row[1]) if row[1] is not None else math.nan
-        source_up = 1.0 if row is not None else 0.0
-        target_up = 1.0 if self.target_dsn is None or self._ask(self.target_dsn, "SELECT 1") is not None else 0.0
-        self._last = (wal, retained, source_up, target_up)
-        return self._last
-
-    def _ask(self, dsn: str, sql: str, params: list[Any] | None = None) -> tuple[Any, ...] | None:
-        """One row of ``sql`` on the kept connection to ``dsn`` (made again if lost); None if it cannot be had."""
-        conn = self._conns.get(dsn)
-        try:
-            if conn is None or conn.closed:
-                conn = self._conns[dsn] = psycopg.connect(dsn, autocommit=True, connect_timeout=PROBE_TIMEOUT)
-                conn.execute(f"SET statement_timeout = {PROBE_TIMEOUT * 1000}")
-            row: tuple[Any, ...] | None = conn.execute(sql, params).fetchone()
-            return row
-        except psycopg.Error:
-            if conn is not None:
-                conn.close()
-            self._conns.pop(dsn, None)
-            return None
+        if now - self._at >= PROBE_EVERY:
+            self._at = now
+            self._target_up = 1.0 if self.target is None or self.target.one("SELECT 1") is not None else 0.0
+        return Probed(health, self._target_up)
 
     def close(self) -> None:
         """Close its connections."""
-        for conn in self._conns.values():
-            conn.close()
-        self._conns.clear()
+        self.slots.close()
+        if self.target is not None:
+            self.target.close()
+
+
+@dataclass(frozen=True)
+class Probed:
+    """What a ``Probe`` read: the slot's health (None: the source could not be asked) and the target's reachability."""
+
+    health: SlotHealth | None
+    target_up: float
+
+    def number(self, field: str) -> float:
+        """A ``SlotHealth`` field as a gauge's value; NaN while unknown (the source unreachable, no slot, no such
+        figure on this server or now)."""
+        if self.health is None or (field != "wal_lsn" and not self.health.exists):
+            return math.nan
+        value = getattr(self.health, field)
+        return math.nan if value is None else float(value)

@@ -130,7 +130,12 @@ def status(config: ConfigOpt = None, as_json: Annotated[bool, typer.Option("--js
                 if k == "failover":  # one line of what was found, then one per thing missing
                     for line in [v.get("summary") or v.get("error")] + [f"missing: {w}" for w in v.get("warnings", ())]:
                         typer.echo(redact_text(f"failover: {line}"))
+                elif k == "slot_warnings" and v:  # how near the slot is to invalidation: a line each
+                    for line in v:
+                        typer.echo(redact_text(f"slot_warning: {line}"))
                 elif k != "error":
+                    if k == "max_slot_wal_keep_size" and v == -1 or k == "idle_replication_slot_timeout" and v == 0:
+                        v = f"{v} ({'unlimited' if v == -1 else 'off'})"
                     typer.echo(redact_text(f"{k}: {'-' if v is None or v == [] else v}"))
         if "error" in info:
             fail(info["error"], CONNECTION)

