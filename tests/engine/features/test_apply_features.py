@@ -528,6 +528,25 @@ def test_logical_decoding_messages_are_logged_not_applied(rig: Rig, caplog: pyte
 # -- progress, status, init --------------------------------------------------------------------
 
 
+def test_a_message_in_a_group_applied_again_is_logged_once(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    """A conflict rolls back the group (several source transactions) and applies it again one transaction at a
+    time: a logical decoding message in it is logged when it commits, once."""
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    rig.publish("t")
+    rig.init()
+    rig.src("INSERT INTO t VALUES (1, 'a'), (2, 'b')")
+    rig.catchup()
+    rig.tgt("DELETE FROM t WHERE id = 2")  # the source's delete will not find it: a conflict
+    rig.src("SELECT pg_logical_emit_message(true, 'audit', 'before')")
+    rig.src("DELETE FROM t WHERE id = 2")
+    rig.src("INSERT INTO t VALUES (3, 'c'); SELECT pg_logical_emit_message(true, 'audit', 'after')")
+    with caplog.at_level(logging.INFO, logger="applier"):
+        assert rig.catchup().transactions == 3
+    logged = [r.getMessage() for r in caplog.records if "logical decoding message" in r.getMessage()]
+    assert len(logged) == 2 and "6 bytes" in logged[0] and "5 bytes" in logged[1], logged
+    assert rig.tgt("SELECT id, v FROM t ORDER BY id") == [(1, "a"), (3, "c")]
+
+
 def test_a_source_of_another_cluster_is_refused_before_anything_is_applied(rig: Rig, pg_target: Cluster) -> None:
     """LSNs belong to one cluster's WAL: progress recorded from one source means nothing on another."""
     rig.both("CREATE TABLE t (id int PRIMARY KEY)")
