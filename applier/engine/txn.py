@@ -6,8 +6,9 @@ Shared by the apply engine (``applier.engine.apply``) and what it asks: the join
 Invariants:
 - a ``SourceTxn`` lives from its Begin (or Begin Prepare, Stream Commit, Stream Prepare, Commit
   Prepared of a kept one) to its end; ``final_lsn`` is what `applier skip --lsn` names;
-- target work run under ``rolled_back_on_error`` (or handed to ``rolled_back`` when it fails) either succeeds or leaves no open target transaction
-  and raises one ``ApplyError`` (a ``TableWait`` or an ``ApplyError`` passes through unchanged).
+- target work run under ``rolled_back_on_error`` (or handed to ``rolled_back`` when it fails) either
+  succeeds or leaves no open target transaction and raises one ``ApplyError`` (a ``TableWait`` or an
+  ``ApplyError`` passes through unchanged).
 """
 
 from __future__ import annotations

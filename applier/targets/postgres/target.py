@@ -2,8 +2,9 @@
 
 Text-mode values go to the server as they came from the source (psycopg sends
 a ``str`` as type unknown, so the server casts it with the column's input
-function); inserts go by COPY, but a few rows (see below). Binary-mode values go back in binary with their
-type (``applier.targets.binary``); inserts go by COPY (FORMAT binary) when every
+function); inserts go by COPY, but a few rows (see below). Binary-mode values
+go back in binary with their type (``applier.targets.binary``); inserts go by
+COPY (FORMAT binary) when every
 column has the source's built-in type on the target (pgoutput's binary field is
 COPY's), else by INSERT. A COPY stays open while consecutive batches insert into
 the same table, so the server stores rows while the next ones are decoded.
