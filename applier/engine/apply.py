@@ -76,7 +76,7 @@ from applier.engine.relation import RawMessage, RelationMap
 from applier.engine.spool import SpoolSet, records
 from applier.engine.tally import CommitObserver, Stats, Tally
 from applier.engine.twophase import TwoPhase
-from applier.engine.txn import Skip, SourceTxn, rolled_back_on_error
+from applier.engine.txn import Skip, SourceTxn, rolled_back, rolled_back_on_error
 from applier.errors import ApplyError, Conflicted, FinalError, MissingTable
 from applier.lsn import LSN
 from applier.targets.base import Binding, describe_values, not_found, source_name
@@ -155,6 +155,8 @@ class ApplyEngine:
         # queued changes, a batch per target table; when the target may take tables out of order
         # (no triggers or foreign keys fire), several tables' batches fill side by side
         self.batches: dict[Binding, Batch] = {}
+        # the logical decoding messages of the open group (with their xid): logged when it commits
+        self.messages: list[tuple[Message, int | None]] = []
         self.last_commit_end = LSN(0)
         self._handlers: dict[type, Callable[[Any], None]] = {
             Begin: self.handle_begin, Commit: self.handle_commit, Origin: self.handle_origin,
@@ -315,10 +317,12 @@ class ApplyEngine:
         self.flush_batch()
         if self.holding.open_txn is not None:  # a prepared transaction's replay at COMMIT PREPARED held some
             self.holding.end_txn(self.ensure_group)
-        with rolled_back_on_error(self.abort_group, lambda exc: ApplyError(
-                f"commit of the transaction ending at {self.group_end} failed on the target: {one_line(exc)}")):
+        try:
             self.target.write_progress(self.group_end, self.group_time, self.group_clears_skip)
             self.target.commit(self.group_end, self.group_time)
+        except Exception as exc:
+            raise rolled_back(exc, self.abort_group, lambda exc: ApplyError(  # noqa: B904 - the cause is set there
+                f"commit of the transaction ending at {self.group_end} failed on the target: {one_line(exc)}"))
         self.group_open = False
         self.group_clears_skip = False
         self.applied = self.group_end
@@ -329,10 +333,15 @@ class ApplyEngine:
         self.tally.committed(self.stats.transactions)
         if self.ddl is not None:
             self.ddl.committed()
+        if self.messages:
+            for m, xid in self.messages:
+                self._log_message(m, xid)
+            self.messages = []
 
     def abort_group(self) -> None:
         """Roll back the open target transaction and forget the batch."""
         self.batches = {}
+        self.messages = []
         self.holding.rolled_back()
         self.tally.rolled_back(self.stats.transactions)  # nothing of it was applied
         if self.ddl is not None:
@@ -463,8 +472,11 @@ class ApplyEngine:
             self.target.truncate(bs, m.cascade, m.restart_identity)
 
     def handle_message(self, m: Message) -> None:
-        """Logical decoding messages are logged, not applied; following schema changes, a transactional
-        ``applier.ddl`` message (DDL capture) is applied after the rows before it, in the open group."""
+        """Logical decoding messages are logged, not applied: when the open group commits on the target, if one
+        is open (once, however often a group is applied again after a conflict or a failure: the stream comes
+        again from the applied position), else at once; one of a transaction applied before not again. Following
+        schema changes, a transactional ``applier.ddl`` message (DDL capture) is applied after the rows before it,
+        in the open group."""
         if self.ddl is not None and m.prefix == DDL_PREFIX:
             txn = self.txn
             if not m.transactional or txn is None:
@@ -483,9 +495,17 @@ class ApplyEngine:
                 return
             self.ddl.captured(cap, txn, leave=self.hold_ddl(cap, txn))
             return
+        txn = self.txn
+        if m.transactional and txn is not None and txn.skip is Skip.APPLIED_BEFORE:
+            return  # logged when it was applied
+        if txn is not None or self.group_open:  # in source order with the group's: when it commits
+            self.messages.append((m, txn.xid if txn is not None else None))
+            return
+        self._log_message(m, None)
+
+    def _log_message(self, m: Message, xid: int | None) -> None:
         log.info("logical decoding message at %s: prefix=%r, %d bytes%s", m.lsn, m.prefix, len(m.content),
-                 "" if m.transactional else " (non-transactional)",
-                 extra={"lsn": m.lsn, "xid": self.txn.xid if self.txn is not None else None})
+                 "" if m.transactional else " (non-transactional)", extra={"lsn": m.lsn, "xid": xid})
 
     def flush_batch(self) -> None:
         """Apply every queued batch to the target."""
@@ -502,7 +522,7 @@ class ApplyEngine:
         self.ensure_group()
         lsn = txn.final_lsn if txn is not None else self.txn_lsn()
         applied = len(rows)
-        with rolled_back_on_error(self.abort_group, lambda exc: self._error(op, b, rows, txn, exc)):
+        try:  # (not ``rolled_back_on_error``: no context manager made per batch)
             if self.careful:  # one change (``batch_rows``), its conflicts resolved (``applier.engine.conflicts``)
                 assert txn is not None and len(rows) == 1
                 applied = int(self.resolver.apply(op, b, rows[0], Change(txn.xid, lsn, txn.commit_time)))
@@ -512,6 +532,9 @@ class ApplyEngine:
                 not_found(op, b, self.target.update_rows(b, rows, lsn), lsn)
             else:
                 not_found(op, b, self.target.delete_rows(b, rows, lsn), lsn)
+        except Exception as exc:
+            raise rolled_back(exc, self.abort_group,  # noqa: B904 - the cause is set there
+                              lambda exc: self._error(op, b, rows, txn, exc))
         self.tally.rows(op, b.table, applied)
 
     def _error(self, op: str, b: Binding, rows: list[Any], txn: SourceTxn | None, exc: BaseException) -> ApplyError:

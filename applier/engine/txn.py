@@ -6,8 +6,9 @@ Shared by the apply engine (``applier.engine.apply``) and what it asks: the join
 Invariants:
 - a ``SourceTxn`` lives from its Begin (or Begin Prepare, Stream Commit, Stream Prepare, Commit
   Prepared of a kept one) to its end; ``final_lsn`` is what `applier skip --lsn` names;
-- target work run under ``rolled_back_on_error`` either succeeds or leaves no open target transaction
-  and raises one ``ApplyError`` (a ``TableWait`` or an ``ApplyError`` passes through unchanged).
+- target work run under ``rolled_back_on_error`` (or handed to ``rolled_back`` when it fails) either
+  succeeds or leaves no open target transaction and raises one ``ApplyError`` (a ``TableWait`` or an
+  ``ApplyError`` passes through unchanged).
 """
 
 from __future__ import annotations
@@ -51,9 +52,18 @@ def rolled_back_on_error(abort: Callable[[], None],
     """Run target work; on any failure ``abort`` (roll the open target transaction back) and raise an ApplyError."""
     try:
         yield
-    except (ApplyError, TableWait):  # a wait is no failure (a kept prepared transaction's replay may wait)
-        abort()
-        raise
     except Exception as exc:
-        abort()
-        raise describe(exc) from exc
+        raise rolled_back(exc, abort, describe)  # noqa: B904 - its cause is set there (``exc`` itself, or described)
+
+
+def rolled_back(exc: Exception, abort: Callable[[], None], describe: Callable[[BaseException], ApplyError]) -> Exception:
+    """What target work that raised ``exc`` raises (``rolled_back_on_error``, or its caller's own ``except`` on the
+    per-transaction path, which spares a context manager): ``abort`` called, then ``exc`` itself if it is an
+    ApplyError or a TableWait (a wait is no failure: a kept prepared transaction's replay may wait), else
+    ``describe(exc)`` caused by it."""
+    abort()
+    if isinstance(exc, (ApplyError, TableWait)):
+        return exc
+    err = describe(exc)
+    err.__cause__ = exc
+    return err

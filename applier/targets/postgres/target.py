@@ -2,8 +2,9 @@
 
 Text-mode values go to the server as they came from the source (psycopg sends
 a ``str`` as type unknown, so the server casts it with the column's input
-function); inserts go by COPY. Binary-mode values go back in binary with their
-type (``applier.targets.binary``); inserts go by COPY (FORMAT binary) when every
+function); inserts go by COPY, but a few rows (see below). Binary-mode values
+go back in binary with their type (``applier.targets.binary``); inserts go by
+COPY (FORMAT binary) when every
 column has the source's built-in type on the target (pgoutput's binary field is
 COPY's), else by INSERT. A COPY stays open while consecutive batches insert into
 the same table, so the server stores rows while the next ones are decoded.
@@ -15,8 +16,12 @@ rows; the row count says how many were not found.
 
 The fast path waits for no statement (``pipelined``: ``pipeline(True)``, by the engine outside
 careful mode): BEGIN, those batches, keyed updates and deletes of a row or a
-few (one statement each) and inserts of a row or two go out in one libpq
-pipeline (``_send``) while the engine decodes on, and their results are read
+few (one statement each) and inserts of up to ``SMALL_INSERT`` rows (one
+prepared INSERT each) go into one libpq pipeline (``_send``): the batches are
+sent at once, the statements of a row or a few the first time and then
+``SEND_EVERY`` at a time (a group of small transactions goes out in two
+writes, the second with its COMMIT), while the engine decodes on, and their
+results are read
 in one round trip (``_sync``) just before the connection is next used, in
 order: the first failure, or the first update/delete that found fewer rows
 than it was sent (``Conflicted``), raises there, named. Anything done on the
@@ -276,6 +281,15 @@ SERVER_COUNTED = 64
 # server hold for each other)
 PIPELINE_DEPTH = 512
 
+# statements of a row or a few (keyed updates and deletes, small inserts) that wait in libpq's buffer before they are
+# sent (``PostgresTarget._push``), but the first of a pipeline: a group of small source transactions goes out in two
+# writes, its first changes and the rest with its COMMIT (two wake-ups of the server, not one per statement), a large
+# one in steps the server works on while the engine goes on
+SEND_EVERY = 64
+
+# inserts of up to this many rows go as prepared INSERTs in the pipeline (text mode), more by COPY
+SMALL_INSERT = 64
+
 # statements a session keeps prepared (``PostgresTarget._send``: parsed and planned once, not at every execution);
 # bounds what the server holds for a long session, whose tables are bound anew at every Relation message
 PREPARED_MAX = 500
@@ -338,6 +352,7 @@ class PostgresTarget(TargetBase):
         # statements; a PREPARE or DEALLOCATE: the statement's it goes with), rows it must find (-1: not counted;
         # ``BY_SERVER``), LSN); the connection is in pipeline mode while any are
         self._inflight: list[tuple[str, Binding | None, int, LSN]] = []
+        self._sent = 0  # how many of ``_inflight`` were sent (the rest is in libpq's buffer: ``_push``)
         self.pipelined = False  # see ``RowWriter.pipeline``
         self._numbered_sql: dict[str, bytes] = {}  # ``_dollars``
         self._counted_sql: dict[str, bytes] = {}  # ``run_many``: its statements checked by the server (``_counted``)
@@ -366,7 +381,8 @@ class PostgresTarget(TargetBase):
         self.conn.execute("SET enable_hashjoin = off")
         self.sync = synchronous_commit
         self._cur = self.conn.cursor()
-        self._utf8 = self._conn.info.encoding == "utf-8"  # wire text values go to the server as they are
+        self._encoding = self._conn.info.encoding  # the session's client encoding (applier never changes it)
+        self._utf8 = self._encoding == "utf-8"  # wire text values go to the server as they are
         if not self._utf8:  # small inserts go through psycopg's executes (``insert``): let psycopg prepare
             self._psycopg_prepares()
         self.in_txn = False
@@ -439,6 +455,15 @@ class PostgresTarget(TargetBase):
         self._inflight.append((op, b, rows, lsn))
         if flush:
             self._conn.wait(psycopg_send(pgconn))  # out now: the server works while the engine goes on
+            self._sent = len(self._inflight)
+
+    def _push(self) -> None:
+        """Send what the pipeline holds if nothing of it was sent yet (BEGIN and the first changes: the server
+        starts on them while the engine goes on) or once ``SEND_EVERY`` statements wait in it unsent; ``_sync``
+        sends the rest with the group's commit, or when the connection is next needed."""
+        if not self._sent or len(self._inflight) - self._sent >= SEND_EVERY:
+            self._conn.wait(psycopg_send(self._conn.pgconn))
+            self._sent = len(self._inflight)
 
     def _psycopg_prepares(self) -> None:
         """Leave preparing statements to psycopg from now on: a binary-mode table is bound, or the target is not
@@ -458,6 +483,7 @@ class PostgresTarget(TargetBase):
         (``not_found``), whichever came first."""
         pgconn = self._conn.pgconn
         sent, self._inflight = self._inflight, []
+        self._sent = 0
         failed: tuple[int, pq.abc.PGresult | int] | None = None  # (statement, its error or the rows it missed)
         aborted = 0  # the first statement that failed (from there on the server ran nothing)
         try:
@@ -777,7 +803,7 @@ class PostgresTarget(TargetBase):
     def write_progress(self, lsn: LSN, commit_time: int | None, clear_skip: bool = False) -> None:
         """Record ``lsn`` as applied in the open transaction. The statements are kept and sent by ``commit``,
         ahead of COMMIT in the same transaction, so progress and rows still commit together or not at all."""
-        enc = self._conn.info.encoding
+        enc = self._encoding
         self._next_lsn = str(lsn)
         self._progress = ([None if v is None else str(v).encode(enc)
                            for v in (self.name, lsn, commit_time, self.source_system, self.slot, self.timeline,
@@ -867,14 +893,16 @@ class PostgresTarget(TargetBase):
     def insert(self, b: Binding, rows: Sequence[TupleData], lsn: LSN) -> None:
         """Insert rows (of transactions from the one finished at ``lsn``) by COPY, or a pipelined executemany."""
         text = b.convert[0] is bytes.decode if b.convert else True  # text mode (else binary mode)
-        if len(rows) <= 2 or not b.names or not (text or b.copy_binary):
-            # a couple of rows: INSERTs cost fewer round trips than a COPY (which needs columns, too)
+        piped = self.pipelined and text and self._utf8  # prepared INSERTs in the pipeline
+        if len(rows) <= (SMALL_INSERT if piped else 2) or not b.names or not (text or b.copy_binary):
+            # a few rows: INSERTs cost the server less than a COPY (whose start alone costs it about as much as
+            # 40 prepared INSERTs) and the client no round trip (a COPY waits for the pipeline to be read first)
             present = tuple(range(len(b.names)))
-            if self.pipelined and text and self._utf8:
+            if piped:
                 sql = self._dollars(b.insert_sql(present))
                 for t in rows:  # the values as sent, as COPY takes them
                     self._send(sql, t.values, "INSERT", b, -1, lsn, flush=False)
-                self._conn.wait(psycopg_send(self._conn.pgconn))
+                self._push()
                 return
             self.cur.executemany(b.insert_sql(present), b.value_rows(rows, present))
             return
@@ -898,11 +926,10 @@ class PostgresTarget(TargetBase):
         if q is None:
             q = self._counted_sql[sql] = self._dollars(_counted(sql, 1))
         rows = BY_SERVER if by_server else 1
-        enc = self._conn.info.encoding
+        enc = self._encoding
         for args in params:
             self._send(q, [None if v is None else v.encode(enc) for v in args], op, b, rows, lsn, flush=False)
-        if self._inflight:
-            self._conn.wait(psycopg_send(self._conn.pgconn))
+        self._push()
         return len(params)
 
     def _dollars(self, sql: str) -> bytes:

@@ -254,6 +254,33 @@ def test_batches_apply_for_a_target_role_without_temporary_tables(rig: Rig, capl
         rig.target.cluster.execute(f"DROP ROLE {role}")
 
 
+@pytest.mark.parametrize("target_kind", ["postgresql"], indirect=True)
+def test_a_few_inserted_rows_go_as_prepared_inserts_many_by_copy(rig: Rig) -> None:
+    """On a PostgreSQL target a source transaction's few inserts into a table are one INSERT each (the start of a
+    COPY costs the server as much as some 40 prepared INSERTs), many go by one COPY; both store every row, and a
+    row the target refuses among a few is named, nothing of its transaction landing."""
+    rig.src("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    # statements that insert into t, counted on the target (a COPY is one)
+    rig.tgt_script("CREATE TABLE t (id int PRIMARY KEY, v text CHECK (v <> 'bad')); CREATE TABLE stmts (n int); "
+                   "CREATE FUNCTION count_stmt() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN INSERT INTO stmts "
+                   "VALUES (1); RETURN NULL; END$$; CREATE TRIGGER s AFTER INSERT ON t FOR EACH STATEMENT "
+                   "EXECUTE FUNCTION count_stmt(); ALTER TABLE t ENABLE ALWAYS TRIGGER s;")
+    rig.publish("t")
+    rig.init()
+    rig.src("INSERT INTO t SELECT g, 'few' FROM generate_series(1, 10) g")
+    rig.catchup()
+    assert rig.tgt("SELECT count(*) FROM stmts") == [(10,)]
+    rig.src("INSERT INTO t SELECT g, 'many' FROM generate_series(101, 400) g")
+    rig.catchup()
+    assert rig.tgt("SELECT count(*) FROM stmts") == [(11,)]
+    assert_same(rig, "SELECT id, v FROM t")
+    rig.src("INSERT INTO t SELECT g, CASE WHEN g = 503 THEN 'bad' ELSE 'x' END FROM generate_series(501, 505) g")
+    with pytest.raises(ApplyError) as err:
+        rig.catchup()
+    assert str(err.value).startswith("INSERT on table public.t (key (id)=(503))"), err.value
+    assert rig.tgt("SELECT count(*) FROM t WHERE id > 500") == [(0,)]
+
+
 def test_replica_identity_nothing_with_insert_only_publication(rig: Rig) -> None:
     """Identity NOTHING replicates inserts. Its updates and deletes cannot reach the applier at all:
     with publish='insert' they are not sent, and once the publication publishes updates the source
@@ -499,6 +526,25 @@ def test_logical_decoding_messages_are_logged_not_applied(rig: Rig, caplog: pyte
 
 
 # -- progress, status, init --------------------------------------------------------------------
+
+
+def test_a_message_in_a_group_applied_again_is_logged_once(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    """A conflict rolls back the group (several source transactions) and applies it again one transaction at a
+    time: a logical decoding message in it is logged when it commits, once."""
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    rig.publish("t")
+    rig.init()
+    rig.src("INSERT INTO t VALUES (1, 'a'), (2, 'b')")
+    rig.catchup()
+    rig.tgt("DELETE FROM t WHERE id = 2")  # the source's delete will not find it: a conflict
+    rig.src("SELECT pg_logical_emit_message(true, 'audit', 'before')")
+    rig.src("DELETE FROM t WHERE id = 2")
+    rig.src("INSERT INTO t VALUES (3, 'c'); SELECT pg_logical_emit_message(true, 'audit', 'after')")
+    with caplog.at_level(logging.INFO, logger="applier"):
+        assert rig.catchup().transactions == 3
+    logged = [r.getMessage() for r in caplog.records if "logical decoding message" in r.getMessage()]
+    assert len(logged) == 2 and "6 bytes" in logged[0] and "5 bytes" in logged[1], logged
+    assert rig.tgt("SELECT id, v FROM t ORDER BY id") == [(1, "a"), (3, "c")]
 
 
 def test_a_source_of_another_cluster_is_refused_before_anything_is_applied(rig: Rig, pg_target: Cluster) -> None:

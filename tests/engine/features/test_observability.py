@@ -186,6 +186,28 @@ def test_metrics_of_a_running_daemon(cli_rig: Rig) -> None:
         assert value(after, "applier_groups_committed_total") == 6
 
 
+def test_a_steady_stream_of_small_transactions_shares_commits(cli_rig: Rig) -> None:
+    """Small source transactions committed one after another, half a millisecond apart (a busy OLTP source): a
+    target transaction waits a moment (at most 2 ms) for the next source transaction before it commits, so
+    several share one commit, and every row arrives."""
+    rig = cli_rig
+    rig.both("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    rig.publish("t")
+    rig.init()
+    port = free_port()
+    config = rig.config_file(metrics_listen=f"127.0.0.1:{port}")
+    with daemon(rig, config) as (proc, err):
+        wait_for("the metrics endpoint", lambda: scrape(port), proc=proc, log=err)
+        # committed by the server itself, half a millisecond apart, whatever the load on the client
+        rig.src("DO $$BEGIN FOR i IN 1..300 LOOP INSERT INTO t VALUES (i, 'v'); COMMIT; PERFORM pg_sleep(0.0005); "
+                "END LOOP; END$$")
+        done = scrape_until(port, "every transaction", lambda m: value(m, "applier_transactions_applied_total") == 300,
+                            proc, err)
+        assert rig.tgt("SELECT count(*), sum(id) FROM t") == [(300, 300 * 301 // 2)]
+        groups = value(done, "applier_groups_committed_total")
+        assert groups is not None and groups <= 150, groups  # two source transactions a commit, or more
+
+
 @pytest.mark.parametrize("target_kind", ["sqlite"])
 def test_errors_retries_and_reconnects_are_counted(cli_rig: Rig) -> None:
     rig = cli_rig
