@@ -538,8 +538,10 @@ class Runner:
         while True:
             if self.joiner.children:  # a join started by apply.new_tables "sync" may have ended: say so
                 self.joiner.reap()
-            if holding and not engine.in_transaction and time.monotonic() >= next_poll:
-                more = engine.poll_held()  # a copy ready: its held changes are applied, a step at a time
+            if not engine.in_transaction and time.monotonic() >= next_poll:
+                # a repair asking for a table to be held is answered; a copy ready: its held changes are applied, a
+                # step at a time
+                more = engine.poll_held()
                 next_poll = time.monotonic() + (0.0 if more else TABLE_POLL)
             if self.stop.is_set():
                 if not engine.in_transaction:
