@@ -1,4 +1,4 @@
-"""Commands of the migration workflow on Spark: sync, verify, repair and cutover (registered on import)."""
+"""Commands of the migration workflow on Spark: sync, verify, repair, resync and cutover (registered on import)."""
 
 from __future__ import annotations
 
@@ -142,14 +142,45 @@ def repair(
         cfg = _config(config, dsn, slot, publication, target, master, partitions)
         return do_repair(cfg, table or None, dry_run=dry_run, say=_say)
 
-    report = run_guarded(go)
+    _print(run_guarded(go), "repair", as_json)
+
+
+def _print(report: Any, command: str, as_json: bool) -> None:
+    """Print a repair/resync report (its lines, or one JSON object)."""
     if report is None:
-        fail("repair did not run")
+        fail(f"{command} did not run")
     if as_json:
         typer.echo(json.dumps(report.as_json(), ensure_ascii=False, default=str))
     else:
         for line in report.lines():
             typer.echo(line)
+
+
+@app.command()
+def resync(
+    config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publication: PubOpt = None,
+    target: TargetOpt = None, master: MasterOpt = None, partitions: PartsOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """After a lost slot (exit 6): make the slot again and repair every table at its snapshot, not a re-copy.
+
+    The slot is created again with a snapshot; every published table is compared with the source at it and its
+    differing key ranges rewritten (what the lost slot never delivered); the progress row moves to the new slot's
+    start, recording the lost slot and when. Then start `applier run` again. Stop it first (it has stopped by
+    itself at the lost slot).
+
+    Examples:
+
+      applier resync -c applier.toml
+    """
+    # here, not at the top: start-up time (alembic/SQLAlchemy and pyspark)
+    from applier.migrate.resync import resync as do_resync
+
+    def go() -> Any:
+        cfg = _config(config, dsn, slot, publication, target, master, partitions)
+        return do_resync(cfg, say=_say)
+
+    _print(run_guarded(go), "resync", as_json)
 
 
 @app.command()

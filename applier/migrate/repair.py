@@ -192,7 +192,7 @@ def _repair(cfg: Config, names: list[str] | None, dry_run: bool, spark: Any,
                 raise RepairError(f"target table {target.name_of(t)[0]} of source table {t.qualified} does not exist: "
                                   f"nothing to repair; `applier sync --table {t.qualified}` copies it")
         if not dry_run:
-            claims = [_claim(target, name, t) for t in tables]
+            claims = [claim_table(target, name, t) for t in tables]
             for t in tables:
                 _ask_to_hold(target, name, t, run)
             _wait_for_answers(target, name, tables, run, say)
@@ -209,9 +209,9 @@ def _repair(cfg: Config, names: list[str] | None, dry_run: bool, spark: Any,
                 if now is None:
                     raise RepairError(f"source table {t.qualified} is no longer published at the repair's snapshot")
                 say(f"comparing {t.qualified}")
-                found = _compare(cfg, target, spark, now, snapshot)
+                found = compare_table(cfg, target, spark, now, snapshot)
                 if not dry_run and found.ranges:
-                    _rewrite(cfg, target, now, found, snapshot, str(at), run, say)
+                    rewrite_ranges(cfg, target, now, found, snapshot, str(at), run, say)
                     found.rewritten = True
                 if not dry_run:
                     _set_rows(target, name, run, [t], f"state = 'ready', finished_at = {target.ph}", [_now()])
@@ -224,7 +224,7 @@ def _repair(cfg: Config, names: list[str] | None, dry_run: bool, spark: Any,
                 claim.release()
 
 
-def _claim(target: TargetDb, name: str, t: SourceTable) -> Held | None:
+def claim_table(target: TargetDb, name: str, t: SourceTable) -> Held | None:
     """Claim ``t``'s copy (``copy_claim_name``) for this repair; RepairError naming the holder if taken."""
     key = copy_claim_name(name, t.schema, t.name)
     try:
@@ -320,7 +320,7 @@ def _columns(target: TargetDb, t: SourceTable) -> tuple[list[str], list[str]]:
     return compared, nulls
 
 
-def _compare(cfg: Config, target: TargetDb, spark: Any, t: SourceTable, snapshot: str) -> TableRepair:
+def compare_table(cfg: Config, target: TargetDb, spark: Any, t: SourceTable, snapshot: str) -> TableRepair:
     """The differing key ranges of ``t`` and their counts (see the module header)."""
     # start-up time: these load pyspark
     from applier.migrate.spark.rangehash import same_types, server_encoding, target_types
@@ -462,7 +462,7 @@ RECORD = ("INSERT INTO applier_repairs (name, run, schema_name, table_name, snap
           "rows_updated, rows_deleted, repaired_at) VALUES ({})")
 
 
-def _rewrite(cfg: Config, target: TargetDb, t: SourceTable, found: TableRepair, snapshot: str, at: str, run: str,
+def rewrite_ranges(cfg: Config, target: TargetDb, t: SourceTable, found: TableRepair, snapshot: str, at: str, run: str,
              say: Callable[[str], None]) -> None:
     """Each differing range in one target transaction: its target rows deleted, the source's rows in the snapshot
     inserted, the range recorded in applier_repairs."""

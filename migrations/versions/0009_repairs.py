@@ -6,6 +6,10 @@ inserted): the repair run, the source table, the snapshot's consistent point, th
 whole table), and the rows inserted (keys only on the source), updated (keys on both sides, rows different) and
 deleted (keys only on the target). A repair killed half-way leaves the ranges it finished recorded, and only those.
 
+``applier_progress`` gets ``resynced_from`` and ``resynced_at`` (``applier resync``, ``applier.migrate.resync``): the
+slot that was lost and the position applied from it (``slot 'applier' (dropped) at 0/1A2B3C4``), and when the
+replica was resynced onto the new slot (its name and start are the row's ``slot`` and ``lsn``).
+
 ``applier_sync_tables.state`` gets two values (no schema change): 'repair' (a repair asked the running applier to
 hold the table's changes; no snapshot yet) and 'repairing' (the applier holds them; ``snapshot_lsn`` once taken).
 
@@ -39,8 +43,14 @@ def upgrade() -> None:
         sa.Column("repaired_at", sa.Text, nullable=False),
     )
     op.create_index("applier_repairs_name", "applier_repairs", ["name", "run"])
+    with op.batch_alter_table("applier_progress") as batch:
+        batch.add_column(sa.Column("resynced_from", sa.Text, nullable=True))
+        batch.add_column(sa.Column("resynced_at", sa.Text, nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("applier_progress") as batch:
+        batch.drop_column("resynced_at")
+        batch.drop_column("resynced_from")
     op.drop_index("applier_repairs_name", "applier_repairs")
     op.drop_table("applier_repairs")
