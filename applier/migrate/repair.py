@@ -18,8 +18,9 @@ stream at a snapshot the way ``applier sync --table`` joins a copied table, whil
    one, and every one committed between the answer and S, is held;
 4. T compared with the source in snapshot S by verify's key-range hashes (1024 ranges of the key's hash): on the
    servers (``applier.migrate.spark.rangehash``) when the target is PostgreSQL with T's column types and the
-   source's encoding; else in Spark (``applier.migrate.spark.verify``'s row hashes), each row's place kept (the
-   source's ``ctid`` in S, the target's ``rowid``/``ctid``);
+   source's encoding; else in Spark (``applier.migrate.spark.verify``'s row hashes). The rows of the differing
+   ranges are then read with their place (the source's ``ctid`` in S, the target's ``ctid``/``rowid``, with the
+   partition's OID for a partitioned table), so that a range is found again by a TID scan, not a hash of every row;
 5. each differing range rewritten in ONE target transaction: the target's rows of the range deleted, the
    source's rows of the range in S inserted, and an ``applier_repairs`` row (migration 0009: run, table, S,
    range, rows inserted / updated / deleted) written. T on the target is then the source at S exactly: what the
@@ -368,24 +369,41 @@ def _compare_on_servers(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str
     differing = sorted(r for r in a.keys() | b.keys() if a.get(r) != b.get(r))
     if not differing:
         return
-    hashed: list[dict[int, list[tuple[str, str]]]] = []
+    hashed: list[dict[int, list[tuple[str, str, str]]]] = []
     for p in plans:
         keyed = key or p["columns"]
         where = bucket_filter(keyed, differing)
         narrowed = {**p, "where": f"({p['where']}) AND {where}" if p.get("where") else where,
                     "columns": [bucket_of(keyed), f"md5({row_text(keyed)})",
-                                f"md5({row_text(p['columns'])})"]}
-        side: dict[int, list[tuple[str, str]]] = {}
+                                f"md5({row_text(p['columns'])})", _place(p)]}
+        side: dict[int, list[tuple[str, str, str]]] = {}
         with pg_in_snapshot(narrowed, 0) as conn:
-            for bucket, k, r in conn.execute(range_query(narrowed, None, None)):
-                side.setdefault(int(bucket), []).append((k, r))
+            for bucket, k, r, at in conn.execute(range_query(narrowed, None, None)):
+                side.setdefault(int(bucket), []).append((k, r, at))
         hashed.append(side)
     for r in differing:
-        fix = _counted(r, hashed[0].get(r, []), hashed[1].get(r, []), bool(key))
-        fix.source_where = fix.target_where = bucket_filter(key or src_plan["columns"], [r])
-        if tgt_plan["columns"] != src_plan["columns"]:
-            fix.target_where = bucket_filter(key or tgt_plan["columns"], [r])
+        src, tgt = hashed[0].get(r, []), hashed[1].get(r, [])
+        fix = _counted(r, [(k, h) for k, h, _ in src], [(k, h) for k, h, _ in tgt], bool(key))
+        fix.source_where = _where_places([at for _, _, at in src], src_plan)
+        fix.target_where = _where_places([at for _, _, at in tgt], tgt_plan)
         res.ranges.append(fix)
+
+
+def _place(plan: dict[str, Any]) -> str:
+    """SQL for a row's place in a PostgreSQL table of a plan, found again by ``_where_places``: its ctid (stable in the
+    source's snapshot, and on the target, where nothing but the repair writes the table now); with its table's OID
+    when the plan reads a partitioned table (each partition has its own ctids)."""
+    return "ctid::text" if plan.get("only", True) else "tableoid::text || ' ' || ctid::text"
+
+
+def _where_places(places: list[str], plan: dict[str, Any]) -> str:
+    """A condition selecting the rows at these places (``_place``) of a plan's PostgreSQL table (a TID scan)."""
+    if not places:
+        return "false"
+    if plan.get("only", True):
+        return "ctid = ANY('{" + ",".join(f'"{c}"' for c in places) + "}'::tid[])"
+    pairs = [p.split(" ", 1) for p in places]
+    return "(tableoid, ctid) IN (" + ", ".join(f"({int(oid)}::oid, '{tid}'::tid)" for oid, tid in pairs) + ")"
 
 
 def _counted(bucket: int, src: list[tuple[Any, Any]], tgt: list[tuple[Any, Any]], keyed: bool) -> RangeRepair:
@@ -412,7 +430,7 @@ def _compare_in_spark(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str, 
     from applier.migrate.spark.verify import hash_sums, prepared  # start-up time: pyspark
 
     located = []
-    for p, where in ((src_plan, "ctid::text"), (tgt_plan, "rowid" if fmt == "applier_sqlite" else "ctid::text")):
+    for p, where in ((src_plan, _place(src_plan)), (tgt_plan, "rowid" if fmt == "applier_sqlite" else _place(tgt_plan))):
         plan = {**p, "columns": [*p["columns"], where]}
         if plan.get("canonical") is not None:
             plan["canonical"] = [*plan["canonical"], 25]
@@ -436,10 +454,10 @@ def _compare_in_spark(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str, 
     for b in differing:
         src, tgt = by[0].get(b, []), by[1].get(b, [])
         fix = _counted(b, [(k, h) for k, h, _ in src], [(k, h) for k, h, _ in tgt], bool(key_idx))
-        fix.source_where = _where_ctids([_loc(x, sqlite_target) for _, _, x in src])
+        fix.source_where = _where_places([_loc(x, sqlite_target) for _, _, x in src], src_plan)
         locs = [_loc(x, sqlite_target) for _, _, x in tgt]
         fix.target_where = (f"rowid IN ({', '.join(str(int(x)) for x in locs)})" if locs else "false") \
-            if sqlite_target else _where_ctids(locs)
+            if sqlite_target else _where_places(locs, tgt_plan)
         res.ranges.append(fix)
 
 
@@ -447,13 +465,6 @@ def _loc(v: Any, canonical: bool) -> str:
     """A row's place as the Spark source read it: the text (a ctid, a rowid), after its type tag if canonical."""
     text = bytes(v).decode()
     return text[1:] if canonical else text
-
-
-def _where_ctids(ctids: list[str]) -> str:
-    """A condition selecting these rows (ctids, ``(page,item)``) of a PostgreSQL table."""
-    if not ctids:
-        return "false"
-    return "ctid = ANY('{" + ",".join(f'"{c}"' for c in ctids) + "}'::tid[])"
 
 
 # -- step 5: the rewrite -----------------------------------------------------------------------
