@@ -195,7 +195,7 @@ def init(cfg: Config, new_slot: bool = False) -> list[str]:
                 if before != after else f"control tables: already at {after}")
     slot = cfg.source["slot"]
     progress = read_progress(cfg)
-    lost = _lost_slot(cfg, progress)
+    lost = lost_slot(cfg, progress)
     if lost is not None and not new_slot:
         with source_connect(cfg) as conn:
             now = one_row(conn.execute("SELECT pg_current_wal_lsn()::text"))[0]
@@ -275,7 +275,7 @@ def _keep_shapes_at(cfg: Config, snapshot: str | None, at: LSN) -> int:
     return len(new)
 
 
-def _lost_slot(cfg: Config, progress: Progress) -> SlotLost | None:
+def lost_slot(cfg: Config, progress: Progress) -> SlotLost | None:
     """The SlotLost of the slot the progress row has applied from (None: nothing applied, another slot's or another
     cluster's progress (the appliers refuse those), or the slot is there and streams)."""
     slot = cfg.source["slot"]

@@ -93,8 +93,9 @@ class SlotLost(RuntimeError):
         where = (f"the target has applied up to {applied}, and the source's changes after it can no longer be "
                  f"streamed" if applied is not None else "the source's changes it held can no longer be streamed")
         super().__init__(
-            f"replication slot {slot!r} {what}: {where}. The replica needs a re-copy: `applier sync --force` (a new "
-            f"slot and a fresh copy), or `applier init --new-slot` to follow from now and copy again later")
+            f"replication slot {slot!r} {what}: {where}. `applier resync` makes the slot again and repairs what "
+            f"differs; or re-copy: `applier sync --force` (a new slot and a fresh copy), or `applier init --new-slot` "
+            f"to follow from now and copy again later")
 
     def at(self, applied: str) -> SlotLost:
         """The same, naming the target's applied position."""

@@ -1,4 +1,4 @@
-"""Commands of the migration workflow on Spark: sync, verify and cutover (registered on import)."""
+"""Commands of the migration workflow on Spark: sync, verify, repair, resync and cutover (registered on import)."""
 
 from __future__ import annotations
 
@@ -109,6 +109,78 @@ def verify(
         return do_verify(cfg, max_keys=keys, say=_say)
 
     _report(run_guarded(go), "verify", as_json)
+
+
+@app.command()
+def repair(
+    config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publication: PubOpt = None,
+    target: TargetOpt = None, master: MasterOpt = None, partitions: PartsOpt = None,
+    table: Annotated[list[str] | None, typer.Option(
+        "--table", "-t", help="Repair just this published table (schema.name; repeatable); default: every one.")]
+    = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Report the differing key ranges and counts; write "
+                                          "nothing.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Rewrite only the key ranges of replicated tables that differ from the source, at a fresh snapshot.
+
+    `applier run` may keep running: it holds each repaired table's changes while the table is repaired and
+    applies the later ones afterwards, the other tables' meanwhile. Each differing key range (of 1024 of the
+    key's hash) is rewritten in one target transaction and recorded in applier_repairs. Run it again after a
+    failure or a kill: it finishes.
+
+    Examples:
+
+      applier repair -c applier.toml --dry-run
+
+      applier repair -c applier.toml --table public.orders
+    """
+    # here, not at the top: start-up time (alembic/SQLAlchemy and pyspark)
+    from applier.migrate.repair import repair as do_repair
+
+    def go() -> Any:
+        cfg = _config(config, dsn, slot, publication, target, master, partitions)
+        return do_repair(cfg, table or None, dry_run=dry_run, say=_say)
+
+    _print(run_guarded(go), "repair", as_json)
+
+
+def _print(report: Any, command: str, as_json: bool) -> None:
+    """Print a repair/resync report (its lines, or one JSON object)."""
+    if report is None:
+        fail(f"{command} did not run")
+    if as_json:
+        typer.echo(json.dumps(report.as_json(), ensure_ascii=False, default=str))
+    else:
+        for line in report.lines():
+            typer.echo(line)
+
+
+@app.command()
+def resync(
+    config: ConfigOpt = None, dsn: DsnOpt = None, slot: SlotOpt = None, publication: PubOpt = None,
+    target: TargetOpt = None, master: MasterOpt = None, partitions: PartsOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """After a lost slot (exit 6): make the slot again and repair every table at its snapshot, not a re-copy.
+
+    The slot is created again with a snapshot; every published table is compared with the source at it and its
+    differing key ranges rewritten (what the lost slot never delivered); the progress row moves to the new slot's
+    start, recording the lost slot and when. Then start `applier run` again. Stop it first (it has stopped by
+    itself at the lost slot).
+
+    Examples:
+
+      applier resync -c applier.toml
+    """
+    # here, not at the top: start-up time (alembic/SQLAlchemy and pyspark)
+    from applier.migrate.resync import resync as do_resync
+
+    def go() -> Any:
+        cfg = _config(config, dsn, slot, publication, target, master, partitions)
+        return do_resync(cfg, say=_say)
+
+    _print(run_guarded(go), "resync", as_json)
 
 
 @app.command()

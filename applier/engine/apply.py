@@ -649,12 +649,26 @@ class ApplyEngine:
         return frozenset(leave)
 
     def poll_held(self) -> bool:
-        """Between transactions: apply held changes of each table whose copy is now ready (``JoinGate.poll``), a
-        step each (``drain``); True while a drain has more to apply (poll again at once, after a commit)."""
+        """Between transactions: answer the repairs that ask for tables to be held (``answer_repairs``), then apply
+        held changes of each table whose copy is now ready (``JoinGate.poll``), a step each (``drain``); True while a
+        drain has more to apply (poll again at once, after a commit)."""
+        self.answer_repairs()
         more = False
         for oid in self.gate.poll():
             more = self.drain(oid) or more
         return more
+
+    def answer_repairs(self) -> None:
+        """Each table a repair asks to be held (``JoinGate.repairs``: its binding dropped) is answered in the open
+        group (opened if none is: the position stays), which commits the changes applied to it before; from then on
+        its changes go through the join gate."""
+        for schema, table in self.gate.repairs():
+            self.flush_batch()
+            self.ensure_group()
+            self.group_end = LSN(max(self.group_end, self.applied))
+            self.target.hold_for_repair(schema, table)
+            log.info("table %s.%s: `applier repair` asks for its changes to be held while it repairs it; held from "
+                     "now on", schema, table)
 
     def drain(self, oid: int, limit: int = DRAIN_ROWS) -> bool:
         """Apply the first ``limit`` held rows of table ``oid`` (its copy is ready) in the order they were held,

@@ -21,6 +21,11 @@ default) waits under ``applier run`` (``wait_for_tables``, a ``TableWait``) and 
 ``applier sync --table`` otherwise; "error" is a ``FinalError`` naming the table, the LSN and both ways
 out; "sync" starts the table's join (``applier.engine.newtables``) and holds its changes.
 
+A repair (``applier repair``, ``applier.migrate.repair``) uses the same rows: 'repair' (asked: hold the table's
+changes, no snapshot yet) and 'repairing' (held, its snapshot S once taken) place changes as 'init' and 'copying'
+do, and 'ready' drains them. ``repairs`` (the runner, about once a second) finds the tables a repair asks for and
+drops their bindings, so that a table bound long ago is held from its next change on; the engine answers.
+
 ``poll`` (the runner, between transactions, every second or so while changes are held) reads the rows of
 the held tables: a 'ready' one is drained; a copy ('init'/'copying', or a join "sync" started) that
 nobody runs any more (no ``applier sync --table`` holds ``claim.copy_claim_name``) is dead: with
@@ -49,6 +54,9 @@ from applier.targets.contract import Target
 from applier.text import shell_command
 
 log = logging.getLogger("applier.engine")
+
+# applier_sync_tables states of a table being repaired (``applier.migrate.repair``): held like one being copied
+REPAIR_STATES = ("repair", "repairing")
 
 
 class Place(enum.Enum):
@@ -100,9 +108,21 @@ class JoinGate:
                    f"or after that point is not known when it is prepared; it waits")
             raise self._wait(b.rel, b.join, why)
         where = f"at its snapshot {at}" if at is not None else f"({state}, its snapshot not taken yet)"
+        what = ("repaired", "applier repair") if state in REPAIR_STATES else ("copied", "applier sync --table")
         self.holding.start(b.rel.oid, b.rel.namespace or "pg_catalog", b.rel.name,
-                           f"table {table} is being copied {where} (`applier sync --table`)")
+                           f"table {table} is being {what[0]} {where} (`{what[1]}`)")
         return Place.HOLD
+
+    def repairs(self) -> list[tuple[str, str]]:
+        """The tables a repair asks to be held (``applier.migrate.repair``): each one's binding is dropped, so that
+        its next change reads its row again and is held; the caller answers each (``hold_for_repair``) in its open
+        target transaction."""
+        asked = self.target.repair_requests()
+        for schema, table in asked:
+            for oid, rel in list(self.relmap.relations.items()):
+                if (rel.namespace or "pg_catalog", rel.name) == (schema, table):
+                    self.relmap.unbind(oid)
+        return asked
 
     def missing(self, rel: Relation, exc: MissingTable, lsn: LSN, prepared: bool = False) -> ApplyError | TableWait | None:
         """What a change to ``rel`` at ``lsn``, whose target table does not exist (``exc``), raises: a TableWait
@@ -175,6 +195,9 @@ class JoinGate:
                 or self.target.table_join(schema, table) != join:
             return None
         at = f" at {join[1]}" if join[1] is not None else ""
+        if join[0] in REPAIR_STATES:
+            return (f"the repair of table {qualified}{at} ({join[0]}) is not running (no `applier repair` holds it: "
+                    f"killed or failed): run `{shell_command('applier', 'repair', '--table', qualified)}` again")
         return (f"the copy of table {qualified}{at} ({join[0]}) is not running (no `applier sync --table` holds "
                 f"it: killed or failed): run `{shell_command('applier', 'sync', '--table', qualified)}` again")
 

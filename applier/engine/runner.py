@@ -32,8 +32,9 @@ retry can neither lose nor repeat a transaction.
   the daemon retries with backoff or stops (``apply.on_error``), and
   ``catchup`` stops.
 - Only ``target.durable_lsn()`` is ever confirmed to the source.
-- Changes held for tables being copied (``applier.engine.holding``): between transactions, about once a
-  ``TABLE_POLL`` seconds, ``ApplyEngine.poll_held`` applies those of each table whose copy is ready; a
+- Changes held for tables being copied or repaired (``applier.engine.holding``): between transactions, about once
+  a ``TABLE_POLL`` seconds, ``ApplyEngine.poll_held`` answers a repair asking for a table to be held and applies
+  the held changes of each table whose copy is ready; a
   catch-up at its goal waits for them (``_wait_for_held``) before it ends.
 - A change to a table joining the stream that cannot be placed yet (``TableWait``: a prepared transaction
   applied at PREPARE, or a table with neither a target table nor a row, see ``applier.engine.joingate``)
@@ -548,8 +549,10 @@ class Runner:
         while True:
             if self.joiner.children:  # a join started by apply.new_tables "sync" may have ended: say so
                 self.joiner.reap()
-            if holding and not engine.in_transaction and time.monotonic() >= next_poll:
-                more = engine.poll_held()  # a copy ready: its held changes are applied, a step at a time
+            if not engine.in_transaction and time.monotonic() >= next_poll:
+                # a repair asking for a table to be held is answered; a copy ready: its held changes are applied, a
+                # step at a time
+                more = engine.poll_held()
                 next_poll = time.monotonic() + (0.0 if more else TABLE_POLL)
             if self.stop.is_set():
                 if not engine.in_transaction:

@@ -125,10 +125,10 @@ def _sync_tables(cfg: Config, names: list[str], force: bool, spark: Any, reporte
     target = TargetDb(cfg)
     claims: list[Held | None] = []
     try:
-        _need_replica(target, name)
-        tables = _published(cfg, names)
+        need_replica(target, name)
+        tables = published_tables(cfg, names)
         claims = [_claim_copy(target, name, t) for t in tables]
-        _need_replica(target, name)  # again, claimed: a full sync that starts now sees the claims and stops
+        need_replica(target, name)  # again, claimed: a full sync that starts now sees the claims and stops
         _check_streamed(cfg, tables, say)
         run = uuid.uuid4().hex
         for t in tables:
@@ -142,17 +142,18 @@ def _sync_tables(cfg: Config, names: list[str], force: bool, spark: Any, reporte
                 claim.release()
 
 
-def _need_replica(target: TargetDb, name: str) -> None:
+def need_replica(target: TargetDb, name: str, command: str = "applier sync --table") -> None:
     """SyncError unless the target is a replica for ``name`` that a joined table can follow: its full sync done, or
-    no sync at all and the progress row there (``applier init`` writes it: a target made by pg_dump, then init)."""
+    no sync at all and the progress row there (``applier init`` writes it: a target made by pg_dump, then init);
+    ``command`` is the one refused (``applier repair`` joins tables too)."""
     state = target.sync_state(name)
     if state is not None and state["state"] == "done":
         return
     if state is not None:
-        raise SyncError(f"`applier sync --table` adds tables to a replica, but for apply.name {name!r} the full sync "
+        raise SyncError(f"`{command}` works on a replica, but for apply.name {name!r} the full sync "
                         f"is {state['state']} (interrupted or running): let it end, or run `applier sync` again")
     if not target.execute(target.backend.sql.select, [name]):
-        raise SyncError(f"`applier sync --table` adds tables to a replica, but for apply.name {name!r} this target "
+        raise SyncError(f"`{command}` works on a replica, but for apply.name {name!r} this target "
                         f"is none yet (no sync has run, and no progress row from `applier init`): run `applier sync` "
                         f"first (it copies every published table), or `applier init` when the tables are on the "
                         f"target already (made by pg_dump)")
@@ -206,7 +207,7 @@ def _check_streamed(cfg: Config, tables: list[SourceTable], say: Any) -> None:
                         f"again")
 
 
-def _published(cfg: Config, names: list[str]) -> list[SourceTable]:
+def published_tables(cfg: Config, names: list[str]) -> list[SourceTable]:
     """The named source tables as the publications publish them; SyncError naming each one that is not."""
     published = {(t.schema, t.name): t for t in read_tables_in_snapshot(cfg, None)}
     pubs = ", ".join(cfg.source["publications"])

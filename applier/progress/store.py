@@ -10,11 +10,11 @@ from applier.ddl.shape import TableShape
 from applier.lsn import LSN
 
 # The newest alembic revision of the control tables (tests check it against migrations/).
-HEAD_REVISION = "0008"
+HEAD_REVISION = "0009"
 VERSION_TABLE = "applier_alembic_version"
 # Every control table at HEAD_REVISION, alembic's last (``applier drop --control-tables`` drops them in this order);
 # each but the last has the ``name`` column of apply.name.
-CONTROL_TABLES = ("applier_held", "applier_ddl_log", "applier_ddl_tables", "applier_conflicts", "applier_sync_tables",
+CONTROL_TABLES = ("applier_repairs", "applier_held", "applier_ddl_log", "applier_ddl_tables", "applier_conflicts", "applier_sync_tables",
                   "applier_sync_parts", "applier_sync", "applier_prepared", "applier_progress", VERSION_TABLE)
 
 
@@ -62,6 +62,11 @@ class ProgressSQL(NamedTuple):
     list_prepared: str
     has_sync_tables: str  # one row: whether applier_sync_tables exists (None: a target older than 0003)
     table_join: str  # (name, source schema, source table) -> (state, snapshot_lsn) of applier_sync_tables
+    # ``applier repair`` (``applier.migrate.repair``): (name) -> (schema, table) of the rows in state 'repair' (a
+    # repair asks the running applier to hold the table's changes); (name, schema, table) such a row set to
+    # 'repairing' (the applier holds them from now on: the answer)
+    repair_requests: str
+    hold_for_repair: str
     # applier_conflicts (``applier.engine.conflicts``): (name, recorded_at, type, table, key, local, remote, xid,
     # commit_lsn, commit_time, policy, resolution); (name, before) -> rows deleted; (name) -> (type, count) rows
     record_conflict: str
@@ -132,6 +137,10 @@ def progress_sql(ph: str, has_sync_tables: str) -> ProgressSQL:
         has_sync_tables=has_sync_tables,
         table_join=(f"SELECT state, snapshot_lsn FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} "
                     f"AND table_name = {ph}"),
+        repair_requests=(f"SELECT schema_name, table_name FROM applier_sync_tables WHERE name = {ph} "
+                         f"AND state = 'repair' ORDER BY schema_name, table_name"),
+        hold_for_repair=(f"UPDATE applier_sync_tables SET state = 'repairing' WHERE name = {ph} AND schema_name = {ph} "
+                         f"AND table_name = {ph} AND state = 'repair'"),
         record_conflict=(f"INSERT INTO applier_conflicts (name, recorded_at, conflict_type, table_name, key, local_row, "
                          f"remote_row, xid, commit_lsn, commit_time, policy, resolution) VALUES "
                          f"({', '.join([ph] * 12)})"),

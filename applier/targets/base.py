@@ -723,15 +723,33 @@ class TargetBase:
     def table_join(self, schema: str, table: str) -> Join | None:
         """The applier_sync_tables row of source table ``schema.table`` (``applier sync --table``), or None: no row
         (or a target whose control tables predate it). Read once per binding, never per change."""
-        cur = self.conn.cursor()
-        if self._has_sync_tables is None:
-            cur.execute(self.sql.has_sync_tables)
-            self._has_sync_tables = bool(cur.fetchone()[0])
-        if not self._has_sync_tables:
+        if not self._sync_tables_exist():
             return None
+        cur = self.conn.cursor()
         cur.execute(self.sql.table_join, [self.name, schema, table])
         row = cur.fetchone()
         return None if row is None else (str(row[0]), LSN.parse(row[1]) if row[1] else None)
+
+    def _sync_tables_exist(self) -> bool:
+        """Whether applier_sync_tables exists (asked once: a target whose control tables predate it has none)."""
+        if self._has_sync_tables is None:
+            cur = self.conn.cursor()
+            cur.execute(self.sql.has_sync_tables)
+            self._has_sync_tables = bool(cur.fetchone()[0])
+        return self._has_sync_tables
+
+    def repair_requests(self) -> list[tuple[str, str]]:
+        """(schema, table) of the source tables a repair asks this applier to hold (applier_sync_tables 'repair')."""
+        if not self._sync_tables_exist():
+            return []
+        cur = self.conn.cursor()
+        cur.execute(self.sql.repair_requests, [self.name])
+        return [(str(schema), str(table)) for schema, table in cur.fetchall()]
+
+    def hold_for_repair(self, schema: str, table: str) -> None:
+        """Answer a repair's request: the table's row set to 'repairing', in the open transaction (it commits with
+        the changes applied before the applier began to hold the table's)."""
+        self.cur.execute(self.sql.hold_for_repair, [self.name, schema, table])
 
     def hold(self, oid: int, schema: str, table: str, commit_lsn: LSN, xid: int, commit_time: int | None,
              changes: bytes) -> None:

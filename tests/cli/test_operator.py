@@ -94,7 +94,8 @@ def world(pg_clusters: ClusterPool, tmp_path_factory: pytest.TempPathFactory) ->
 
 COMMANDS = [["init"], ["catchup"], ["run"], ["status"], ["status", "--json"], ["skip", "--lsn", "0/1"],
             ["conflicts"], ["decode", "--peek"], ["record", "-o", "{tmp}/r.rec"], ["sync"], ["verify"], ["cutover"],
-            ["-v", "catchup"], ["-v", "status"], ["-v", "init"], ["catchup", "--log-format", "json"]]
+            ["-v", "catchup"], ["-v", "status"], ["-v", "init"], ["catchup", "--log-format", "json"], ["repair"],
+            ["resync"]]
 
 
 def test_no_password_is_printed_by_any_command_in_any_dsn_form(world: World) -> None:
@@ -307,7 +308,7 @@ def test_help_with_h_on_every_command_and_the_exit_codes_in_the_root_help() -> N
     for code in ("0", "1", "2", "3", "4", "5", "6", "130"):
         assert f" {code}  " in r.stdout, r.stdout
     commands = ["init", "catchup", "run", "status", "conflicts", "skip", "demo", "sync", "verify", "cutover",
-                "decode", "record"]
+                "decode", "record", "repair", "resync"]
     with ThreadPoolExecutor(max_workers=3) as pool:
         results = list(pool.map(lambda c: run(c, "-h"), commands))
     for command, r in zip(commands, results, strict=True):

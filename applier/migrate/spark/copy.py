@@ -74,7 +74,14 @@ import pyarrow.compute as pc
 from applier.decoder.messages import Column, Relation
 from applier.errors import ApplyError
 from applier.migrate.spark.session import copy_streams
-from applier.migrate.spark.source import pg_in_snapshot, pinned_dsn, range_query, read_pg_range
+from applier.migrate.spark.source import (
+    copy_chunks,
+    csv_batches,
+    pg_in_snapshot,
+    pinned_dsn,
+    range_query,
+    read_pg_range,
+)
 from applier.targets.backend import Backend
 from applier.targets.backends import backend
 from applier.targets.binary import binary_copy_safe
@@ -267,6 +274,20 @@ def _sqlite_column(arr: pa.Array, conv: Callable[[bytes], Any]) -> list[Any]:
         out = pc.cast(arr.cast(pa.string()), pa.int64()).to_pylist()
         return out
     return [None if v is None else conv(v) for v in arr.to_pylist()]
+
+
+def sqlite_rows(src: psycopg.Connection[Any], query: str, types: list[int]) -> list[tuple[Any, ...]]:
+    """The rows of a source ``query`` (on ``src``, in its snapshot) as a SQLite target stores them (the values
+    converted as the copy converts them): ``applier repair``'s rows of a key range."""
+    rel = Relation(None, 0, "", "", "d", tuple(Column(0, f"c{i}", t, -1) for i, t in enumerate(types)))
+    convs = sqlite_text_converters(rel)
+    names = [f"c{i}" for i in range(len(types))]
+    out: list[tuple[Any, ...]] = []
+    with src.cursor().copy(f"COPY ({query}) TO STDOUT WITH (FORMAT csv)") as cp:
+        for batch in csv_batches(copy_chunks(cp), names):
+            cols = [_sqlite_column(arr, conv) for arr, conv in zip(batch.columns, convs, strict=True)]
+            out.extend(zip(*cols, strict=True))
+    return out
 
 
 class _SqliteReaders:

@@ -52,9 +52,14 @@ def _bucket_of(md5_hex: str) -> str:
     return f"(('x' || left({md5_hex}, 3))::bit(12)::int >> {12 - KEY_BITS})"
 
 
+def bucket_of(key: Sequence[str]) -> str:
+    """SQL for the key range of a row whose key is these (quoted) columns."""
+    return _bucket_of(f"md5({row_text(key)})")
+
+
 def bucket_filter(key: Sequence[str], buckets: Sequence[int]) -> str:
     """A condition selecting the rows whose key (quoted columns) lies in one of these ranges."""
-    return f"{_bucket_of(f'md5({row_text(key)})')} IN ({', '.join(str(int(b)) for b in buckets)})"
+    return f"{bucket_of(key)} IN ({', '.join(str(int(b)) for b in buckets)})"
 
 
 def sums_query(plan: dict[str, Any], lo: int | None, hi: int | None) -> str:

@@ -172,11 +172,11 @@ def read_pg_range(plan: dict[str, Any], index: int, lo: int | None,
     with pg_in_snapshot(plan, index) as conn:
         copy_sql = f"COPY ({range_query(plan, lo, hi)}) TO STDOUT WITH (FORMAT csv)"
         with conn.cursor().copy(copy_sql) as cp:
-            for batch in csv_batches(_copy_chunks(cp), names):
+            for batch in csv_batches(copy_chunks(cp), names):
                 yield transform(batch) if transform is not None else batch
 
 
-def _copy_chunks(cp: Any) -> Iterator[bytes]:
+def copy_chunks(cp: Any) -> Iterator[bytes]:
     """COPY data in pieces of about CHUNK_BYTES, each made of whole rows (libpq returns one row per read)."""
     buf = bytearray()
     for data in cp:  # a memoryview on libpq's buffer: copied at once so that libpq can free it

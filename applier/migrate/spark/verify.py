@@ -284,7 +284,9 @@ def _row(r: dict[str, Any] | None) -> str:
 
 # -- the Spark part ----------------------------------------------------------------------------
 
-def _prepared(df: Any, ncols: int, key_idx: list[int]) -> Any:
+def prepared(df: Any, ncols: int, key_idx: list[int], keep: tuple[str, ...] = ()) -> Any:
+    """A side's rows (``c0``…) as compared: key range ("bucket"), tagged key, the two row hashes, the values, and the
+    columns ``keep`` (not compared: ``applier repair`` keeps each row's place)."""
     from pyspark.sql import functions as F
 
     names = [f"c{i}" for i in range(ncols)]
@@ -293,10 +295,11 @@ def _prepared(df: Any, ncols: int, key_idx: list[int]) -> Any:
     key = F.array(*[tagged[i] for i in key_idx]) if key_idx else F.array(*tagged)
     row = F.array(*tagged)
     return df.select(F.shiftrightunsigned(F.xxhash64(key), 64 - KEY_BITS).cast("int").alias("bucket"),
-                     key.alias("key"), F.xxhash64(row).alias("h"), F.hash(row).alias("m"), *names)
+                     key.alias("key"), F.xxhash64(row).alias("h"), F.hash(row).alias("m"), *names, *keep)
 
 
-def _hash_sums(F: Any) -> list[Any]:  # noqa: N803 - the usual alias of pyspark.sql.functions
+def hash_sums(F: Any) -> list[Any]:  # noqa: N803 - the usual alias of pyspark.sql.functions
+    """Per group: the row count and the sums of the row hashes' parts (``prepared``)."""
     return [F.count(F.lit(1)).alias("n"),
             F.sum(F.col("h").bitwiseAND(F.lit(0xFFFFFFFF))).alias("s1"),
             F.sum(F.shiftrightunsigned(F.col("h"), 32)).alias("s2"),
@@ -318,9 +321,9 @@ class Compared:
     key: list[str]
 
     def sides(self, spark: Any) -> tuple[Any, Any]:
-        """Both sides' rows, ``_prepared``."""
+        """Both sides' rows, ``prepared``."""
         key_idx = [self.columns.index(k) for k in self.key]
-        return tuple(_prepared(spark.read.format(fmt).option("plan", plan).load(), len(self.columns), key_idx)
+        return tuple(prepared(spark.read.format(fmt).option("plan", plan).load(), len(self.columns), key_idx)
                      for fmt, plan in (("applier_pg", self.source_plan), (self.target_format, self.target_plan)))
 
 
@@ -343,7 +346,7 @@ def compare(spark: Any, tables: list[Compared], kind: Kind, max_keys: int) -> li
         def side(i: int, p: str) -> Any:
             rows = reduce(lambda a, b: a.unionAll(b), [s[i].select(F.lit(n).alias("t"), "bucket", "h", "m")
                                                        for n, s in enumerate(sides)])
-            agg = rows.groupBy("t", "bucket").agg(*_hash_sums(F))
+            agg = rows.groupBy("t", "bucket").agg(*hash_sums(F))
             return agg.select("t", "bucket", *[F.col(c).alias(f"{p}{c}") for c in _SUMS])
 
         t0 = time.monotonic()
@@ -376,7 +379,7 @@ def compare(spark: Any, tables: list[Compared], kind: Kind, max_keys: int) -> li
 
 def differing_keys(src: Any, tgt: Any, columns: list[str], key: list[str], target_kind: Kind, max_keys: int,
                    res: TableResult) -> None:
-    """Job 2 (see the module header) over both sides' rows (``_prepared``) of the differing ranges: fills the
+    """Job 2 (see the module header) over both sides' rows (``prepared``) of the differing ranges: fills the
     differing keys' counts and the first ``max_keys`` of them into ``res``."""
     from pyspark.sql import functions as F
 
@@ -386,7 +389,7 @@ def differing_keys(src: Any, tgt: Any, columns: list[str], key: list[str], targe
 
     def by_key(df: Any, p: str) -> Any:
         agg = df.groupBy("key").agg(
-            *_hash_sums(F), F.first(F.struct(*[f"c{i}" for i in range(ncols)])).alias("row"))
+            *hash_sums(F), F.first(F.struct(*[f"c{i}" for i in range(ncols)])).alias("row"))
         return agg.select("key", "row", *[F.col(c) for c in _SUMS]).select(
             "key", *[F.col(c).alias(p + c) for c in ("row", *_SUMS)])
 
@@ -447,7 +450,7 @@ def compare_on_servers(spark: Any, source_plan: str, target_plan: str, columns: 
         for p in plans:  # only the rows of the differing ranges (a table without a key: its row is its key)
             only = bucket_filter(qkey or p["columns"], differing)
             narrowed = json.dumps({**p, "where": f"({p['where']}) AND {only}" if p.get("where") else only})
-            sides.append(_prepared(spark.read.format("applier_pg").option("plan", narrowed).load(), len(columns),
+            sides.append(prepared(spark.read.format("applier_pg").option("plan", narrowed).load(), len(columns),
                                    key_idx))
         differing_keys(sides[0], sides[1], columns, key, kind, max_keys, res)
         log.debug("%s: differing keys found in %.1fs", label, time.monotonic() - t0)

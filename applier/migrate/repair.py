@@ -1,0 +1,514 @@
+"""``applier repair``: rewrite only the key ranges of replicated tables that differ from the source, joined to the
+stream at a snapshot the way ``applier sync --table`` joins a copied table, while ``applier run`` keeps running.
+
+``repair(cfg, tables)`` (every published table when none is named), per table T:
+
+1. T's copy is *claimed* (``claim.copy_claim_name``, as ``sync --table`` claims it) for the whole command: a
+   second repair or a ``sync --table`` of T is refused naming the holder, and an applier holding T's changes
+   can tell a running repair from a dead one (``JoinGate.dead``);
+2. T's ``applier_sync_tables`` row is set to 'repair' (durable): the applier that applies to the target now is
+   asked to hold T's changes. It answers between two transactions, about once a second (``JoinGate.repairs``,
+   ``ApplyEngine.answer_repairs``): T's binding is dropped, so its next change reads the row and is held
+   (``applier.engine.holding``), and the row is set to 'repairing' in the target transaction that commits
+   everything applied to T before. The command waits for that answer; when no applier holds the progress row
+   (``claim``), it answers itself: an applier starting later reads the row when it binds T and holds.
+   From the answer on, T on the target does not change but by this command;
+3. a temporary logical slot with ``SNAPSHOT 'export'``: its consistent point S, recorded on the rows. Every
+   change of T that the applier applied was committed before S (the slot is made after the answer); every later
+   one, and every one committed between the answer and S, is held;
+4. T compared with the source in snapshot S by verify's key-range hashes (1024 ranges of the key's hash): on the
+   servers (``applier.migrate.spark.rangehash``) when the target is PostgreSQL with T's column types and the
+   source's encoding; else in Spark (``applier.migrate.spark.verify``'s row hashes). The rows of the differing
+   ranges are then read with their place (the source's ``ctid`` in S, the target's ``ctid``/``rowid``, with the
+   partition's OID for a partitioned table), so that a range is found again by a TID scan, not a hash of every row;
+5. each differing range rewritten in ONE target transaction: the target's rows of the range deleted, the
+   source's rows of the range in S inserted, and an ``applier_repairs`` row (migration 0009: run, table, S,
+   range, rows inserted / updated / deleted) written. T on the target is then the source at S exactly: what the
+   applier applied before the answer plus drift (rows deleted, changed or added on the target by hand), and the
+   changes held before S, are all differences of the comparison at S;
+6. the row set to 'ready' (durable). The applier drains the held changes as after a copy: those committed before
+   S skipped (they are in the repaired table), the later ones applied, in commit order; nothing lost or doubled.
+
+Why hold from the answer, not from S (applying T's changes committed before S first): the applier would need to
+know S before it reaches it, and S can only be taken after it holds, or a change committed after S could be
+applied before the applier knows S. Held changes before S cost a rewrite of the ranges they touched, nothing else.
+
+A table without a key (no primary key, no replica identity index): its ranges are those of the whole row's hash,
+as verify compares it; a range rewritten holds the source's rows of that hash range, duplicates included, so
+nothing but differing rows' ranges is rewritten there either.
+
+``dry_run``: nothing is written, no row changes state: a snapshot is taken and each table compared with the
+target as it is, the differing ranges and counts reported. While an applier applies, the changes not yet applied
+at that moment show up as differences too (the report says so).
+
+A repair killed half-way: the ranges it rewrote are each whole (one transaction) and recorded; the row stays
+'repair'/'repairing', the applier holds T's changes and says the repair is dead. Run again, it takes a new
+snapshot S' and goes through the steps again: the ranges differing at S' (those the killed run did not reach,
+and those changed since) are rewritten; the held changes before S' are skipped at the drain.
+
+Refused, one line each (``RepairError``, exit 2; another run holding a claim: 5): a target that is no replica (as
+``sync --table`` says), a two-phase config (a prepared transaction cannot be placed before or after S), a table
+that is not published, whose target table is missing, or that a ``sync --table`` copies now (its row 'init' or
+'copying'); another repair or copy of the table (the claim).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import psycopg
+
+from applier.admin import check_source, check_target, source_connect
+from applier.config import Config
+from applier.engine.joingate import REPAIR_STATES
+from applier.errors import InUseError
+from applier.lsn import LSN
+from applier.migrate.add_table import need_replica, published_tables, temporary_slot_name
+from applier.migrate.schema import SourceTable
+from applier.migrate.spark.session import spark_for
+from applier.migrate.sync import SyncError, TargetDb, _now, read_tables_in_snapshot
+from applier.progress.migrate import migrate
+from applier.source.base import SourceError
+from applier.source.walsender import WalSender
+from applier.targets.claim import Held, copy_claim_name
+from applier.text import one_line, quote_ident
+
+ANSWER_WAIT = 60.0  # seconds a repair waits for the running applier to hold a table before saying so again
+
+
+class RepairError(SyncError):
+    """A repair refused or failed: one line naming what and where."""
+
+
+@dataclass
+class RangeRepair:
+    """One key range of a table that differs: the rows a rewrite inserts (keys only on the source), updates (keys on
+    both sides, rows different) and deletes (keys only on the target)."""
+
+    key_range: int
+    inserted: int = 0
+    updated: int = 0
+    deleted: int = 0
+    source_where: str = ""  # the range's rows on the source (SQL)
+    target_where: str = ""  # and on the target
+
+
+@dataclass
+class TableRepair:
+    """What the repair of one table found and did."""
+
+    table: str
+    target: str
+    keyed: bool
+    source_rows: int = 0
+    target_rows: int = 0
+    ranges: list[RangeRepair] = field(default_factory=list)
+    rewritten: bool = False  # the ranges were rewritten (not a dry run)
+
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        """(inserted, updated, deleted) over the differing ranges."""
+        return (sum(r.inserted for r in self.ranges), sum(r.updated for r in self.ranges),
+                sum(r.deleted for r in self.ranges))
+
+
+@dataclass
+class RepairReport:
+    """What ``repair`` found (and, unless a dry run, did)."""
+
+    snapshot_lsn: str
+    dry_run: bool
+    tables: list[TableRepair] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        """For people: a line per table, then a summary."""
+        out = []
+        for t in self.tables:
+            ins, upd, dele = t.counts
+            how = "" if t.keyed else " (no key: ranges of the whole row's hash)"
+            if not t.ranges:
+                out.append(f"{t.table}: OK, {t.source_rows:,} rows agree at {self.snapshot_lsn}{how}")
+                continue
+            verb = "would rewrite" if self.dry_run else "rewrote"
+            shown = ", ".join(str(r.key_range) for r in t.ranges[:20]) + (" …" if len(t.ranges) > 20 else "")
+            out.append(f"{t.table}: {verb} {len(t.ranges)} of 1024 key ranges ({shown}){how}: {ins:,} rows "
+                       f"inserted, {upd:,} updated, {dele:,} deleted (source {t.source_rows:,} rows, target "
+                       f"{t.target_rows:,} before)")
+        differing = [t for t in self.tables if t.ranges]
+        if self.dry_run:
+            out.append(f"repair --dry-run: {len(differing)} of {len(self.tables)} tables differ at {self.snapshot_lsn}; "
+                       f"nothing written (changes an applier had not applied yet count as differences)")
+        else:
+            out.append(f"repair: {len(differing)} of {len(self.tables)} tables repaired at {self.snapshot_lsn}; "
+                       f"`applier run` applies their later changes")
+        return out
+
+    def as_json(self) -> dict[str, Any]:
+        """For --json."""
+        return {"snapshot_lsn": self.snapshot_lsn, "dry_run": self.dry_run,
+                "tables": [{**asdict(t), "counts": dict(zip(("inserted", "updated", "deleted"), t.counts,
+                                                              strict=True))} for t in self.tables]}
+
+
+def repair(cfg: Config, tables: list[str] | None = None, *, dry_run: bool = False, spark: Any = None,
+           say: Callable[[str], None] | None = None) -> RepairReport:
+    """Repair the named published tables ("schema.table"; every published one when None); see the module header."""
+    say = say or (lambda line: None)
+    try:
+        return _repair(cfg, tables, dry_run, spark, say)
+    except (psycopg.Error, sqlite3.Error) as exc:
+        raise RepairError(f"`applier repair` failed: {one_line(exc)}") from None
+
+
+def _repair(cfg: Config, names: list[str] | None, dry_run: bool, spark: Any,
+            say: Callable[[str], None]) -> RepairReport:
+    name = cfg.apply["name"]
+    if cfg.source["two_phase"] and not dry_run:
+        raise RepairError(f"{cfg.where('source', 'two_phase')}: `applier repair` cannot join a repaired table to a "
+                          f"two-phase stream: a prepared transaction is applied before its commit LSN is known, so it "
+                          f"cannot be placed before or after the repair's snapshot")
+    check_source(cfg)
+    check_target(cfg, need_init=False)
+    if not dry_run:
+        before, after = migrate(cfg.target["url"])
+        if before != after:
+            say(f"control tables: upgraded from {before} to {after}")
+    target = TargetDb(cfg)
+    claims: list[Held | None] = []
+    run = uuid.uuid4().hex
+    try:
+        need_replica(target, name, "applier repair")
+        tables = published_tables(cfg, names) if names else read_tables_in_snapshot(cfg, None)
+        for t in tables:
+            if not target.exists(t):
+                raise RepairError(f"target table {target.name_of(t)[0]} of source table {t.qualified} does not exist: "
+                                  f"nothing to repair; `applier sync --table {t.qualified}` copies it")
+        if not dry_run:
+            claims = [claim_table(target, name, t) for t in tables]
+            for t in tables:
+                _ask_to_hold(target, name, t, run)
+            _wait_for_answers(target, name, tables, run, say)
+        with _snapshot(cfg, run) as (snapshot, at):
+            report = RepairReport(str(at), dry_run)
+            if not dry_run:
+                _set_rows(target, name, run, tables, f"snapshot_lsn = {target.ph}", [str(at)])
+            say(f"source snapshot at {at}")
+            if spark is None:
+                spark = spark_for(cfg)
+            in_snapshot = {t.qualified: t for t in read_tables_in_snapshot(cfg, snapshot)}
+            for t in tables:
+                now = in_snapshot.get(t.qualified)
+                if now is None:
+                    raise RepairError(f"source table {t.qualified} is no longer published at the repair's snapshot")
+                say(f"comparing {t.qualified}")
+                found = compare_table(cfg, target, spark, now, snapshot)
+                if not dry_run and found.ranges:
+                    rewrite_ranges(cfg, target, now, found, snapshot, str(at), run, say)
+                    found.rewritten = True
+                if not dry_run:
+                    _set_rows(target, name, run, [t], f"state = 'ready', finished_at = {target.ph}", [_now()])
+                report.tables.append(found)
+        return report
+    finally:
+        target.close()
+        for claim in claims:
+            if claim is not None:
+                claim.release()
+
+
+def claim_table(target: TargetDb, name: str, t: SourceTable) -> Held | None:
+    """Claim ``t``'s copy (``copy_claim_name``) for this repair; RepairError naming the holder if taken."""
+    key = copy_claim_name(name, t.schema, t.name)
+    try:
+        return target.backend.claim(target.conn, target.where, key, "repair")
+    except InUseError:
+        holder = target.holder(key) or "a process that has since ended; try again"
+        raise InUseError(f"source table {t.qualified} is being repaired or copied to this target for apply.name "
+                         f"{name!r}: {holder}; let it end (or stop it) first") from None
+
+
+def _ask_to_hold(target: TargetDb, name: str, t: SourceTable, run: str) -> None:
+    """Step 2: the table's row to 'repair' (durable); RepairError while a ``sync --table`` copies it."""
+    ph = target.ph
+    key = [name, t.schema, t.name]
+    row = target.execute(f"SELECT state FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} "
+                         f"AND table_name = {ph}", key)
+    if row and row[0][0] not in ("ready", *REPAIR_STATES):
+        raise RepairError(f"source table {t.qualified} is being copied by `applier sync --table` ({row[0][0]}, "
+                          f"interrupted: its claim is free): run `applier sync --table {t.qualified}` to finish it")
+    target.transaction([
+        (f"DELETE FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} AND table_name = {ph}", key),
+        (f"INSERT INTO applier_sync_tables (name, schema_name, table_name, state, run, started_at) "
+         f"VALUES ({ph}, {ph}, {ph}, 'repair', {ph}, {ph})", [*key, run, _now()]),
+    ], durable=True)
+
+
+def _wait_for_answers(target: TargetDb, name: str, tables: list[SourceTable], run: str,
+                      say: Callable[[str], None]) -> None:
+    """Until the applier that applies to the target holds every table (rows 'repairing'); none: answered here."""
+    ph = target.ph
+    said = time.monotonic()
+    while True:
+        holder = target.holder(name)
+        if holder is None:  # nobody applies: one that starts reads the rows when it binds the tables, and holds
+            _set_rows(target, name, run, tables, "state = 'repairing'", [])
+            return
+        states = target.execute(f"SELECT state FROM applier_sync_tables WHERE name = {ph} AND run = {ph}", [name, run])
+        if len(states) != len(tables):
+            raise _taken_over(tables, name)
+        if all(s == "repairing" for (s,) in states):
+            return
+        if time.monotonic() - said > ANSWER_WAIT:
+            said = time.monotonic()
+            say(f"waiting for {holder} to hold the changes of "
+                f"{', '.join(t.qualified for t, (s,) in zip(tables, states, strict=True) if s != 'repairing')} "
+                f"(it answers between two transactions; a transaction waiting for a table or a lock delays it)")
+        time.sleep(0.2)
+
+
+def _set_rows(target: TargetDb, name: str, run: str, tables: list[SourceTable], assign: str, params: list[Any]) -> None:
+    """``assign`` on this run's rows of ``tables`` (durable); RepairError if one is no longer this run's."""
+    ph = target.ph
+    for t in tables:
+        changed = target.transaction([(f"UPDATE applier_sync_tables SET {assign} WHERE name = {ph} AND run = {ph} "
+                                       f"AND schema_name = {ph} AND table_name = {ph}",
+                                       [*params, name, run, t.schema, t.name])], durable=True)
+        if changed[0] != 1:
+            raise _taken_over([t], name)
+
+
+def _taken_over(tables: list[SourceTable], name: str) -> RepairError:
+    return RepairError(f"another `applier sync` took over {', '.join(t.qualified for t in tables)} for apply.name "
+                       f"{name!r} (its applier_sync_tables row is no longer this repair's): this repair stops")
+
+
+@contextmanager
+def _snapshot(cfg: Config, run: str) -> Iterator[tuple[str, LSN]]:
+    """Step 3: (exported snapshot, consistent point) of a temporary slot, alive until the block ends."""
+    try:
+        ws = WalSender(cfg.source["dsn"], connect_timeout=cfg.source["connect_timeout"])
+    except SourceError as exc:
+        raise RepairError(f"{cfg.where('source', 'dsn')}: {exc}") from None
+    try:
+        slot = temporary_slot_name(cfg.apply["name"], run).replace("applier_add_", "applier_repair_", 1)
+        try:
+            info = ws.create_slot(slot, snapshot="export", temporary=True)
+        except SourceError as exc:
+            raise RepairError(f"{cfg.where('source', 'dsn')}: cannot create the temporary slot {slot!r}: "
+                              f"{exc}") from None
+        assert info.snapshot_name is not None  # asked for (SNAPSHOT 'export')
+        yield info.snapshot_name, info.consistent_point
+    finally:
+        ws.close()  # the temporary slot goes with it
+
+
+# -- step 4: the differing ranges --------------------------------------------------------------
+
+def _columns(target: TargetDb, t: SourceTable) -> tuple[list[str], list[str]]:
+    """(compared columns, those compared as NULL), as verify compares them."""
+    held = target.column_names(t)
+    compared = [c.name for c in t.columns] + [c.name for c in t.generated if c.name in held]
+    nulls = [c for c in target.columns_without_default(t) if c in t.unpublished]
+    return compared, nulls
+
+
+def compare_table(cfg: Config, target: TargetDb, spark: Any, t: SourceTable, snapshot: str) -> TableRepair:
+    """The differing key ranges of ``t`` and their counts (see the module header)."""
+    # start-up time: these load pyspark
+    from applier.migrate.spark.rangehash import same_types, server_encoding, target_types
+    from applier.migrate.spark.source import pg_plan
+
+    shown, qtarget = target.name_of(t)
+    cols, nulls = _columns(target, t)
+    compared = [c for c in t.columns] + [c for c in t.generated if c.name in cols]
+    qcols = [quote_ident(c) for c in cols]
+    mapped = not target.backend.keeps_types
+    on_servers = False
+    if not mapped:
+        with source_connect(cfg) as conn:
+            on_servers = server_encoding(conn) == server_encoding(target.conn) and same_types(
+                [(c.name, c.type_schema, c.type_name, c.type_mod) for c in compared],
+                target_types(target.conn, qtarget))
+    src_plan = json.loads(pg_plan(cfg.source["dsn"], t.qname, qcols + ["NULL"] * len(nulls), pages=t.pages,
+                                  partitions=cfg.spark["partitions"], snapshot=snapshot, where=t.rowfilter,
+                                  app="applier-repair source", only=t.only,
+                                  canonical_types=[c.type_oid for c in compared] + [25] * len(nulls)
+                                  if mapped else None))
+    _fmt, tgt_json = target.backend.read_plan(target.conn, target.where, qtarget,
+                                              qcols + [quote_ident(c) for c in nulls], cfg.spark["partitions"])
+    tgt_plan = json.loads(tgt_json)
+    key = [quote_ident(k) for k in t.key_columns]
+    res = TableRepair(t.qualified, shown, bool(key))
+    if on_servers:
+        _compare_on_servers(spark, src_plan, tgt_plan, key, res)
+    else:
+        _compare_in_spark(spark, src_plan, tgt_plan, _fmt, len(cols) + len(nulls),
+                          [cols.index(k) for k in t.key_columns], res)
+    return res
+
+
+def _compare_on_servers(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str, Any], key: list[str],
+                        res: TableRepair) -> None:
+    """PostgreSQL on both sides, same types: the ranges' sums on the servers, then the differing ranges' row hashes
+    (key text and row text md5s) read to count."""
+    from applier.migrate.spark.rangehash import bucket_filter, bucket_of, hash_plan, range_sums, row_text  # pyspark
+    from applier.migrate.spark.source import pg_in_snapshot, range_query  # start-up time: pyspark
+
+    plans = [src_plan, tgt_plan]
+    a, b = range_sums(spark, *[hash_plan(p, p["columns"], key) for p in plans])
+    res.source_rows, res.target_rows = sum(v[0] for v in a.values()), sum(v[0] for v in b.values())
+    differing = sorted(r for r in a.keys() | b.keys() if a.get(r) != b.get(r))
+    if not differing:
+        return
+    hashed: list[dict[int, list[tuple[str, str, str]]]] = []
+    for p in plans:
+        keyed = key or p["columns"]
+        where = bucket_filter(keyed, differing)
+        narrowed = {**p, "where": f"({p['where']}) AND {where}" if p.get("where") else where,
+                    "columns": [bucket_of(keyed), f"md5({row_text(keyed)})",
+                                f"md5({row_text(p['columns'])})", _place(p)]}
+        side: dict[int, list[tuple[str, str, str]]] = {}
+        with pg_in_snapshot(narrowed, 0) as conn:
+            for bucket, k, r, at in conn.execute(range_query(narrowed, None, None)):
+                side.setdefault(int(bucket), []).append((k, r, at))
+        hashed.append(side)
+    for r in differing:
+        src, tgt = hashed[0].get(r, []), hashed[1].get(r, [])
+        fix = _counted(r, [(k, h) for k, h, _ in src], [(k, h) for k, h, _ in tgt], bool(key))
+        fix.source_where = _where_places([at for _, _, at in src], src_plan)
+        fix.target_where = _where_places([at for _, _, at in tgt], tgt_plan)
+        res.ranges.append(fix)
+
+
+def _place(plan: dict[str, Any]) -> str:
+    """SQL for a row's place in a PostgreSQL table of a plan, found again by ``_where_places``: its ctid (stable in the
+    source's snapshot, and on the target, where nothing but the repair writes the table now); with its table's OID
+    when the plan reads a partitioned table (each partition has its own ctids)."""
+    return "ctid::text" if plan.get("only", True) else "tableoid::text || ' ' || ctid::text"
+
+
+def _where_places(places: list[str], plan: dict[str, Any]) -> str:
+    """A condition selecting the rows at these places (``_place``) of a plan's PostgreSQL table (a TID scan)."""
+    if not places:
+        return "false"
+    if plan.get("only", True):
+        return "ctid = ANY('{" + ",".join(f'"{c}"' for c in places) + "}'::tid[])"
+    pairs = [p.split(" ", 1) for p in places]
+    return "(tableoid, ctid) IN (" + ", ".join(f"({int(oid)}::oid, '{tid}'::tid)" for oid, tid in pairs) + ")"
+
+
+def _counted(bucket: int, src: list[tuple[Any, Any]], tgt: list[tuple[Any, Any]], keyed: bool) -> RangeRepair:
+    """The counts of one range from both sides' (key hash, row hash) pairs; without a key the row is the key, and
+    duplicates count."""
+    fix = RangeRepair(bucket)
+    if keyed:
+        s, t = dict(src), dict(tgt)
+        fix.inserted = sum(1 for k in s if k not in t)
+        fix.deleted = sum(1 for k in t if k not in s)
+        fix.updated = sum(1 for k in s if k in t and s[k] != t[k])
+    else:
+        cs, ct = Counter(k for k, _ in src), Counter(k for k, _ in tgt)
+        fix.inserted = sum((cs - ct).values())
+        fix.deleted = sum((ct - cs).values())
+    return fix
+
+
+def _compare_in_spark(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str, Any], fmt: str, ncols: int,
+                      key_idx: list[int], res: TableRepair) -> None:
+    """Any target: verify's row hashes in Spark, each row with its place (source ctid, target rowid or ctid)."""
+    from pyspark.sql import functions as F
+
+    from applier.migrate.spark.verify import hash_sums, prepared  # start-up time: pyspark
+
+    located = []
+    for p, where in ((src_plan, _place(src_plan)), (tgt_plan, "rowid" if fmt == "applier_sqlite" else _place(tgt_plan))):
+        plan = {**p, "columns": [*p["columns"], where]}
+        if plan.get("canonical") is not None:
+            plan["canonical"] = [*plan["canonical"], 25]
+        located.append(prepared(spark.read.format("applier_pg" if p is src_plan else fmt)
+                                .option("plan", json.dumps(plan)).load(), ncols, key_idx, keep=(f"c{ncols}",)))
+    sides = [df.groupBy("bucket").agg(*hash_sums(F)) for df in located]
+    sums = [{int(r["bucket"]): (r["n"], r["s1"], r["s2"], r["s3"]) for r in side.collect()} for side in sides]
+    res.source_rows = sum(v[0] for v in sums[0].values())
+    res.target_rows = sum(v[0] for v in sums[1].values())
+    differing = sorted(r for r in sums[0].keys() | sums[1].keys() if sums[0].get(r) != sums[1].get(r))
+    if not differing:
+        return
+    rows = [df.where(F.col("bucket").isin(differing)).select("bucket", "key", "h", "m", f"c{ncols}").collect()
+            for df in located]
+    by: list[dict[int, list[tuple[Any, ...]]]] = [{}, {}]
+    for side, got in enumerate(rows):
+        for r in got:
+            by[side].setdefault(int(r["bucket"]), []).append((tuple(bytes(x) for x in r["key"]), (r["h"], r["m"]),
+                                                               r[f"c{ncols}"]))
+    sqlite_target = fmt == "applier_sqlite"
+    for b in differing:
+        src, tgt = by[0].get(b, []), by[1].get(b, [])
+        fix = _counted(b, [(k, h) for k, h, _ in src], [(k, h) for k, h, _ in tgt], bool(key_idx))
+        fix.source_where = _where_places([_loc(x, sqlite_target) for _, _, x in src], src_plan)
+        locs = [_loc(x, sqlite_target) for _, _, x in tgt]
+        fix.target_where = (f"rowid IN ({', '.join(str(int(x)) for x in locs)})" if locs else "false") \
+            if sqlite_target else _where_places(locs, tgt_plan)
+        res.ranges.append(fix)
+
+
+def _loc(v: Any, canonical: bool) -> str:
+    """A row's place as the Spark source read it: the text (a ctid, a rowid), after its type tag if canonical."""
+    text = bytes(v).decode()
+    return text[1:] if canonical else text
+
+
+# -- step 5: the rewrite -----------------------------------------------------------------------
+
+RECORD = ("INSERT INTO applier_repairs (name, run, schema_name, table_name, snapshot_lsn, key_range, rows_inserted, "
+          "rows_updated, rows_deleted, repaired_at) VALUES ({})")
+
+
+def rewrite_ranges(cfg: Config, target: TargetDb, t: SourceTable, found: TableRepair, snapshot: str, at: str, run: str,
+             say: Callable[[str], None]) -> None:
+    """Each differing range in one target transaction: its target rows deleted, the source's rows in the snapshot
+    inserted, the range recorded in applier_repairs."""
+    # start-up time: these load pyspark / pyarrow
+    from applier.migrate.spark.copy import sqlite_rows
+    from applier.migrate.spark.source import pg_in_snapshot, pg_plan, pinned_dsn, range_query
+
+    shown, qtarget = target.name_of(t)
+    cols = [quote_ident(c.name) for c in t.columns]
+    plan = json.loads(pg_plan(cfg.source["dsn"], t.qname, cols, pages=t.pages, partitions=1, snapshot=snapshot,
+                              where=t.rowfilter, app="applier-repair source", only=t.only))
+    delete = f"DELETE FROM {target.own(t)} WHERE "
+    with contextlib.ExitStack() as stack:
+        src = stack.enter_context(pg_in_snapshot(plan, 0))
+        dst = None
+        if target.backend.keeps_types:  # COPY text from the source into the target, both with the pinned settings
+            dst = stack.enter_context(psycopg.connect(pinned_dsn(target.where, "applier-repair"), autocommit=True))
+            with contextlib.suppress(psycopg.Error):  # as the copy: no triggers, no foreign-key checks, if the role may
+                dst.execute("SET session_replication_role = replica")
+        for fix in found.ranges:
+            query = range_query({**plan, "where": f"({plan['where']}) AND {fix.source_where}" if plan.get("where")
+                                 else fix.source_where}, None, None)
+            record = [cfg.apply["name"], run, t.schema, t.name, at, fix.key_range, fix.inserted, fix.updated,
+                      fix.deleted, _now()]
+            if dst is not None:
+                with dst.transaction():
+                    dst.execute(delete + fix.target_where)
+                    with src.cursor().copy(f"COPY ({query}) TO STDOUT") as cin, \
+                            dst.cursor().copy(f"COPY {qtarget} ({', '.join(cols)}) FROM STDIN") as cout:
+                        for data in cin:
+                            cout.write(data)
+                    dst.execute(RECORD.format(", ".join(["%s"] * 10)), record)
+            else:
+                insert = f"INSERT INTO {qtarget} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
+                rows = sqlite_rows(src, query, [c.type_oid for c in t.columns])
+                target.transaction([(delete + fix.target_where, []), *[(insert, list(r)) for r in rows],
+                                    (RECORD.format(", ".join("?" * 10)), record)])
+    say(f"{t.qualified}: {len(found.ranges)} key ranges rewritten in target table {shown}")

@@ -1,0 +1,231 @@
+"""``applier repair``: a damaged replica made equal to the source by rewriting only the differing key ranges.
+
+What a user relies on: a target damaged by hand (rows deleted, changed and added, in a keyed table and in one
+without a key) while ``applier run`` follows a writer ends equal to the source after ``repair``, the writer's
+changes applied exactly once (an insert applied twice collides on the primary key: ``on_error = stop`` stops the
+daemon), and the repair's records name the damage, not the table; ``--dry-run`` reports and writes nothing;
+refusals are one line; a repair killed half-way is finished by a second run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from applier.errors import InUseError
+from applier.migrate.repair import RepairError, repair
+from applier.migrate.sync import SyncError, sync
+from applier.sandbox.clusters import find_install
+from applier.targets.claim import copy_claim_name
+from applier.targets.postgres.claim import pg_claim
+from applier.targets.postgres.target import libpq_dsn
+from tests.plugins.cli import applier_script, clean_env
+from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
+from tests.spark.conftest import make_config, target_exec
+from tests.spark.test_add_table import cli, config_file, start_daemon
+
+pytest.importorskip("pyspark")
+
+SOURCE = """
+CREATE TABLE t1 (id int PRIMARY KEY, v int NOT NULL, note text);
+INSERT INTO t1 SELECT g, 0, 'seed ' || g FROM generate_series(1, 3000) g;
+CREATE TABLE t2 (id int PRIMARY KEY, v int NOT NULL);
+INSERT INTO t2 SELECT g, 0 FROM generate_series(1, 2000) g;
+CREATE TABLE k (a int, b text);
+ALTER TABLE k REPLICA IDENTITY FULL;
+INSERT INTO k SELECT g % 300, 'k' || g FROM generate_series(1, 600) g;
+CREATE PUBLICATION pub FOR TABLE t1, t2, k;
+"""
+TABLES = {"t1": "SELECT id, v, note FROM t1 ORDER BY id", "t2": "SELECT id, v FROM t2 ORDER BY id",
+          "k": "SELECT a, b FROM k ORDER BY a, b"}
+DAMAGE = [  # by hand on the target: t1 5 rows deleted, 5 changed, 3 added; t2 one deleted; k one gone, one added
+    "DELETE FROM t1 WHERE id BETWEEN 1 AND 5", "UPDATE t1 SET v = -1 WHERE id BETWEEN 10 AND 14",
+    "INSERT INTO t1 VALUES (100001, 1, 'x'), (100002, 2, 'y'), (100003, 3, 'z')", "DELETE FROM t2 WHERE id = 7",
+    "DELETE FROM k WHERE b = 'k5'", "INSERT INTO k VALUES (-1, 'bogus')"]
+
+
+class Writer(threading.Thread):
+    """Small source transactions until stopped, away from the damaged rows: t1 rows added and updated, t2 and k
+    updated."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(daemon=True, name="writer")
+        self.dsn = dsn
+        self.halt = threading.Event()
+        self.committed = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                n = 0
+                while not self.halt.is_set():
+                    n += 1
+                    with conn.transaction():
+                        conn.execute("INSERT INTO t1 VALUES (%s, 0, 'new')", [10000 + n])
+                        conn.execute("UPDATE t1 SET v = v + 1 WHERE id = %s", [2000 + n % 1000])
+                        conn.execute("UPDATE t2 SET v = v + 1 WHERE id = %s", [1000 + n % 1000])
+                        conn.execute("UPDATE k SET b = b || '+' WHERE b = %s", [f"k{400 + n % 100}"])
+                    self.committed += 1
+                    time.sleep(0.01)
+        except BaseException as exc:  # noqa: BLE001 - reported by stop()
+            self.error = exc
+
+    def pause(self, seconds: float) -> None:
+        start, deadline = self.committed, time.monotonic() + seconds
+        while time.monotonic() < deadline or self.committed < start + 5:
+            assert self.error is None, self.error
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(30)
+        if self.error is not None:
+            raise AssertionError(f"the writer failed: {self.error!r}") from self.error
+
+
+def damage(target_url: str) -> None:
+    for sql in DAMAGE:
+        target_exec(target_url, sql)
+
+
+def contents(url_or_db: str | ScratchDb) -> dict[str, list[Any]]:
+    if isinstance(url_or_db, ScratchDb):
+        return {t: url_or_db.cluster.execute(q, url_or_db.dbname) for t, q in TABLES.items()}
+    return {t: target_exec(url_or_db, q) for t, q in TABLES.items()}
+
+
+def equal_soon(src: ScratchDb, target_url: str, seconds: float = 90) -> None:
+    want = contents(src)
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            got = contents(target_url)
+        except Exception:  # noqa: BLE001 - SQLite may be busy
+            got = {}
+        if got == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for t in TABLES:
+        assert got.get(t) == want[t], t
+
+
+def recorded(target_url: str) -> dict[str, tuple[int, int, int, int]]:
+    """Per table: (ranges, inserted, updated, deleted) recorded in applier_repairs."""
+    rows = target_exec(target_url, "SELECT table_name, count(*), sum(rows_inserted), sum(rows_updated), "
+                                   "sum(rows_deleted) FROM applier_repairs GROUP BY table_name")
+    return {r[0]: tuple(int(x) for x in r[1:]) for r in rows}  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("version", "target_kind"), [(18, "postgresql"), (15, "sqlite")],
+                         ids=["pg18-postgresql", "pg15-sqlite"])
+def test_repair_under_a_running_daemon(version: int, target_kind: str, pg_clusters: ClusterPool, newest_target: Any,
+                                       spark: Any, tmp_path: Path) -> None:
+    with contextlib.ExitStack() as stack:
+        src = stack.enter_context(scratch_db(pg_clusters.get(find_install(version), "source"), "src"))
+        target_url = (f"sqlite:///{tmp_path / 'replica.db'}" if target_kind == "sqlite"
+                      else stack.enter_context(scratch_db(newest_target, "tgt")).url)
+        src.cluster.execute(SOURCE, src.dbname)
+        cfg_file = config_file(tmp_path / "applier.toml", src, target_url, tmp_path / "work")
+        sync(make_config(src, target_url, tmp_path / "work"), spark=spark)
+        log = tmp_path / "daemon.log"
+        daemon = start_daemon(cfg_file, log)
+        deadline = time.monotonic() + 60
+        while "applier run: source" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)  # running (the repair asks it to hold the tables), not starting later
+        writer = Writer(src.dsn)
+        writer.start()
+        try:
+            writer.pause(1.0)
+            damage(target_url)
+            writer.pause(0.5)
+            said: list[str] = []
+            report = repair(make_config(src, target_url, tmp_path / "work"), spark=spark, say=said.append)
+            writer.pause(1.0)
+        finally:
+            writer.stop()
+        try:
+            equal_soon(src, target_url)
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            code = daemon.wait(60)
+        text = log.read_text()
+        assert code == 0 and "ERROR" not in text, text
+        assert "`applier repair` asks for its changes to be held" in text
+        got = recorded(target_url)
+        # the damage, and the writer's changes held between the daemon's answer and the snapshot: not the tables
+        ranges, inserted, updated, deleted = got["t1"]
+        assert deleted == 3 and inserted >= 5 and updated >= 5 and ranges < 100, got
+        assert got["t2"][0] >= 1 and got["t2"][1] >= 1 and got["t2"][3] == 0, got
+        assert got["k"][0] < 100 and got["k"][1] >= 1 and got["k"][3] >= 1, got
+        by = {t.table: t for t in report.tables}
+        assert by["public.t1"].counts == (inserted, updated, deleted)
+        assert not by["public.k"].keyed
+        assert target_exec(target_url, "SELECT DISTINCT state FROM applier_sync_tables") == [("ready",)]
+
+
+def test_dry_run_and_refusals(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_path: Path) -> None:
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg = make_config(src, dst.url, tmp_path / "work")
+    sync(cfg, spark=spark)
+    damage(dst.url)
+    before = contents(dst.url)
+    report = repair(cfg, dry_run=True, spark=spark)
+    assert contents(dst.url) == before
+    assert target_exec(dst.url, "SELECT count(*) FROM applier_sync_tables") == [(0,)]
+    by = {t.table: t for t in report.tables}
+    assert by["public.t1"].counts == (5, 5, 3) and not by["public.t1"].rewritten
+    assert by["public.t2"].counts == (1, 0, 0)
+    assert report.lines()[-1].startswith("repair --dry-run: 3 of 3 tables differ")
+
+    with pytest.raises(SyncError, match="source table public.nope does not exist"):
+        repair(cfg, ["public.nope"], spark=spark)
+    with psycopg.connect(libpq_dsn(dst.url), autocommit=True) as other:
+        pg_claim(other, copy_claim_name("applier", "public", "t1"), "sync --table")
+        with pytest.raises(InUseError, match=r"source table public.t1 is being repaired or copied .* applier sync "
+                                            r"--table \(pid"):
+            repair(cfg, ["public.t1"], spark=spark)
+    extra: dict[str, Any] = {"source.two_phase": True}
+    two_phase = make_config(src, dst.url, tmp_path / "work", **extra)
+    with pytest.raises(RepairError, match="two.phase.*cannot be placed before or after"):
+        repair(two_phase, ["public.t1"], spark=spark)
+    assert contents(dst.url) == before
+
+
+def test_killed_halfway_then_rerun(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_path: Path) -> None:
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
+    sync(make_config(src, dst.url, tmp_path / "work"), spark=spark)
+    target_exec(dst.url, "UPDATE t1 SET v = -1 WHERE id % 3 = 0")  # most ranges differ
+    proc = subprocess.Popen([applier_script(), "repair", "-c", str(cfg_file), "--table", "public.t1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                            stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while proc.poll() is None and time.monotonic() < deadline:
+        if target_exec(dst.url, "SELECT count(*) FROM applier_repairs")[0][0] >= 3:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL, proc.communicate()
+    assert target_exec(dst.url, "SELECT state FROM applier_sync_tables") == [("repairing",)]
+    done = target_exec(dst.url, "SELECT count(*) FROM applier_repairs")[0][0]
+    assert 3 <= done < 1000
+    # the source goes on meanwhile: those changes are in the rerun's snapshot, or applied after it, once each
+    src.cluster.execute("INSERT INTO t1 VALUES (5001, 5, 'after the kill'); UPDATE t1 SET v = 9 WHERE id = 3",
+                        src.dbname)
+    report = repair(make_config(src, dst.url, tmp_path / "work"), ["public.t1"], spark=spark)
+    src.cluster.execute("INSERT INTO t1 VALUES (5002, 5, 'after the rerun'); UPDATE t1 SET v = 10 WHERE id = 6",
+                        src.dbname)
+    assert report.tables[0].ranges and len(report.tables[0].ranges) < 1024
+    caught = cli("catchup", "-c", str(cfg_file))
+    assert caught.returncode == 0, caught.stderr
+    equal_soon(src, dst.url, seconds=0)

@@ -1,0 +1,79 @@
+"""``applier resync``: a replica whose slot was dropped under it comes back by repair, not by a re-copy.
+
+What a user relies on: the slot dropped while ``applier run`` follows a writer (the daemon stops, exit 6), the
+writer going on (the gap); ``resync`` makes the slot again and repairs the tables at its snapshot; ``run`` started
+again follows the new slot; the target ends equal to the source, each of the gap's transactions once (the writer's
+updates add 1: one applied twice, or lost, leaves a value that differs; an insert applied twice stops the daemon,
+``on_error = stop``), and the progress row names the lost slot.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from applier.migrate.resync import resync
+from applier.migrate.sync import sync
+from tests.plugins.clusters import ScratchDb
+from tests.spark.conftest import make_config, target_exec
+from tests.spark.test_add_table import config_file, start_daemon
+from tests.spark.test_repair import SOURCE, Writer, equal_soon, recorded
+
+pytest.importorskip("pyspark")
+
+
+def drop_slot(src: ScratchDb) -> None:
+    """The slot dropped by someone while the daemon streams from it (its walsender ended first)."""
+    deadline = time.monotonic() + 30
+    with psycopg.connect(src.dsn, autocommit=True) as conn:
+        while True:
+            conn.execute("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                         "WHERE slot_name = 'applier' AND active_pid IS NOT NULL")
+            try:
+                conn.execute("SELECT pg_drop_replication_slot('applier')")
+                return
+            except psycopg.errors.ObjectInUse:
+                assert time.monotonic() < deadline, "the slot stayed in use"
+                time.sleep(0.02)
+
+
+def test_slot_dropped_under_a_running_replica(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_path: Path) -> None:
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg = make_config(src, dst.url, tmp_path / "work")
+    cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
+    sync(cfg, spark=spark)
+    log = tmp_path / "daemon.log"
+    daemon = start_daemon(cfg_file, log)
+    writer = Writer(src.dsn)
+    writer.start()
+    try:
+        writer.pause(2.0)
+        drop_slot(src)
+        assert daemon.wait(60) == 6, log.read_text()  # the clear stop: the slot is gone
+        writer.pause(1.0)  # the gap: committed while no slot keeps the changes for the replica
+        said: list[str] = []
+        report = resync(cfg, spark=spark, say=said.append)
+        daemon = start_daemon(cfg_file, log)
+        writer.pause(1.0)  # and after the new slot's start
+    finally:
+        writer.stop()
+    try:
+        equal_soon(src, dst.url)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        code = daemon.wait(60)
+    assert code == 0, log.read_text()
+    got = recorded(dst.url)
+    assert got["t1"][1] > 0 and got["t1"][3] == 0, got  # the gap's rows inserted, nothing extra on the target
+    assert any(t.ranges for t in report.tables)
+    (slot, lsn, resynced_from, resynced_at) = target_exec(
+        dst.url, "SELECT slot, lsn, resynced_from, resynced_at FROM applier_progress")[0]
+    assert slot == "applier" and resynced_at is not None
+    assert resynced_from.startswith("slot 'applier' does not exist on the source (dropped), applied up to "), \
+        resynced_from
+    assert any("made again at" in line for line in said), said
