@@ -80,7 +80,7 @@ from applier.config import Config, ConfigError
 from applier.decoder.messages import CLOSED_BY, Keepalive, XLogData, decision_position, kind_of
 from applier.engine.runner import Runner
 from applier.lsn import LSN
-from applier.migrate.spark.session import is_local, spark_for
+from applier.migrate.spark.session import is_local, spark_for, spark_of
 from applier.migrate.sync import TargetDb, count_in_snapshot, read_tables_in_snapshot, slot_row
 from applier.source.base import Source, SourceError
 from applier.source.walsender import WalSender
@@ -432,7 +432,8 @@ def check_spark_target(cfg: Config) -> None:
 
 def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = None,
            partitions: int | None = None) -> VerifyReport:
-    """Compare every published table at one consistent moment (see the module header)."""
+    """Compare every published table at one consistent moment (see the module header). ``spark``: a SparkSession
+    or a ``SparkStart`` of one (waited for once the target is caught up), else one is started then."""
     from applier.migrate.spark.rangehash import same_types, server_encoding, target_types  # start-up: pyspark
     from applier.migrate.spark.source import pg_plan  # start-up time: pyspark
 
@@ -464,8 +465,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
             raise ConfigError(f"the target is at {applied}, past the snapshot's {point}: something else applied "
                               f"changes meanwhile; stop `applier run` and verify again")
         report = VerifyReport(str(point), str(applied), summary.transactions)
-        if spark is None:
-            spark = spark_for(cfg)
+        spark = spark_of(spark) if spark is not None else spark_for(cfg)
         tables = read_tables_in_snapshot(cfg, info.snapshot_name)
         target = TargetDb(cfg)
         try:
