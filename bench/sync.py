@@ -33,9 +33,11 @@ round running every tool once, back to back (the machine is shared: compare figu
 - ``pgcopydb clone --table-jobs 2 --index-jobs 2`` (if the ``pgcopydb`` command exists; else said);
 - ``applier sync -c FILE -q`` (the ``applier`` script of this interpreter, ``--master``, 1 partition per
   table), and with ``--baseline DIR`` the applier package in DIR too (put first on its PYTHONPATH, e.g.
-  ``git archive HEAD applier | tar -x -C DIR``). Its **fixed cost** is its wall time less the copy time it
-  prints (``copied … in Ns``: from the first table's Spark job to the end of the last one): the Python
-  start and imports, Spark's start, catalogs, slot, table creation, the final commit and the exit.
+  ``git archive HEAD applier migrations | tar -x -C DIR``). Its **fixed cost** is its wall time less the copy
+  time it prints (``synced … in Ns``: from the first table's Spark job to the end of the last one, the first
+  job's Python worker start included): the Python start and imports, Spark's start, catalogs, slot, table
+  creation, the final commit and the exit. **To the first copy**: from exec until a copy task's target
+  connection shows (``pg_stat_activity``, polled every 20 ms), the worker start included.
 
 Children run without the caller's APPLIER_* and SPARK_SUBMIT_OPTS variables (each applier with its own
 defaults). Prints the best of ``--repeat`` per tool and the ratios (reference seconds ÷ applier
@@ -270,20 +272,34 @@ def run_pgcopydb(src: Cluster, tgt: Cluster, db: str, work: Path, n: int) -> flo
 
 
 def run_applier_command(src: Cluster, tgt: Cluster, db: str, work: Path, master: str,
-                        tree: Path | None) -> tuple[float, float]:
-    """``applier sync -c FILE -q`` into ``db`` (the applier in ``tree``, else this one); (wall, copy seconds)."""
+                        tree: Path | None) -> tuple[float, float, float | None]:
+    """``applier sync -c FILE -q`` into ``db`` (the applier in ``tree``, else this one); (wall, copy seconds, seconds
+    to the first copy: until a copy task's target connection shows in ``pg_stat_activity``, polled every 20 ms)."""
     conf = work / f"sync-{db}.toml"
     conf.write_text(f'[source]\ndsn = "{src.dsn("src")}"\nslot = "bench_{db}"\npublications = ["bench_pub"]\n'
                     f'[target]\nurl = "{tgt.url(db)}"\n[apply]\nwork_dir = "{work}"\n'
                     f'[spark]\nmaster = "{master}"\npartitions = 1\n')
     script = Path(sys.executable).parent / "applier"
-    seconds, out = timed([str(script if script.exists() else shutil.which("applier")), "sync", "-c", str(conf),
-                          "-q"], child_env(tree), "applier sync")
+    first = None
+    with psycopg.connect(tgt.dsn("postgres"), autocommit=True) as watch:
+        started = time.monotonic()
+        proc = subprocess.Popen([str(script if script.exists() else shutil.which("applier")), "sync", "-c", str(conf),
+                                 "-q"], env=child_env(tree), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while proc.poll() is None:
+            if first is None and watch.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE datname = %s AND application_name LIKE 'applier-sync %% write'",
+                    [db]).fetchone():
+                first = time.monotonic() - started
+            time.sleep(0.02)
+        seconds = time.monotonic() - started
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"applier sync failed (exit {proc.returncode}): {(err or out)[-800:]}")
     src.execute("SELECT pg_drop_replication_slot(%s)", "src", [f"bench_{db}"])
     m = re.search(r"^synced .* in ([0-9.]+)s;", out, re.M)
     if m is None:
         raise SystemExit(f"applier sync said no copy time: {out[-500:]}")
-    return seconds, float(m.group(1))
+    return seconds, float(m.group(1)), first
 
 
 def command_mode(args: argparse.Namespace, install: Any) -> int:
@@ -305,6 +321,7 @@ def command_mode(args: argparse.Namespace, install: Any) -> int:
             want = counts(src, "src")
             runs: dict[str, list[float]] = {}
             copies: dict[str, list[float]] = {}
+            firsts: dict[str, list[float | None]] = {}
             tools: list[tuple[str, Path | None]] = [("pg_dump | psql", None)]
             if have_pgcopydb:
                 tools.append(("pgcopydb clone", None))
@@ -319,8 +336,9 @@ def command_mode(args: argparse.Namespace, install: Any) -> int:
                     elif label == "pgcopydb clone":
                         wall = run_pgcopydb(src, tgt, db, work, n)
                     else:
-                        wall, copy_s = run_applier_command(src, tgt, db, work, args.master, tree)
+                        wall, copy_s, first = run_applier_command(src, tgt, db, work, args.master, tree)
                         copies.setdefault(label, []).append(copy_s)
+                        firsts.setdefault(label, []).append(first)
                     runs.setdefault(label, []).append(wall)
                     assert counts(tgt, db) == want, f"{label} copied {counts(tgt, db)}, want {want}"
                     tgt.drop_database(db)
@@ -328,7 +346,9 @@ def command_mode(args: argparse.Namespace, install: Any) -> int:
             res: dict[str, Any] = {k: {"seconds": best[k], "runs_s": v} for k, v in runs.items()}
             for label in appliers:
                 fixed = [w - c for w, c in zip(runs[label], copies[label], strict=True)]
-                res[label].update(copy_runs_s=copies[label], fixed_runs_s=fixed, fixed_s=min(fixed))
+                seen = [f for f in firsts[label] if f is not None]
+                res[label].update(copy_runs_s=copies[label], fixed_runs_s=fixed, fixed_s=min(fixed),
+                                  to_first_copy_runs_s=firsts[label], to_first_copy_s=min(seen) if seen else None)
                 for ref in ("pg_dump | psql", "pgcopydb clone"):
                     if ref in best:
                         res[label][f"ratio_to_{ref}"] = best[ref] / best[label]
@@ -337,7 +357,9 @@ def command_mode(args: argparse.Namespace, install: Any) -> int:
             for label, r in res.items():
                 extra = ""
                 if "fixed_s" in r:
-                    extra = (f"  copy {min(r['copy_runs_s']):.1f} s, fixed cost {r['fixed_s']:.1f} s; ratio to "
+                    first = f"{r['to_first_copy_s']:.1f} s" if r["to_first_copy_s"] is not None else "not seen"
+                    extra = (f"  to the first copy {first}, copy {min(r['copy_runs_s']):.1f} s, fixed cost "
+                             f"{r['fixed_s']:.1f} s; ratio to "
                              + ", ".join(f"{k[9:]} {v:.2f}" for k, v in r.items() if k.startswith("ratio_to_")))
                 print(f"  {label:24} {r['seconds']:7.2f} s  (runs {spread(r['runs_s'])}){extra}")
             if not have_pgcopydb:
