@@ -34,9 +34,10 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _driver_jvm(proc: subprocess.Popen[str], deadline: float) -> tuple[str, str]:
-    """(command line, mapped files) of ``proc``'s driver JVM (its child running SparkSubmit) once the JVM runs
-    (waits for it until ``deadline``)."""
+def _driver_jvm(proc: subprocess.Popen[str], mapped: str, deadline: float) -> tuple[str, str]:
+    """(command line, mapped files) of ``proc``'s driver JVM (its child running SparkSubmit): as soon as it maps
+    ``mapped``, else as last seen while it ran (until ``deadline``)."""
+    seen = None
     while time.monotonic() < deadline and proc.poll() is None:
         for child in _children(proc.pid):
             try:
@@ -44,10 +45,13 @@ def _driver_jvm(proc: subprocess.Popen[str], deadline: float) -> tuple[str, str]
                 maps = (Path("/proc") / str(child) / "maps").read_text()
             except OSError:
                 continue
-            if "org.apache.spark.deploy.SparkSubmit" in cmdline and "libjvm" in maps:
-                return cmdline, maps
-        time.sleep(0.2)
-    raise AssertionError(f"no driver JVM under pid {proc.pid}: {proc.communicate()}")
+            if "org.apache.spark.deploy.SparkSubmit" in cmdline:
+                seen = cmdline, maps
+                if mapped in maps:
+                    return seen
+        time.sleep(0.1)
+    assert seen is not None, f"no driver JVM under pid {proc.pid}: {proc.communicate()}"
+    return seen
 
 
 def test_the_first_command_leaves_the_class_archive_that_the_next_one_maps(src: ScratchDb, dst: ScratchDb,
@@ -74,7 +78,7 @@ def test_the_first_command_leaves_the_class_archive_that_the_next_one_maps(src: 
         verify = subprocess.Popen([applier_script(), "verify", "-c", str(cfg)], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
         try:
-            cmdline, maps = _driver_jvm(verify, time.monotonic() + 300)
+            cmdline, maps = _driver_jvm(verify, str(archive), time.monotonic() + 300)
             out, err = verify.communicate(timeout=600)
         finally:
             if verify.poll() is None:

@@ -104,7 +104,7 @@ def is_local(master: str) -> bool:
 
 
 def task_slots(spark: Any) -> int:
-    """How many tasks the session runs at once: a local master's threads (``local[*]``: the CPUs), else the
+    """How many tasks the session (or context) runs at once: a local master's threads (``local[*]``: the CPUs), else the
     cluster's default parallelism (its executors' cores, unless ``spark.default.parallelism`` says otherwise)."""
     sc = context_of(spark)
     master = sc.master
