@@ -11,7 +11,7 @@ import typer
 
 from applier.cli.root import ConfigOpt, DsnOpt, PubOpt, SlotOpt, TargetOpt, app, fail, run_guarded
 from applier.config import Config, load_config
-from applier.migrate.spark.session import SparkStart
+from applier.migrate.spark.session import SparkStart, check_spark_target
 
 MasterOpt = Annotated[str | None, typer.Option("--master", help="Spark master (spark.master), e.g. local[4] or "
                                                "spark://host:7077.")]
@@ -109,6 +109,7 @@ def verify(
     """
     def go() -> Any:
         cfg = _config(config, dsn, slot, publication, target, master, partitions)
+        check_spark_target(cfg)  # before Spark starts: a refusal is one line, no JVM started
         spark = SparkStart(cfg, sql=True)  # starts now, while the rest loads and the target catches up
         # here, not at the top: start-up time (only sync/verify load alembic/SQLAlchemy and pyspark)
         from applier.migrate.spark.verify import verify as do_verify

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import applier
+from applier.config import ConfigError
 
 _LOG4J = """\
 rootLogger.level = warn
@@ -101,6 +102,16 @@ COMMON_CONF = {
 def is_local(master: str) -> bool:
     """True for local, local[N], local[*], local[N,F]."""
     return master == "local" or master.startswith("local[")
+
+
+def check_spark_target(cfg: Any) -> None:
+    """ConfigError unless Spark can read the target: a SQLite target file is read by the Spark workers (verify),
+    so it needs a local master."""
+    from applier.targets.backends import backend_of  # start-up time of the commands importing this (~0.1 s)
+
+    if backend_of(cfg).local_file and not is_local(cfg.spark["master"]):
+        raise ConfigError(f"{cfg.where('spark', 'master')}: verifying a SQLite target needs a local Spark master "
+                          f"(local[*]), not {cfg.spark['master']!r}: the workers read the file")
 
 
 def task_slots(spark: Any) -> int:

@@ -80,11 +80,10 @@ from applier.config import Config, ConfigError
 from applier.decoder.messages import CLOSED_BY, Keepalive, XLogData, decision_position, kind_of
 from applier.engine.runner import Runner
 from applier.lsn import LSN
-from applier.migrate.spark.session import is_local, spark_for, spark_of
+from applier.migrate.spark.session import check_spark_target, spark_for, spark_of
 from applier.migrate.sync import TargetDb, count_in_snapshot, read_tables_in_snapshot, slot_row
 from applier.source.base import Source, SourceError
 from applier.source.walsender import WalSender
-from applier.targets.backends import backend_of
 from applier.text import quote_ident
 from applier.url import Kind
 
@@ -422,13 +421,6 @@ def compare_on_servers(spark: Any, source_plan: str, target_plan: str, columns: 
 
 
 # -- the command ---------------------------------------------------------------------------------
-
-def check_spark_target(cfg: Config) -> None:
-    """A SQLite target file is read by the Spark workers: it needs a local master."""
-    if backend_of(cfg).local_file and not is_local(cfg.spark["master"]):
-        raise ConfigError(f"{cfg.where('spark', 'master')}: verifying a SQLite target needs a local Spark master "
-                          f"(local[*]), not {cfg.spark['master']!r}: the workers read the file")
-
 
 def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = None,
            partitions: int | None = None) -> VerifyReport:
