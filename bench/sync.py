@@ -25,9 +25,28 @@ source tables); **ratio = applier rows/s ÷ pg_dump|psql rows/s** of the same
 run; **scaling** = the 1-partition copy time ÷ this one's. Prints a table, the
 goals (PASS/FAIL) and writes bench/results/sync.json (``--out``).
 
+With ``--command ROWS[,ROWS…]`` it measures instead each tool as the command a user runs, wall time from
+exec to exit, into an empty target database, at each size of the source (the same two tables), each
+round running every tool once, back to back (the machine is shared: compare figures of one round):
+
+- ``pg_dump -t orders -t wide SRC | psql TGT`` (tables, data, then the primary keys);
+- ``pgcopydb clone --table-jobs 2 --index-jobs 2`` (if the ``pgcopydb`` command exists; else said);
+- ``applier sync -c FILE -q`` (the ``applier`` script of this interpreter, ``--master``, 1 partition per
+  table), and with ``--baseline DIR`` the applier package in DIR too (put first on its PYTHONPATH, e.g.
+  ``git archive HEAD applier migrations | tar -x -C DIR``). Its **fixed cost** is its wall time less the copy
+  time it prints (``synced … in Ns``: from the first table's Spark job to the end of the last one, the first
+  job's Python worker start included): the Python start and imports, Spark's start, catalogs, slot, table
+  creation, the final commit and the exit. **To the first copy**: from exec until a copy task's target
+  connection shows (``pg_stat_activity``, polled every 20 ms), the worker start included.
+
+Children run without the caller's APPLIER_* and SPARK_SUBMIT_OPTS variables (each applier with its own
+defaults). Prints the best of ``--repeat`` per tool and the ratios (reference seconds ÷ applier
+seconds: above 1.0 applier is faster) and writes bench/results/sync-command.json (``--out``).
+
     python bench/sync.py                       # PostgreSQL 18, 1,000,000 rows, local[*]
     python bench/sync.py --rows 200000 --partitions 1,2 --repeat 2
     python bench/sync.py --pg 15 --master local[4]
+    python bench/sync.py --command 30000,3000000 --repeat 2 --baseline /tmp/applier-head
 """
 
 from __future__ import annotations
@@ -37,6 +56,8 @@ import contextlib
 import json
 import os
 import platform
+import re
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -84,9 +105,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
     p.add_argument("--repeat", type=int, default=3,
                    help="timed runs of each side; the best counts, the spread judges 'slower' (default 3)")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "sync.json",
-                   help="JSON results file (default bench/results/sync.json)")
-    return p.parse_args(argv)
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON results file (default bench/results/sync.json, with --command sync-command.json)")
+    p.add_argument("--command", metavar="ROWS[,ROWS…]",
+                   help="time the commands (applier sync, pg_dump | psql, pgcopydb clone) at these source sizes")
+    p.add_argument("--baseline", type=Path, help="--command: also run the applier package in this directory")
+    args = p.parse_args(argv)
+    if args.out is None:
+        args.out = RESULTS / ("sync-command.json" if args.command else "sync.json")
+    if args.baseline is not None and not (args.baseline / "applier" / "__init__.py").is_file():
+        p.error(f"--baseline: {args.baseline} holds no applier package (applier/__init__.py)")
+    return args
+
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 GOAL_RATIO_1 = 0.9  # 1 partition: at least this × pg_dump | psql
@@ -199,10 +231,157 @@ def goal_lines(results: dict[str, Any], parts: list[int]) -> list[str]:
     return out
 
 
+def child_env(tree: Path | None) -> dict[str, str]:
+    """A command's environment: no APPLIER_* or SPARK_SUBMIT_OPTS of the caller; ``tree`` first on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_") and k != "SPARK_SUBMIT_OPTS"}
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def timed(argv: list[str], env: dict[str, str], what: str, stdin: Any = None) -> tuple[float, str]:
+    """Run a command; (wall seconds from exec to exit, its stdout). SystemExit naming it if it fails."""
+    started = time.monotonic()
+    done = subprocess.run(argv, env=env, stdin=stdin, capture_output=True, text=True)
+    seconds = time.monotonic() - started
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed (exit {done.returncode}): {(done.stderr or done.stdout)[-800:]}")
+    return seconds, done.stdout
+
+
+def run_dump_command(src: Cluster, tgt: Cluster, install: Any, db: str) -> float:
+    """``pg_dump -t orders -t wide SRC | psql TGT``, the whole pipeline (schema, data, keys) timed."""
+    tables = [a for t in TABLES for a in ("-t", t)]
+    started = time.monotonic()
+    dump = subprocess.Popen([str(install.bin("pg_dump")), *tables, "-d", src.dsn("src")], stdout=subprocess.PIPE)
+    restore = subprocess.run([str(install.bin("psql")), "-q", "-v", "ON_ERROR_STOP=1", "-d", tgt.dsn(db)],
+                             stdin=dump.stdout, capture_output=True)
+    assert dump.stdout is not None
+    dump.stdout.close()
+    if dump.wait() != 0 or restore.returncode != 0:
+        raise SystemExit(f"pg_dump | psql failed: {restore.stderr.decode(errors='replace')[-500:]}")
+    return time.monotonic() - started
+
+
+def run_pgcopydb(src: Cluster, tgt: Cluster, db: str, work: Path, n: int) -> float:
+    """``pgcopydb clone --table-jobs 2 --index-jobs 2`` of the source database into ``db``."""
+    seconds, _ = timed(["pgcopydb", "clone", "--source", src.dsn("src"), "--target", tgt.dsn(db), "--table-jobs",
+                        "2", "--index-jobs", "2", "--dir", str(work / f"pgcopydb-{n}")],
+                       child_env(None), "pgcopydb clone")
+    return seconds
+
+
+def run_applier_command(src: Cluster, tgt: Cluster, db: str, work: Path, master: str,
+                        tree: Path | None) -> tuple[float, float, float | None]:
+    """``applier sync -c FILE -q`` into ``db`` (the applier in ``tree``, else this one); (wall, copy seconds, seconds
+    to the first copy: until a copy task's target connection shows in ``pg_stat_activity``, polled every 20 ms)."""
+    conf = work / f"sync-{db}.toml"
+    conf.write_text(f'[source]\ndsn = "{src.dsn("src")}"\nslot = "bench_{db}"\npublications = ["bench_pub"]\n'
+                    f'[target]\nurl = "{tgt.url(db)}"\n[apply]\nwork_dir = "{work}"\n'
+                    f'[spark]\nmaster = "{master}"\npartitions = 1\n')
+    script = Path(sys.executable).parent / "applier"
+    first = None
+    with psycopg.connect(tgt.dsn("postgres"), autocommit=True) as watch:
+        started = time.monotonic()
+        proc = subprocess.Popen([str(script if script.exists() else shutil.which("applier")), "sync", "-c", str(conf),
+                                 "-q"], env=child_env(tree), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while proc.poll() is None:
+            if first is None and watch.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE datname = %s AND application_name LIKE 'applier-sync %% write'",
+                    [db]).fetchone():
+                first = time.monotonic() - started
+            time.sleep(0.02)
+        seconds = time.monotonic() - started
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"applier sync failed (exit {proc.returncode}): {(err or out)[-800:]}")
+    src.execute("SELECT pg_drop_replication_slot(%s)", "src", [f"bench_{db}"])
+    m = re.search(r"^synced .* in ([0-9.]+)s;", out, re.M)
+    if m is None:
+        raise SystemExit(f"applier sync said no copy time: {out[-500:]}")
+    return seconds, float(m.group(1)), first
+
+
+def command_mode(args: argparse.Namespace, install: Any) -> int:
+    """``--command``: each tool as a command, wall time, into an empty database (see the module header)."""
+    sizes = [int(r) for r in args.command.split(",")]
+    have_pgcopydb = shutil.which("pgcopydb") is not None
+    appliers: dict[str, Path | None] = {"applier sync": None}
+    if args.baseline is not None:
+        appliers["baseline applier sync"] = args.baseline
+    work = Path(tempfile.mkdtemp(prefix="applier-bench-sync-command-"))
+    load_start = os.getloadavg()
+    out: dict[str, Any] = {}
+    n = 0
+    with Cluster(install, name="bench-sync-src") as src, Cluster(install, name="bench-sync-dst") as tgt:
+        for rows in sizes:
+            src.drop_database("src")
+            print(f"PostgreSQL {install.version}; loading {rows:,} rows …", file=sys.stderr)
+            load_source(src, table_sizes(rows))
+            want = counts(src, "src")
+            runs: dict[str, list[float]] = {}
+            copies: dict[str, list[float]] = {}
+            firsts: dict[str, list[float | None]] = {}
+            tools: list[tuple[str, Path | None]] = [("pg_dump | psql", None)]
+            if have_pgcopydb:
+                tools.append(("pgcopydb clone", None))
+            tools += list(appliers.items())
+            for _ in range(args.repeat):
+                for label, tree in tools:
+                    n += 1
+                    db = f"t{n}"
+                    tgt.create_database(db)
+                    if label == "pg_dump | psql":
+                        wall = run_dump_command(src, tgt, install, db)
+                    elif label == "pgcopydb clone":
+                        wall = run_pgcopydb(src, tgt, db, work, n)
+                    else:
+                        wall, copy_s, first = run_applier_command(src, tgt, db, work, args.master, tree)
+                        copies.setdefault(label, []).append(copy_s)
+                        firsts.setdefault(label, []).append(first)
+                    runs.setdefault(label, []).append(wall)
+                    assert counts(tgt, db) == want, f"{label} copied {counts(tgt, db)}, want {want}"
+                    tgt.drop_database(db)
+            best = {k: min(v) for k, v in runs.items()}
+            res: dict[str, Any] = {k: {"seconds": best[k], "runs_s": v} for k, v in runs.items()}
+            for label in appliers:
+                fixed = [w - c for w, c in zip(runs[label], copies[label], strict=True)]
+                seen = [f for f in firsts[label] if f is not None]
+                res[label].update(copy_runs_s=copies[label], fixed_runs_s=fixed, fixed_s=min(fixed),
+                                  to_first_copy_runs_s=firsts[label], to_first_copy_s=min(seen) if seen else None)
+                for ref in ("pg_dump | psql", "pgcopydb clone"):
+                    if ref in best:
+                        res[label][f"ratio_to_{ref}"] = best[ref] / best[label]
+            out[str(rows)] = res
+            print(f"\n{rows:,} rows (best of {args.repeat}; ratio = reference seconds / applier seconds)")
+            for label, r in res.items():
+                extra = ""
+                if "fixed_s" in r:
+                    first = f"{r['to_first_copy_s']:.1f} s" if r["to_first_copy_s"] is not None else "not seen"
+                    extra = (f"  to the first copy {first}, copy {min(r['copy_runs_s']):.1f} s, fixed cost "
+                             f"{r['fixed_s']:.1f} s; ratio to "
+                             + ", ".join(f"{k[9:]} {v:.2f}" for k, v in r.items() if k.startswith("ratio_to_")))
+                print(f"  {label:24} {r['seconds']:7.2f} s  (runs {spread(r['runs_s'])}){extra}")
+            if not have_pgcopydb:
+                print("  pgcopydb clone: not measured (no pgcopydb command)")
+    load_end = os.getloadavg()
+    print(f"\nload average {load_start[0]:.1f} at start, {load_end[0]:.1f} at end; {os.cpu_count()} CPUs")
+    result = {"pg_version": install.version, "master": args.master, "repeat": args.repeat, "results": out,
+              "pgcopydb": have_pgcopydb, "baseline": str(args.baseline) if args.baseline else None,
+              "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+              "loadavg_start": load_start, "loadavg_end": load_end, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"written to {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     parts = [int(p) for p in args.partitions.split(",")]
     install = find_install(args.pg)
+    if args.command:
+        return command_mode(args, install)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from applier.migrate.spark.session import spark_session
 

@@ -11,6 +11,7 @@ import typer
 
 from applier.cli.root import ConfigOpt, DsnOpt, PubOpt, SlotOpt, TargetOpt, app, fail, run_guarded
 from applier.config import Config, load_config
+from applier.migrate.spark.session import SparkStart, check_spark_target
 
 MasterOpt = Annotated[str | None, typer.Option("--master", help="Spark master (spark.master), e.g. local[4] or "
                                                "spark://host:7077.")]
@@ -55,18 +56,23 @@ def sync(
 
       applier sync -c applier.toml --table public.orders --table sales.items
     """
-    # here, not at the top: start-up time (only sync/verify load alembic/SQLAlchemy and pyspark)
-    from applier.migrate.add_table import sync_tables
-    from applier.migrate.spark.progress import open_reporter
-    from applier.migrate.sync import sync as do_sync
-
     def go() -> None:
         cfg = _config(config, dsn, slot, publication, target, master, partitions)
+        from applier.targets.backends import backend_of  # start-up time of the other commands (~0.1 s)
+
+        # a PostgreSQL target is copied by Spark tasks (a SQLite one by the driver alone): its SparkContext starts
+        # now, while the rest of the command loads and reads the catalogs
+        spark = SparkStart(cfg, sql=False) if backend_of(cfg).copies_by_spark else None
+        # here, not at the top: start-up time (only sync/verify load alembic/SQLAlchemy and pyspark)
+        from applier.migrate.add_table import sync_tables
+        from applier.migrate.spark.progress import open_reporter
+        from applier.migrate.sync import sync as do_sync
+
         reporter = open_reporter("copy", quiet)
         if table:
-            res = sync_tables(cfg, table, force=force, reporter=reporter, say=reporter.say)
+            res = sync_tables(cfg, table, force=force, spark=spark, reporter=reporter, say=reporter.say)
         else:
-            res = do_sync(cfg, force=force, reporter=reporter, say=reporter.say)
+            res = do_sync(cfg, force=force, spark=spark, reporter=reporter, say=reporter.say)
         for t in res.tables:
             rate = t.rows / t.seconds if t.seconds else 0.0
             typer.echo(f"{t.table}: {t.rows:,} rows, {t.nbytes / 1e6:,.1f} MB in {t.seconds:.1f}s "
@@ -101,12 +107,14 @@ def verify(
 
       applier verify -c applier.toml --json --keys 100 > report.json
     """
-    # here, not at the top: start-up time (only sync/verify load alembic/SQLAlchemy and pyspark)
-    from applier.migrate.spark.verify import verify as do_verify
-
     def go() -> Any:
         cfg = _config(config, dsn, slot, publication, target, master, partitions)
-        return do_verify(cfg, max_keys=keys, say=_say)
+        check_spark_target(cfg)  # before Spark starts: a refusal is one line, no JVM started
+        spark = SparkStart(cfg, sql=True)  # starts now, while the rest loads and the target catches up
+        # here, not at the top: start-up time (only sync/verify load alembic/SQLAlchemy and pyspark)
+        from applier.migrate.spark.verify import verify as do_verify
+
+        return do_verify(cfg, spark=spark, max_keys=keys, say=_say)
 
     _report(run_guarded(go), "verify", as_json)
 

@@ -85,7 +85,7 @@ from applier.migrate.schema import (
     target_table_name,
 )
 from applier.migrate.spark.progress import Reporter
-from applier.migrate.spark.session import spark_for
+from applier.migrate.spark.session import spark_context, spark_of
 from applier.progress.migrate import migrate
 from applier.progress.store import shape_row
 from applier.rows import one_row
@@ -410,7 +410,9 @@ def sync(cfg: Config, *, force: bool = False, spark: Any = None, reporter: Any =
     """Create the slot with a snapshot, create the target tables, copy them, record the slot's consistent point.
 
     ``say(line)`` gets the messages for people (mode, slot, restarts, retries);
-    ``reporter`` the per-table progress (``applier.migrate.spark.progress``).
+    ``reporter`` the per-table progress (``applier.migrate.spark.progress``); ``spark`` a SparkSession or
+    SparkContext, or a ``SparkStart`` (waited for when the copy begins), else a SparkContext is started then
+    (a PostgreSQL target; a SQLite one needs none).
     """
     say = say or (lambda line: None)
     reporter = reporter or Reporter()
@@ -545,8 +547,8 @@ def copy_tables(cfg: Config, target: TargetDb, tables: list[SourceTable], run: s
     applier_sync_tables row, else that of the sync row (``applier.migrate.spark.copy.check_run``)."""
     from applier.migrate.spark.copy import CopyError  # start-up time: spark.copy loads pyspark
 
-    if spark is None and target.backend.copies_by_spark:  # else the driver alone copies (a SQLite target)
-        spark = spark_for(cfg)
+    if target.backend.copies_by_spark:  # else the driver alone copies (a SQLite target)
+        spark = spark_of(spark) if spark is not None else spark_context(cfg.spark["master"])
     started = time.monotonic()
     failed: list[str] = []
     with source_connect(cfg) as poll:

@@ -17,21 +17,10 @@ def applier_script() -> str:
     return script
 
 
-# The driver JVM of a Spark command run as a subprocess (sync, verify, sync --table): a test's command lives for
-# seconds on small tables, so the JIT's C1 only and the serial collector, which start it in about half the time
-# on 2 CPUs (no C2 compiler and GC threads competing with the servers); the session shared in the test process
-# (tests/spark/conftest.py) keeps the JVM's defaults. Put first: options named later (the log4j config the
-# session adds, a test's own) win.
-DRIVER_JVM_OPTS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
-
-
 def clean_env() -> dict[str, str]:
     """The environment for an applier subprocess, without APPLIER_* variables that would override the file
-    (APPLIER_PURE_PYTHON, which picks the row path and is no config value, is kept); its Spark driver starts
-    quickly (``DRIVER_JVM_OPTS``)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_") or k == "APPLIER_PURE_PYTHON"}
-    env["SPARK_SUBMIT_OPTS"] = f"{DRIVER_JVM_OPTS} {env.get('SPARK_SUBMIT_OPTS', '')}".strip()
-    return env
+    (APPLIER_PURE_PYTHON, which picks the row path and is no config value, is kept)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_") or k == "APPLIER_PURE_PYTHON"}
 
 
 def toml_value(v: Any) -> str:

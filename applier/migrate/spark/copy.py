@@ -73,7 +73,7 @@ import pyarrow.compute as pc
 
 from applier.decoder.messages import Column, Relation
 from applier.errors import ApplyError
-from applier.migrate.spark.session import copy_streams
+from applier.migrate.spark.session import context_of, copy_streams
 from applier.migrate.spark.source import (
     copy_chunks,
     csv_batches,
@@ -528,7 +528,7 @@ def copy_partitions(spark: Any, plan: CopyPlan, done: Collection[int], label: st
             return copy_sqlite_partitions(plan, parts)
         except Exception as exc:  # noqa: BLE001 - either end's error, as one line
             raise CopyError(f"copying {label} failed: {type(exc).__name__}: {one_line(exc)}") from exc
-    sc = spark.sparkContext
+    sc = context_of(spark)
     sc.setJobDescription(f"applier sync: copy {label}")
     work = task_groups(plan, parts, copy_streams(spark))
     try:

@@ -1,4 +1,4 @@
-"""The SparkSession of ``applier sync`` and ``applier verify``.
+"""The Spark of ``applier sync`` (a SparkContext) and ``applier verify`` (a SparkSession).
 
 Master: ``spark.master`` of the config (``local[*]`` by default; ``spark://…``,
 ``yarn``, ``k8s://…`` work the same). Everything else a cluster needs comes from
@@ -13,7 +13,23 @@ run ``python3`` from the executors' PATH, and read ``spark.pyspark.python`` only
 under ``spark-submit``.
 
 Local master (one machine, e.g. 2 cores and 24 GB): the driver JVM gets 2 GB,
-shuffles use a few partitions, the web UI is off.
+shuffles use a few partitions, the web UI is off, and the JVM starts with the JIT's
+C1 compiler only and the serial collector (``LOCAL_JVM_OPTS``) and maps a class-data
+archive of Spark's classes (``ClassArchive``: parsed and verified once, by the first
+start, which writes it when its JVM exits; ``$XDG_CACHE_HOME/applier`` or
+``~/.cache/applier``, ~70 MB; ``-Xshare:off`` in ``SPARK_SUBMIT_OPTS`` does without).
+These come first in ``SPARK_SUBMIT_OPTS`` (options named there, or in
+``spark.driver.extraJavaOptions``, win). The driver moves no rows (the copy's tasks
+stream from server to server in Python), so nothing is slower; the start is less
+than half (bench/README.md, sync as a command).
+
+What is started: ``sync`` needs a SparkContext alone (``spark_context``: no SQL
+session, no data sources, whose start and lookup of Python data sources cost
+seconds); ``verify`` the SparkSession with the data sources (``spark_session``).
+``SparkStart`` starts either in a background thread, so that the JVM's start
+overlaps the command's imports, catalog reads, slot creation and catch-up. The JVM
+is started with ``SPARK_HOME`` set to the Spark pyspark finds, which spares
+``spark-submit`` a Python run to find it again.
 
 Any master: Spark's console progress bar is off (applier draws its own); the
 driver's log4j starts quiet (``SPARK_SUBMIT_OPTS``, unless it names a log4j
@@ -28,21 +44,27 @@ reach the source and the target over the network; a SQLite target needs a
 local master (see ``applier.migrate.sync``).
 
 The session also registers applier's data sources (``applier.migrate.spark.source``; the
-copy of ``sync`` runs plain tasks, ``applier.migrate.spark.copy``); ``getOrCreate`` returns an
-existing session as is (tests share one).
+copy of ``sync`` runs plain tasks, ``applier.migrate.spark.copy``); an existing context or
+session is returned as is (tests share one).
 """
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import logging
 import os
+import shutil
+import signal
 import sys
 import tempfile
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import applier
+from applier.config import ConfigError
 
 _LOG4J = """\
 rootLogger.level = warn
@@ -68,6 +90,9 @@ LOCAL_CONF = {
     "spark.python.worker.memory": "256m",
 }
 
+# the local driver JVM's: the JIT's C1 only and the serial collector (see the module header)
+LOCAL_JVM_OPTS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+
 COMMON_CONF = {
     "spark.ui.showConsoleProgress": "false",
     "spark.sql.adaptive.enabled": "true",
@@ -79,14 +104,25 @@ def is_local(master: str) -> bool:
     return master == "local" or master.startswith("local[")
 
 
+def check_spark_target(cfg: Any) -> None:
+    """ConfigError unless Spark can read the target: a SQLite target file is read by the Spark workers (verify),
+    so it needs a local master."""
+    from applier.targets.backends import backend_of  # start-up time of the commands importing this (~0.1 s)
+
+    if backend_of(cfg).local_file and not is_local(cfg.spark["master"]):
+        raise ConfigError(f"{cfg.where('spark', 'master')}: verifying a SQLite target needs a local Spark master "
+                          f"(local[*]), not {cfg.spark['master']!r}: the workers read the file")
+
+
 def task_slots(spark: Any) -> int:
-    """How many tasks the session runs at once: a local master's threads (``local[*]``: the CPUs), else the
+    """How many tasks the session (or context) runs at once: a local master's threads (``local[*]``: the CPUs), else the
     cluster's default parallelism (its executors' cores, unless ``spark.default.parallelism`` says otherwise)."""
-    master = spark.sparkContext.master
+    sc = context_of(spark)
+    master = sc.master
     if is_local(master):
         threads = master[len("local["):].split(",")[0].rstrip("]") if master != "local" else "1"
         return (os.cpu_count() or 1) if threads == "*" else max(1, int(threads))
-    return max(1, int(spark.sparkContext.defaultParallelism))
+    return max(1, int(sc.defaultParallelism))
 
 
 def copy_streams(spark: Any) -> int:
@@ -96,7 +132,7 @@ def copy_streams(spark: Any) -> int:
     a local master): more streams than that only fight over the CPUs (bench/README.md, sync: on 2 CPUs, 2 streams
     were 8-13 % slower than 1)."""
     slots = task_slots(spark)
-    return max(1, slots // 2) if is_local(spark.sparkContext.master) else slots
+    return max(1, slots // 2) if is_local(context_of(spark).master) else slots
 
 
 def _log4j_file() -> str:
@@ -108,31 +144,140 @@ def _log4j_file() -> str:
     return str(path)
 
 
-def spark_session(master: str = "local[*]", app_name: str = "applier") -> Any:
-    """The SparkSession for ``master``, with applier's data sources registered; see the module header."""
+class ClassArchive:
+    """The local driver JVM's class-data archive (AppCDS: Spark's classes parsed and verified once, mapped by every
+    later start; see the module header): ``<cache>/applier/spark-driver-<key>.jsa``, the key naming the java, the
+    Spark installation and its jars. ``options()`` are the JVM's: map the archive if it exists, else write it
+    when the JVM exits (``finish``, at this process's exit: the context stopped, the JVM's exit awaited, the
+    archive renamed into place, so that a JVM never maps a half-written one), unless the JDK has no archive of its
+    own to write on top of; none with ``-Xshare:off`` in ``SPARK_SUBMIT_OPTS``. A JVM that finds the archive
+    unusable (another classpath) starts without it, silently."""
+
+    def __init__(self, spark_home: str) -> None:
+        java = os.path.realpath(os.path.join(os.environ["JAVA_HOME"], "bin", "java") if os.environ.get("JAVA_HOME")
+                                else shutil.which("java") or "java")
+        # a JVM writes an archive of its own on top of the JDK's (without it, one asked to write does not start)
+        self.writable = any((Path(java).parent.parent / "lib" / "server" / name).is_file()
+                            for name in ("classes.jsa", "classes_nocoops.jsa"))
+        jars = Path(spark_home) / "jars"
+        mtime = jars.stat().st_mtime_ns if jars.is_dir() else 0
+        key = hashlib.sha256(f"{java}\0{os.path.realpath(spark_home)}\0{mtime}\0{LOCAL_JVM_OPTS}".encode()
+                             ).hexdigest()[:16]
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "applier"
+        self.path = cache / f"spark-driver-{key}.jsa"
+        self.writing: Path | None = None  # the archive this JVM writes at its exit
+
+    def options(self) -> str:
+        """The JVM options: map the archive, or write it at exit (into a file of this process's)."""
+        quiet = "-Xlog:cds=off -Xlog:cds+dynamic=off"
+        if "-Xshare:off" in os.environ.get("SPARK_SUBMIT_OPTS", ""):
+            return ""
+        if self.path.is_file():
+            return f"-XX:SharedArchiveFile={self.path} {quiet}"
+        if not self.writable:
+            return ""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            for old in self.path.parent.glob(f"{self.path.name}.*.tmp"):  # of a process that exited before finish
+                if not _alive(int(old.name.split(".")[-2])):
+                    old.unlink(missing_ok=True)
+        except (OSError, ValueError):
+            return ""
+        self.writing = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        return f"-XX:ArchiveClassesAtExit={self.writing} {quiet}"
+
+    def finish(self, sc: Any) -> None:
+        """At this process's exit, when this JVM writes the archive: stop the context, let the JVM exit (its
+        gateway ends on stdin's EOF), then put the archive in place; whatever fails leaves no archive."""
+        if self.writing is None:
+            return
+        try:
+            sc.stop()
+            proc = sc._gateway.proc
+            proc.stdin.close()
+            proc.wait(timeout=120)
+            if self.writing.is_file() and self.writing.stat().st_size:
+                os.replace(self.writing, self.path)
+        except Exception:  # noqa: BLE001 - an archive is an optimisation: the next start writes it again
+            pass
+        finally:
+            self.writing.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _driver_opts(local: bool, archive: ClassArchive | None) -> str:
+    """The driver JVM's options (``SPARK_SUBMIT_OPTS`` while this process starts it): the local master's
+    ``LOCAL_JVM_OPTS`` and ``archive``'s first, then the user's (later ones win), a quiet log4j unless one is
+    named."""
+    opts = os.environ.get("SPARK_SUBMIT_OPTS", "")
+    if local:
+        opts = f"{LOCAL_JVM_OPTS} {archive.options() if archive else ''} {opts}".strip()
+    if "log4j2.configurationFile" not in opts and "log4j.configurationFile" not in opts:
+        # a log4j2 config of the user's own in spark.driver.extraJavaOptions comes later on the command line and wins
+        opts = f"{opts} -Dlog4j2.configurationFile=file:{_log4j_file()}".strip()
+    return opts
+
+
+def _spark_home() -> str:
+    """``SPARK_HOME``, else the Spark installation pyspark finds (its own, when pip installed)."""
+    # here, not at the top: start-up time (it loads pyspark)
+    from pyspark.find_spark_home import _find_spark_home
+
+    return os.environ.get("SPARK_HOME") or _find_spark_home()
+
+
+def spark_context(master: str = "local[*]", app_name: str = "applier") -> Any:
+    """The SparkContext for ``master`` alone (what the copy of ``sync`` needs: plain tasks), configured as the
+    module header says; the running one if there is one."""
     local = is_local(master)
     logging.getLogger("py4j").setLevel(logging.WARNING)
-    from pyspark.sql import SparkSession
+    # here, not at the top: start-up time (pyspark loads in a second; SparkStart imports it in its thread)
+    from pyspark import SparkConf, SparkContext
 
-    builder = SparkSession.builder.master(master).appName(app_name)
-    conf = dict(COMMON_CONF)
-    if local:
-        conf.update(LOCAL_CONF)
-    opts = os.environ.get("SPARK_SUBMIT_OPTS", "")
-    if "log4j2.configurationFile" not in opts and "log4j.configurationFile" not in opts:
-        # the driver JVM's options (read when this process starts it); a log4j2 config of the user's own
-        # in spark.driver.extraJavaOptions comes later on the command line and wins
-        os.environ["SPARK_SUBMIT_OPTS"] = f"{opts} -Dlog4j2.configurationFile=file:{_log4j_file()}".strip()
-    for k, v in conf.items():
-        builder = builder.config(k, v)
-    spark = builder.getOrCreate()
-    sc = spark.sparkContext
+    # the JVM starts once per process (a stopped context's successor keeps it)
+    archive = ClassArchive(_spark_home()) if local and SparkContext._gateway is None else None
+    conf = SparkConf().setMaster(master).setAppName(app_name)
+    for key, value in {**COMMON_CONF, **(LOCAL_CONF if local else {})}.items():
+        conf.set(key, value)
+    # the JVM's environment while it starts, no longer (the process's other children keep theirs): its options, and
+    # SPARK_HOME as pyspark finds it (else spark-submit runs a Python of the PATH to find it again)
+    saved = {k: os.environ.get(k) for k in ("SPARK_SUBMIT_OPTS", "SPARK_HOME")}
+    os.environ.update(SPARK_SUBMIT_OPTS=_driver_opts(local, archive), SPARK_HOME=_spark_home())
+    try:
+        sc = SparkContext.getOrCreate(conf)
+    finally:
+        for name, was in saved.items():
+            if was is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = was
+    if archive is not None and archive.writing is not None:
+        atexit.register(archive.finish, sc)
     # every Python function (and data source) wrapped from now on names this interpreter to the workers
     sc.pythonExec = worker_python(sc.getConf().get("spark.pyspark.python"))
     # failures reach the driver as exceptions and are reported as one line; `applier -v` shows Spark's warnings
     sc.setLogLevel("WARN" if logging.getLogger("applier").isEnabledFor(logging.DEBUG) else "OFF")
     if not local and os.environ.get("APPLIER_SPARK_SHIP", "1") != "0":
         sc.addPyFile(_applier_zip())
+    return sc
+
+
+def spark_session(master: str = "local[*]", app_name: str = "applier") -> Any:
+    """The SparkSession for ``master``, with applier's data sources registered; see the module header."""
+    spark_context(master, app_name)
+    from pyspark.sql import SparkSession  # start-up time, as in spark_context
+
+    spark = SparkSession.builder.getOrCreate()  # on the running context (its configuration)
     register(spark)
     return spark
 
@@ -145,6 +290,57 @@ def worker_python(configured: str | None) -> str:
 def spark_for(cfg: Any) -> Any:
     """The SparkSession for a Config (``spark.master``)."""
     return spark_session(cfg.spark["master"])
+
+
+def context_of(spark: Any) -> Any:
+    """The SparkContext of a SparkSession, or the SparkContext itself."""
+    return getattr(spark, "sparkContext", spark)
+
+
+class SparkStart:
+    """Spark started in a background thread: ``spark_session`` (``sql``) or ``spark_context`` for a Config's
+    ``spark.master``, while the caller does its other work; ``get()`` waits for it (and raises what starting it
+    raised). The thread is a daemon: a command that fails before it needs Spark exits without waiting (the JVM
+    exits once its gateway sees this process gone)."""
+
+    def __init__(self, cfg: Any, sql: bool) -> None:
+        self.master: str = cfg.spark["master"]
+        self.sql = sql
+        self._spark: Any = None
+        self._error: BaseException | None = None
+        self._interrupts = False  # the SIGINT handler of get() installed
+        self._thread = threading.Thread(target=self._start, name="applier-spark-start", daemon=True)
+        self._thread.start()
+
+    def _start(self) -> None:
+        try:
+            self._spark = spark_session(self.master) if self.sql else spark_context(self.master)
+        except BaseException as exc:  # noqa: BLE001 - raised by get(), in the caller's thread
+            self._error = exc
+
+    def get(self) -> Any:
+        """The SparkSession (``sql``) or SparkContext, once started; in the main thread, an interrupt from then on
+        cancels its jobs first (as PySpark does for a context started in the main thread)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if threading.current_thread() is threading.main_thread() and not self._interrupts:
+            sc = context_of(self._spark)
+
+            def interrupted(signum: int, frame: Any) -> None:
+                try:
+                    sc.cancelAllJobs()
+                finally:
+                    raise KeyboardInterrupt
+
+            signal.signal(signal.SIGINT, interrupted)
+            self._interrupts = True
+        return self._spark
+
+
+def spark_of(spark: Any) -> Any:
+    """``spark`` as a session or context: a ``SparkStart``'s once it is up, anything else as it is."""
+    return spark.get() if isinstance(spark, SparkStart) else spark
 
 
 _REGISTERED: set[int] = set()

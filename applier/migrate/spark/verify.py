@@ -85,11 +85,10 @@ from applier.config import Config, ConfigError
 from applier.decoder.messages import CLOSED_BY, Keepalive, XLogData, decision_position, kind_of
 from applier.engine.runner import Runner
 from applier.lsn import LSN
-from applier.migrate.spark.session import is_local, spark_for
+from applier.migrate.spark.session import check_spark_target, spark_for, spark_of
 from applier.migrate.sync import TargetDb, count_in_snapshot, read_tables_in_snapshot, slot_row
 from applier.source.base import Source, SourceError
 from applier.source.walsender import WalSender
-from applier.targets.backends import backend_of
 from applier.text import quote_ident
 from applier.url import Kind
 
@@ -508,16 +507,11 @@ class _Batch:
             res.table, res.target = held.table, held.target
             self.report.tables[place] = res
 
-def check_spark_target(cfg: Config) -> None:
-    """A SQLite target file is read by the Spark workers: it needs a local master."""
-    if backend_of(cfg).local_file and not is_local(cfg.spark["master"]):
-        raise ConfigError(f"{cfg.where('spark', 'master')}: verifying a SQLite target needs a local Spark master "
-                          f"(local[*]), not {cfg.spark['master']!r}: the workers read the file")
-
 
 def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = None,
            partitions: int | None = None) -> VerifyReport:
-    """Compare every published table at one consistent moment (see the module header)."""
+    """Compare every published table at one consistent moment (see the module header). ``spark``: a SparkSession
+    or a ``SparkStart`` of one (waited for once the target is caught up), else one is started then."""
     from applier.migrate.spark.rangehash import same_types, server_encoding, target_types  # start-up: pyspark
     from applier.migrate.spark.source import pg_plan  # start-up time: pyspark
 
@@ -549,8 +543,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
             raise ConfigError(f"the target is at {applied}, past the snapshot's {point}: something else applied "
                               f"changes meanwhile; stop `applier run` and verify again")
         report = VerifyReport(str(point), str(applied), summary.transactions)
-        if spark is None:
-            spark = spark_for(cfg)
+        spark = spark_of(spark) if spark is not None else spark_for(cfg)
         tables = read_tables_in_snapshot(cfg, info.snapshot_name)
         target = TargetDb(cfg)
         batch = _Batch(report, lambda items: compare(spark, items, target.backend.kind, max_keys))

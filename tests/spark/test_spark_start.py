@@ -1,0 +1,94 @@
+"""How ``applier sync`` and ``applier verify`` start Spark's driver on a local master, as an operator sees it.
+
+What a user relies on: the first Spark command leaves the driver JVM's class-data archive in the cache
+(``$XDG_CACHE_HOME/applier``: one archive, nothing half-written beside it); a later command's driver JVM maps it
+and runs with the JIT's C1 only and the serial collector; the commands do their work as before (sync copies,
+verify agrees).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.plugins.cli import applier_script, clean_env, write_toml
+from tests.plugins.clusters import ScratchDb
+
+pytest.importorskip("pyspark")
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _driver_jvm(proc: subprocess.Popen[str], mapped: str, deadline: float) -> tuple[str, str]:
+    """(command line, mapped files) of ``proc``'s driver JVM (its child running SparkSubmit): as soon as it maps
+    ``mapped``, else as last seen while it ran (until ``deadline``)."""
+    seen = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        for child in _children(proc.pid):
+            try:
+                cmdline = (Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                maps = (Path("/proc") / str(child) / "maps").read_text()
+            except OSError:
+                continue
+            if "org.apache.spark.deploy.SparkSubmit" in cmdline:
+                seen = cmdline, maps
+                if mapped in maps:
+                    return seen
+        time.sleep(0.1)
+    assert seen is not None, f"no driver JVM under pid {proc.pid}: {proc.communicate()}"
+    return seen
+
+
+def test_the_first_command_leaves_the_class_archive_that_the_next_one_maps(src: ScratchDb, dst: ScratchDb,
+                                                                             tmp_path: Path) -> None:
+    src.cluster.execute("CREATE TABLE t (id int PRIMARY KEY, v text); "
+                        "INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 2000) g; "
+                        "CREATE PUBLICATION pub FOR TABLE t", src.dbname)
+    cfg = write_toml(tmp_path / "applier.toml", {
+        "source": {"dsn": src.dsn, "slot": "start", "publications": ["pub"]}, "target": {"url": dst.url},
+        "apply": {"work_dir": str(tmp_path / "work")}, "spark": {"master": "local[1]", "partitions": 1}})
+    cache = tmp_path / "cache"
+    env = {**clean_env(), "XDG_CACHE_HOME": str(cache)}
+    env.pop("SPARK_SUBMIT_OPTS", None)
+    try:
+        sync = subprocess.run([applier_script(), "sync", "-q", "-c", str(cfg)], capture_output=True, text=True,
+                              env=env, timeout=600, stdin=subprocess.DEVNULL)
+        assert sync.returncode == 0, sync.stderr
+        assert "synced 2,000 rows in 1 tables" in sync.stdout
+        archives = sorted(p.name for p in (cache / "applier").iterdir())
+        assert len(archives) == 1 and archives[0].startswith("spark-driver-") and archives[0].endswith(".jsa"), \
+            archives
+        archive = cache / "applier" / archives[0]
+
+        verify = subprocess.Popen([applier_script(), "verify", "-c", str(cfg)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
+        try:
+            cmdline, maps = _driver_jvm(verify, str(archive), time.monotonic() + 300)
+            out, err = verify.communicate(timeout=600)
+        finally:
+            if verify.poll() is None:
+                verify.kill()
+                verify.wait()
+        assert verify.returncode == 0, out + err
+        assert out.splitlines()[-1] == "verify: the source and the target agree", out
+        assert "-XX:TieredStopAtLevel=1" in cmdline and "-XX:+UseSerialGC" in cmdline, cmdline
+        assert str(archive) in maps, f"{archive} not mapped by the driver JVM: {cmdline}"
+        assert sorted(p.name for p in (cache / "applier").iterdir()) == archives
+    finally:
+        src.cluster.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                            "WHERE slot_name = 'start'", src.dbname)
