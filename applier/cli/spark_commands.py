@@ -154,7 +154,7 @@ def repair(
 
 
 def _print(report: Any, command: str, as_json: bool) -> None:
-    """Print a repair/resync report (its lines, or one JSON object)."""
+    """Print a report (its lines, or one JSON object)."""
     if report is None:
         fail(f"{command} did not run")
     if as_json:
@@ -229,12 +229,6 @@ def cutover(
 
 def _report(report: Any, command: str, as_json: bool) -> None:
     """Print a verify/cutover report (its lines, or one JSON object) and exit with its status."""
-    if report is None:
-        fail(f"{command} did not run")
-    if as_json:
-        typer.echo(json.dumps(report.as_json(), ensure_ascii=False, default=str))
-    else:
-        for line in report.lines():
-            typer.echo(line)
+    _print(report, command, as_json)
     sys.stdout.flush()
     raise typer.Exit(report.status)
