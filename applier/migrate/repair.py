@@ -215,7 +215,8 @@ def _repair(cfg: Config, names: list[str] | None, dry_run: bool, spark: Any,
                     rewrite_ranges(cfg, target, now, found, snapshot, str(at), run, say)
                     found.rewritten = True
                 if not dry_run:
-                    _set_rows(target, name, run, [t], f"state = 'ready', finished_at = {target.ph}", [_now()])
+                    # the server's clock: finished_at bounds the rewrite's commits as not foreign (``_copied_at``)
+                    _set_rows(target, name, run, [t], "state = 'ready', finished_at = CURRENT_TIMESTAMP", [])
                 report.tables.append(found)
         return report
     finally:

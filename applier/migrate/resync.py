@@ -15,7 +15,9 @@ After the clear stop on a missing or invalidated slot (``SlotLost``, exit 6), ``
 4. in one durable transaction: the progress row moved to C on the new slot (``recopy_needed`` cleared), the lost
    slot and the position applied from it in ``resynced_from``, the time in ``resynced_at`` (migration 0009), and
    the changes held for tables being copied (``applier_held``, all from the lost slot's stream, before C: in the
-   repaired tables) deleted. ``applier run`` then follows the new slot from C: every transaction committed after
+   repaired tables) deleted, and the copy's ``finished_at`` (``applier_sync``'s and the tables' rows) set to the
+   target server's time: the rows rewritten are the copy's, not foreign to conflict detection (a PostgreSQL
+   target's rows last written without the origin after that time are). ``applier run`` then follows the new slot from C: every transaction committed after
    C once, none before it again.
 
 A resync that fails or is killed before step 4 leaves the progress row where it was: the new slot is dropped when
@@ -134,6 +136,9 @@ def _resync(cfg: Config, spark: Any, say: Callable[[str], None]) -> RepairReport
                 (f"UPDATE applier_progress SET resynced_from = {ph}, resynced_at = {ph} WHERE name = {ph}",
                  [f"slot {slot!r} {lost_what}, applied up to {progress.lsn}", _now(), name]),
                 (f"DELETE FROM applier_held WHERE name = {ph}", [name]),
+                # the rewritten rows are the copy's, not foreign (``_copied_at``): by the target server's clock
+                (f"UPDATE applier_sync SET finished_at = CURRENT_TIMESTAMP WHERE name = {ph}", [name]),
+                (f"UPDATE applier_sync_tables SET finished_at = CURRENT_TIMESTAMP WHERE name = {ph}", [name]),
             ], durable=True)
             made = False
             say(f"resynced: the target is at {at} on slot {slot!r}; `applier run` / `catchup` continue from there")

@@ -57,6 +57,7 @@ def test_slot_dropped_under_a_running_replica(src: ScratchDb, dst: ScratchDb, sp
         assert daemon.wait(60) == 6, log.read_text()  # the clear stop: the slot is gone
         writer.pause(1.0)  # the gap: committed while no slot keeps the changes for the replica
         said: list[str] = []
+        began = target_exec(dst.url, "SELECT now()")[0][0]
         report = resync(cfg, spark=spark, say=said.append)
         daemon = start_daemon(cfg_file, log)
         writer.pause(1.0)  # and after the new slot's start
@@ -74,6 +75,9 @@ def test_slot_dropped_under_a_running_replica(src: ScratchDb, dst: ScratchDb, sp
     (slot, lsn, resynced_from, resynced_at) = target_exec(
         dst.url, "SELECT slot, lsn, resynced_from, resynced_at FROM applier_progress")[0]
     assert slot == "applier" and resynced_at is not None
+    # the rewritten rows count as the copy's (not foreign to conflict detection): the copy ends after the resync's
+    # rewrite, by the target's clock
+    assert target_exec(dst.url, "SELECT finished_at::timestamptz FROM applier_sync")[0][0] >= began
     assert resynced_from.startswith("slot 'applier' does not exist on the source (dropped), applied up to "), \
         resynced_from
     assert any("made again at" in line for line in said), said
