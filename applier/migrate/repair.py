@@ -6,7 +6,8 @@ stream at a snapshot the way ``applier sync --table`` joins a copied table, whil
 1. T's copy is *claimed* (``claim.copy_claim_name``, as ``sync --table`` claims it) for the whole command: a
    second repair or a ``sync --table`` of T is refused naming the holder, and an applier holding T's changes
    can tell a running repair from a dead one (``JoinGate.dead``);
-2. T's ``applier_sync_tables`` row is set to 'repair' (durable): the applier that applies to the target now is
+2. T's ``applier_sync_tables`` row is set to 'repair' (durable; every table's row checked first, then all set in
+   one transaction: a refusal leaves none held): the applier that applies to the target now is
    asked to hold T's changes. It answers between two transactions, about once a second (``JoinGate.repairs``,
    ``ApplyEngine.answer_repairs``): T's binding is dropped, so its next change reads the row and is held
    (``applier.engine.holding``), and the row is set to 'repairing' in the target transaction that commits
@@ -194,8 +195,7 @@ def _repair(cfg: Config, names: list[str] | None, dry_run: bool, spark: Any,
                                   f"nothing to repair; `applier sync --table {t.qualified}` copies it")
         if not dry_run:
             claims = [claim_table(target, name, t) for t in tables]
-            for t in tables:
-                _ask_to_hold(target, name, t, run)
+            _ask_to_hold(target, name, tables, run)
             _wait_for_answers(target, name, tables, run, say)
         with _snapshot(cfg, run) as (snapshot, at):
             report = RepairReport(str(at), dry_run)
@@ -237,20 +237,25 @@ def claim_table(target: TargetDb, name: str, t: SourceTable) -> Held | None:
                          f"{name!r}: {holder}; let it end (or stop it) first") from None
 
 
-def _ask_to_hold(target: TargetDb, name: str, t: SourceTable, run: str) -> None:
-    """Step 2: the table's row to 'repair' (durable); RepairError while a ``sync --table`` copies it."""
+def _ask_to_hold(target: TargetDb, name: str, tables: list[SourceTable], run: str) -> None:
+    """Step 2: the tables' rows to 'repair' in one durable transaction, once every row is checked: RepairError, and
+    no row changed, while a ``sync --table`` copies one of them."""
     ph = target.ph
-    key = [name, t.schema, t.name]
-    row = target.execute(f"SELECT state FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} "
-                         f"AND table_name = {ph}", key)
-    if row and row[0][0] not in ("ready", *REPAIR_STATES):
-        raise RepairError(f"source table {t.qualified} is being copied by `applier sync --table` ({row[0][0]}, "
-                          f"interrupted: its claim is free): run `applier sync --table {t.qualified}` to finish it")
-    target.transaction([
-        (f"DELETE FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} AND table_name = {ph}", key),
-        (f"INSERT INTO applier_sync_tables (name, schema_name, table_name, state, run, started_at) "
-         f"VALUES ({ph}, {ph}, {ph}, 'repair', {ph}, {ph})", [*key, run, _now()]),
-    ], durable=True)
+    writes: list[tuple[str, list[Any]]] = []
+    for t in tables:
+        key = [name, t.schema, t.name]
+        row = target.execute(f"SELECT state FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} "
+                             f"AND table_name = {ph}", key)
+        if row and row[0][0] not in ("ready", *REPAIR_STATES):
+            raise RepairError(f"source table {t.qualified} is being copied by `applier sync --table` ({row[0][0]}, "
+                              f"interrupted: its claim is free): run `applier sync --table {t.qualified}` to finish "
+                              f"it")
+        writes += [
+            (f"DELETE FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} AND table_name = {ph}", key),
+            (f"INSERT INTO applier_sync_tables (name, schema_name, table_name, state, run, started_at) "
+             f"VALUES ({ph}, {ph}, {ph}, 'repair', {ph}, {ph})", [*key, run, _now()]),
+        ]
+    target.transaction(writes, durable=True)
 
 
 def _wait_for_answers(target: TargetDb, name: str, tables: list[SourceTable], run: str,

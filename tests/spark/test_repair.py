@@ -197,7 +197,19 @@ def test_dry_run_and_refusals(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_pa
     two_phase = make_config(src, dst.url, tmp_path / "work", **extra)
     with pytest.raises(RepairError, match="two.phase.*cannot be placed before or after"):
         repair(two_phase, ["public.t1"], spark=spark)
+    # a refusal found at the second table leaves the first one's row alone (no table held)
+    target_exec(dst.url, "INSERT INTO applier_sync_tables (name, schema_name, table_name, state, run) "
+                         "VALUES ('applier', 'public', 't2', 'copying', 'other')")
+    with pytest.raises(RepairError, match=r"source table public.t2 is being copied by `applier sync --table` "
+                                          r"\(copying"):
+        repair(cfg, ["public.t1", "public.t2"], spark=spark)
+    assert target_exec(dst.url, "SELECT table_name, state FROM applier_sync_tables") == [("t2", "copying")]
+    target_exec(dst.url, "DELETE FROM applier_sync_tables")
     assert contents(dst.url) == before
+    # a table named twice (also as "t2" and "public.t2") is repaired once
+    report = repair(cfg, ["t2", "public.t2", "t2"], spark=spark)
+    assert [(t.table, t.counts) for t in report.tables] == [("public.t2", (1, 0, 0))]
+    assert target_exec(dst.url, "SELECT table_name, state FROM applier_sync_tables") == [("t2", "ready")]
 
 
 def test_killed_halfway_then_rerun(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_path: Path) -> None:
