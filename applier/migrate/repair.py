@@ -328,7 +328,22 @@ def _columns(target: TargetDb, t: SourceTable) -> tuple[list[str], list[str]]:
 
 
 def compare_table(cfg: Config, target: TargetDb, spark: Any, t: SourceTable, snapshot: str) -> TableRepair:
-    """The differing key ranges of ``t`` and their counts (see the module header)."""
+    """The differing key ranges of ``t`` and their counts (see the module header); a failed Spark job: RepairError
+    naming the table, in one line (as verify reports it)."""
+    # start-up time: these load pyspark
+    from py4j.protocol import Py4JError
+    from pyspark.errors import PySparkException
+
+    from applier.migrate.spark.copy import spark_error_line
+
+    try:
+        return _compare_table(cfg, target, spark, t, snapshot)
+    except (PySparkException, Py4JError) as exc:
+        raise RepairError(f"comparing source table {t.qualified} with target table {target.name_of(t)[0]} failed: "
+                          f"{spark_error_line(exc)}") from None
+
+
+def _compare_table(cfg: Config, target: TargetDb, spark: Any, t: SourceTable, snapshot: str) -> TableRepair:
     # start-up time: these load pyspark
     from applier.migrate.spark.rangehash import same_types, server_encoding, target_types
     from applier.migrate.spark.source import pg_plan

@@ -210,6 +210,11 @@ def test_dry_run_and_refusals(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_pa
     report = repair(cfg, ["t2", "public.t2", "t2"], spark=spark)
     assert [(t.table, t.counts) for t in report.tables] == [("public.t2", (1, 0, 0))]
     assert target_exec(dst.url, "SELECT table_name, state FROM applier_sync_tables") == [("t2", "ready")]
+    # a Spark job that fails (here the row filter, evaluated by the workers' reads): one line naming the table
+    src.cluster.execute("ALTER PUBLICATION pub SET TABLE t1, t2 WHERE (id / (id - id) = 0), k", src.dbname)
+    with pytest.raises(RepairError, match=r"^comparing source table public.t2 with target table public.t2 failed: "
+                                          r"\S+: division by zero$"):
+        repair(cfg, ["public.t2"], dry_run=True, spark=spark)
 
 
 def test_killed_halfway_then_rerun(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_path: Path) -> None:
