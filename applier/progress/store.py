@@ -9,6 +9,8 @@ from typing import Any, NamedTuple
 from applier.ddl.shape import TableShape
 from applier.lsn import LSN
 
+# ``resynced_from`` of a resync that has not ended (its slot made again, the progress row not moved yet)
+RESYNC_STARTED = "resync started: slot "
 # The newest alembic revision of the control tables (tests check it against migrations/).
 HEAD_REVISION = "0009"
 VERSION_TABLE = "applier_alembic_version"
@@ -34,6 +36,7 @@ class Progress(NamedTuple):
     last_error_at: str | None = None
     recopy_needed: str | None = None
     source_timeline: int | None = None
+    resynced_from: str | None = None  # the lost slot a resync replaced (``RESYNC_STARTED``…: one not ended yet)
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...] | None) -> Progress:
@@ -110,7 +113,7 @@ def progress_sql(ph: str, has_sync_tables: str) -> ProgressSQL:
     value says whether the table applier_sync_tables exists."""
     return ProgressSQL(
         select=(f"SELECT lsn, commit_time, skip_lsn, source_system, slot, last_error, last_error_at, recopy_needed, "
-                f"source_timeline FROM applier_progress WHERE name = {ph}"),
+                f"source_timeline, resynced_from FROM applier_progress WHERE name = {ph}"),
         upsert=_upsert(ph, ", recopy_needed = NULL"),
         # (name, lsn, commit_time, source_system, slot, source_timeline, the position read): one row written, or none when another
         # process moved the position since (a row that did not exist is inserted; one inserted meanwhile
