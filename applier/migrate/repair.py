@@ -12,7 +12,8 @@ stream at a snapshot the way ``applier sync --table`` joins a copied table, whil
    ``ApplyEngine.answer_repairs``): T's binding is dropped, so its next change reads the row and is held
    (``applier.engine.holding``), and the row is set to 'repairing' in the target transaction that commits
    everything applied to T before. The command waits for that answer; when no applier holds the progress row
-   (``claim``), it answers itself: an applier starting later reads the row when it binds T and holds.
+   (``claim``), it answers itself: an applier starting later reads the row when it binds T and holds; one running whose claim's connection was
+   lost unbinds T at its next poll (``JoinGate.repairs`` reads 'repairing' rows too) and holds from then on.
    From the answer on, T on the target does not change but by this command;
 3. a temporary logical slot with ``SNAPSHOT 'export'``: its consistent point S, recorded on the rows. Every
    change of T that the applier applied was committed before S (the slot is made after the answer); every later

@@ -65,9 +65,10 @@ class ProgressSQL(NamedTuple):
     list_prepared: str
     has_sync_tables: str  # one row: whether applier_sync_tables exists (None: a target older than 0003)
     table_join: str  # (name, source schema, source table) -> (state, snapshot_lsn) of applier_sync_tables
-    # ``applier repair`` (``applier.migrate.repair``): (name) -> (schema, table) of the rows in state 'repair' (a
-    # repair asks the running applier to hold the table's changes); (name, schema, table) such a row set to
-    # 'repairing' (the applier holds them from now on: the answer)
+    # ``applier repair`` (``applier.migrate.repair``): (name) -> (schema, table, state) of the rows in state 'repair'
+    # (a repair asks the running applier to hold the table's changes) or 'repairing' (held: answered by this applier
+    # or, when it seemed absent, by the repair itself); (name, schema, table) a 'repair' row set to 'repairing' (the
+    # applier holds them from now on: the answer)
     repair_requests: str
     hold_for_repair: str
     # applier_conflicts (``applier.engine.conflicts``): (name, recorded_at, type, table, key, local, remote, xid,
@@ -140,8 +141,8 @@ def progress_sql(ph: str, has_sync_tables: str) -> ProgressSQL:
         has_sync_tables=has_sync_tables,
         table_join=(f"SELECT state, snapshot_lsn FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} "
                     f"AND table_name = {ph}"),
-        repair_requests=(f"SELECT schema_name, table_name FROM applier_sync_tables WHERE name = {ph} "
-                         f"AND state = 'repair' ORDER BY schema_name, table_name"),
+        repair_requests=(f"SELECT schema_name, table_name, state FROM applier_sync_tables WHERE name = {ph} "
+                         f"AND state IN ('repair', 'repairing') ORDER BY schema_name, table_name"),
         hold_for_repair=(f"UPDATE applier_sync_tables SET state = 'repairing' WHERE name = {ph} AND schema_name = {ph} "
                          f"AND table_name = {ph} AND state = 'repair'"),
         record_conflict=(f"INSERT INTO applier_conflicts (name, recorded_at, conflict_type, table_name, key, local_row, "
