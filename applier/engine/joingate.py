@@ -24,7 +24,9 @@ out; "sync" starts the table's join (``applier.engine.newtables``) and holds its
 A repair (``applier repair``, ``applier.migrate.repair``) uses the same rows: 'repair' (asked: hold the table's
 changes, no snapshot yet) and 'repairing' (held, its snapshot S once taken) place changes as 'init' and 'copying'
 do, and 'ready' drains them. ``repairs`` (the runner, about once a second) finds the tables a repair asks for and
-drops their bindings, so that a table bound long ago is held from its next change on; the engine answers.
+drops their bindings, so that a table bound long ago is held from its next change on; the engine answers. A
+table 'repairing' still bound as not held (the repair answered for an applier it took as absent) is unbound the
+same way (one query finds both).
 
 ``poll`` (the runner, between transactions, every second or so while changes are held) reads the rows of
 the held tables: a 'ready' one is drained; a copy ('init'/'copying', or a join "sync" started) that
@@ -116,12 +118,25 @@ class JoinGate:
     def repairs(self) -> list[tuple[str, str]]:
         """The tables a repair asks to be held (``applier.migrate.repair``): each one's binding is dropped, so that
         its next change reads its row again and is held; the caller answers each (``hold_for_repair``) in its open
-        target transaction."""
-        asked = self.target.repair_requests()
-        for schema, table in asked:
+        target transaction. A table already 'repairing' that is still bound as not held (the repair answered itself:
+        this applier seemed absent, its claim's connection lost) is unbound too, whoever wrote the row: held from
+        its next change on, not applied under the rewrite."""
+        asked = []
+        for schema, table, state in self.target.repair_requests():
+            if state == "repair":
+                asked.append((schema, table))
             for oid, rel in list(self.relmap.relations.items()):
-                if (rel.namespace or "pg_catalog", rel.name) == (schema, table):
+                if (rel.namespace or "pg_catalog", rel.name) != (schema, table):
+                    continue
+                if state == "repair":
                     self.relmap.unbind(oid)
+                    continue
+                b = self.relmap.bindings.get(oid) or self.relmap.gated.get(oid)
+                if b is not None and (b.join is None or b.join[0] not in REPAIR_STATES):
+                    self.relmap.unbind(oid)
+                    log.warning("table %s.%s is being repaired (`applier repair`), which did not wait for this "
+                                "applier's answer (its claim on the target seemed gone): its changes are held from "
+                                "now on", schema, table)
         return asked
 
     def missing(self, rel: Relation, exc: MissingTable, lsn: LSN, prepared: bool = False) -> ApplyError | TableWait | None:

@@ -81,7 +81,7 @@ from applier.engine.spool import SpoolFull
 from applier.errors import ApplyError, Conflicted, ConflictStopped, FinalError, SlotLost, TableWait, Unreachable
 from applier.inspect import current_wal_insert_lsn
 from applier.lsn import LSN
-from applier.progress.store import Progress
+from applier.progress.store import RESYNC_STARTED, Progress
 from applier.source import failover
 from applier.source.base import SlotInUseError, Source, SourceError, stream_options
 from applier.source.base import is_transient as source_transient
@@ -220,8 +220,10 @@ def check_progress_owner(cfg: Config, progress: Progress, system: str | None, co
             f"{cfg.where('source', 'slot')}: slot {slot!r} is confirmed up to {confirmed}, past the target's "
             f"progress for {name!r} at {progress.lsn}: the transactions in between can no longer be streamed (the "
             f"slot was made again, the target restored from an older state, or a promoted standby's copy of the "
-            f"slot moved past WAL the replica never saw). Copy the tables again "
-            f"(`applier sync --force`)")
+            f"slot moved past WAL the replica never saw). " + (
+                "An `applier resync` made the slot again and did not end: run `applier resync` again"
+                if (progress.resynced_from or "").startswith(RESYNC_STARTED) else
+                "Copy the tables again (`applier sync --force`)"))
 
 
 def goal_reached(position: int, goal: int) -> bool:

@@ -208,14 +208,14 @@ def _check_streamed(cfg: Config, tables: list[SourceTable], say: Any) -> None:
 
 
 def published_tables(cfg: Config, names: list[str]) -> list[SourceTable]:
-    """The named source tables as the publications publish them; SyncError naming each one that is not."""
+    """The named source tables as the publications publish them, each once however often or however it is named
+    ("t" and "public.t"); SyncError naming each one that is not."""
     published = {(t.schema, t.name): t for t in read_tables_in_snapshot(cfg, None)}
     pubs = ", ".join(cfg.source["publications"])
     out: list[SourceTable] = []
     problems = []
     with source_connect(cfg) as conn:
-        for n in dict.fromkeys(names):
-            schema, table = split_name(n)
+        for schema, table in dict.fromkeys(split_name(n) for n in names):
             if (schema, table) in published:
                 out.append(published[(schema, table)])
                 continue

@@ -6,12 +6,14 @@ stream at a snapshot the way ``applier sync --table`` joins a copied table, whil
 1. T's copy is *claimed* (``claim.copy_claim_name``, as ``sync --table`` claims it) for the whole command: a
    second repair or a ``sync --table`` of T is refused naming the holder, and an applier holding T's changes
    can tell a running repair from a dead one (``JoinGate.dead``);
-2. T's ``applier_sync_tables`` row is set to 'repair' (durable): the applier that applies to the target now is
+2. T's ``applier_sync_tables`` row is set to 'repair' (durable; every table's row checked first, then all set in
+   one transaction: a refusal leaves none held): the applier that applies to the target now is
    asked to hold T's changes. It answers between two transactions, about once a second (``JoinGate.repairs``,
    ``ApplyEngine.answer_repairs``): T's binding is dropped, so its next change reads the row and is held
    (``applier.engine.holding``), and the row is set to 'repairing' in the target transaction that commits
    everything applied to T before. The command waits for that answer; when no applier holds the progress row
-   (``claim``), it answers itself: an applier starting later reads the row when it binds T and holds.
+   (``claim``), it answers itself: an applier starting later reads the row when it binds T and holds; one running whose claim's connection was
+   lost unbinds T at its next poll (``JoinGate.repairs`` reads 'repairing' rows too) and holds from then on.
    From the answer on, T on the target does not change but by this command;
 3. a temporary logical slot with ``SNAPSHOT 'export'``: its consistent point S, recorded on the rows. Every
    change of T that the applier applied was committed before S (the slot is made after the answer); every later
@@ -194,8 +196,7 @@ def _repair(cfg: Config, names: list[str] | None, dry_run: bool, spark: Any,
                                   f"nothing to repair; `applier sync --table {t.qualified}` copies it")
         if not dry_run:
             claims = [claim_table(target, name, t) for t in tables]
-            for t in tables:
-                _ask_to_hold(target, name, t, run)
+            _ask_to_hold(target, name, tables, run)
             _wait_for_answers(target, name, tables, run, say)
         with _snapshot(cfg, run) as (snapshot, at):
             report = RepairReport(str(at), dry_run)
@@ -215,7 +216,8 @@ def _repair(cfg: Config, names: list[str] | None, dry_run: bool, spark: Any,
                     rewrite_ranges(cfg, target, now, found, snapshot, str(at), run, say)
                     found.rewritten = True
                 if not dry_run:
-                    _set_rows(target, name, run, [t], f"state = 'ready', finished_at = {target.ph}", [_now()])
+                    # the server's clock: finished_at bounds the rewrite's commits as not foreign (``_copied_at``)
+                    _set_rows(target, name, run, [t], "state = 'ready', finished_at = CURRENT_TIMESTAMP", [])
                 report.tables.append(found)
         return report
     finally:
@@ -236,20 +238,25 @@ def claim_table(target: TargetDb, name: str, t: SourceTable) -> Held | None:
                          f"{name!r}: {holder}; let it end (or stop it) first") from None
 
 
-def _ask_to_hold(target: TargetDb, name: str, t: SourceTable, run: str) -> None:
-    """Step 2: the table's row to 'repair' (durable); RepairError while a ``sync --table`` copies it."""
+def _ask_to_hold(target: TargetDb, name: str, tables: list[SourceTable], run: str) -> None:
+    """Step 2: the tables' rows to 'repair' in one durable transaction, once every row is checked: RepairError, and
+    no row changed, while a ``sync --table`` copies one of them."""
     ph = target.ph
-    key = [name, t.schema, t.name]
-    row = target.execute(f"SELECT state FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} "
-                         f"AND table_name = {ph}", key)
-    if row and row[0][0] not in ("ready", *REPAIR_STATES):
-        raise RepairError(f"source table {t.qualified} is being copied by `applier sync --table` ({row[0][0]}, "
-                          f"interrupted: its claim is free): run `applier sync --table {t.qualified}` to finish it")
-    target.transaction([
-        (f"DELETE FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} AND table_name = {ph}", key),
-        (f"INSERT INTO applier_sync_tables (name, schema_name, table_name, state, run, started_at) "
-         f"VALUES ({ph}, {ph}, {ph}, 'repair', {ph}, {ph})", [*key, run, _now()]),
-    ], durable=True)
+    writes: list[tuple[str, list[Any]]] = []
+    for t in tables:
+        key = [name, t.schema, t.name]
+        row = target.execute(f"SELECT state FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} "
+                             f"AND table_name = {ph}", key)
+        if row and row[0][0] not in ("ready", *REPAIR_STATES):
+            raise RepairError(f"source table {t.qualified} is being copied by `applier sync --table` ({row[0][0]}, "
+                              f"interrupted: its claim is free): run `applier sync --table {t.qualified}` to finish "
+                              f"it")
+        writes += [
+            (f"DELETE FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} AND table_name = {ph}", key),
+            (f"INSERT INTO applier_sync_tables (name, schema_name, table_name, state, run, started_at) "
+             f"VALUES ({ph}, {ph}, {ph}, 'repair', {ph}, {ph})", [*key, run, _now()]),
+        ]
+    target.transaction(writes, durable=True)
 
 
 def _wait_for_answers(target: TargetDb, name: str, tables: list[SourceTable], run: str,
@@ -322,7 +329,22 @@ def _columns(target: TargetDb, t: SourceTable) -> tuple[list[str], list[str]]:
 
 
 def compare_table(cfg: Config, target: TargetDb, spark: Any, t: SourceTable, snapshot: str) -> TableRepair:
-    """The differing key ranges of ``t`` and their counts (see the module header)."""
+    """The differing key ranges of ``t`` and their counts (see the module header); a failed Spark job: RepairError
+    naming the table, in one line (as verify reports it)."""
+    # start-up time: these load pyspark
+    from py4j.protocol import Py4JError
+    from pyspark.errors import PySparkException
+
+    from applier.migrate.spark.copy import spark_error_line
+
+    try:
+        return _compare_table(cfg, target, spark, t, snapshot)
+    except (PySparkException, Py4JError) as exc:
+        raise RepairError(f"comparing source table {t.qualified} with target table {target.name_of(t)[0]} failed: "
+                          f"{spark_error_line(exc)}") from None
+
+
+def _compare_table(cfg: Config, target: TargetDb, spark: Any, t: SourceTable, snapshot: str) -> TableRepair:
     # start-up time: these load pyspark
     from applier.migrate.spark.rangehash import same_types, server_encoding, target_types
     from applier.migrate.spark.source import pg_plan

@@ -15,7 +15,9 @@ After the clear stop on a missing or invalidated slot (``SlotLost``, exit 6), ``
 4. in one durable transaction: the progress row moved to C on the new slot (``recopy_needed`` cleared), the lost
    slot and the position applied from it in ``resynced_from``, the time in ``resynced_at`` (migration 0009), and
    the changes held for tables being copied (``applier_held``, all from the lost slot's stream, before C: in the
-   repaired tables) deleted. ``applier run`` then follows the new slot from C: every transaction committed after
+   repaired tables) deleted, and the copy's ``finished_at`` (``applier_sync``'s and the tables' rows) set to the
+   target server's time: the rows rewritten are the copy's, not foreign to conflict detection (a PostgreSQL
+   target's rows last written without the origin after that time are). ``applier run`` then follows the new slot from C: every transaction committed after
    C once, none before it again.
 
 A resync that fails or is killed before step 4 leaves the progress row where it was: the new slot is dropped when
@@ -42,12 +44,11 @@ from applier.migrate.repair import RepairError, RepairReport, claim_table, compa
 from applier.migrate.spark.session import spark_for
 from applier.migrate.sync import TargetDb, _now, read_tables_in_snapshot, slot_row
 from applier.progress.migrate import migrate
+from applier.progress.store import RESYNC_STARTED
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
 from applier.targets.claim import Held
 from applier.text import one_line
-
-STARTED = "resync started: slot "  # resynced_from of a resync that has not ended (its slot is made again by a rerun)
 
 
 def resync(cfg: Config, *, spark: Any = None, say: Callable[[str], None] | None = None) -> RepairReport:
@@ -80,9 +81,9 @@ def _resync(cfg: Config, spark: Any, say: Callable[[str], None]) -> RepairReport
         lost = lost_slot(cfg, progress)
         ph = target.ph
         started = target.execute(f"SELECT resynced_from FROM applier_progress WHERE name = {ph} "
-                                 f"AND resynced_at IS NULL AND resynced_from LIKE {ph}", [name, f"{STARTED}%"])
+                                 f"AND resynced_at IS NULL AND resynced_from LIKE {ph}", [name, f"{RESYNC_STARTED}%"])
         if lost is None and started:  # a resync that did not end made the slot: made again
-            lost = SlotLost(slot, started[0][0][len(STARTED):])
+            lost = SlotLost(slot, started[0][0][len(RESYNC_STARTED):])
         if lost is None:
             raise RepairError(f"{cfg.where('source', 'slot')}: slot {slot!r} is not lost (or nothing was applied from "
                               f"it yet): `applier run` follows it; `applier repair` mends tables that differ")
@@ -94,9 +95,9 @@ def _resync(cfg: Config, spark: Any, say: Callable[[str], None]) -> RepairReport
             raise RepairError("tables whose copy or repair is unfinished: " + ", ".join(
                 f"{s}.{t} ({st})" for s, t, st in unfinished) + ": run `applier sync --table` (a copy) or `applier "
                 "repair --table` (a repair) for them first; a resync repairs every table only once they are ready")
-        lost_what = lost.what if not started else started[0][0][len(STARTED):]
+        lost_what = lost.what if not started else started[0][0][len(RESYNC_STARTED):]
         target.transaction([(f"UPDATE applier_progress SET resynced_from = {ph}, resynced_at = NULL WHERE name = {ph}",
-                             [STARTED + lost_what, name])], durable=True)
+                             [RESYNC_STARTED + lost_what, name])], durable=True)
         try:
             ws = WalSender(cfg.source["dsn"], connect_timeout=cfg.source["connect_timeout"])
         except SourceError as exc:
@@ -134,6 +135,9 @@ def _resync(cfg: Config, spark: Any, say: Callable[[str], None]) -> RepairReport
                 (f"UPDATE applier_progress SET resynced_from = {ph}, resynced_at = {ph} WHERE name = {ph}",
                  [f"slot {slot!r} {lost_what}, applied up to {progress.lsn}", _now(), name]),
                 (f"DELETE FROM applier_held WHERE name = {ph}", [name]),
+                # the rewritten rows are the copy's, not foreign (``_copied_at``): by the target server's clock
+                (f"UPDATE applier_sync SET finished_at = CURRENT_TIMESTAMP WHERE name = {ph}", [name]),
+                (f"UPDATE applier_sync_tables SET finished_at = CURRENT_TIMESTAMP WHERE name = {ph}", [name]),
             ], durable=True)
             made = False
             say(f"resynced: the target is at {at} on slot {slot!r}; `applier run` / `catchup` continue from there")

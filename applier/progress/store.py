@@ -9,6 +9,8 @@ from typing import Any, NamedTuple
 from applier.ddl.shape import TableShape
 from applier.lsn import LSN
 
+# ``resynced_from`` of a resync that has not ended (its slot made again, the progress row not moved yet)
+RESYNC_STARTED = "resync started: slot "
 # The newest alembic revision of the control tables (tests check it against migrations/).
 HEAD_REVISION = "0009"
 VERSION_TABLE = "applier_alembic_version"
@@ -34,6 +36,7 @@ class Progress(NamedTuple):
     last_error_at: str | None = None
     recopy_needed: str | None = None
     source_timeline: int | None = None
+    resynced_from: str | None = None  # the lost slot a resync replaced (``RESYNC_STARTED``…: one not ended yet)
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...] | None) -> Progress:
@@ -62,9 +65,10 @@ class ProgressSQL(NamedTuple):
     list_prepared: str
     has_sync_tables: str  # one row: whether applier_sync_tables exists (None: a target older than 0003)
     table_join: str  # (name, source schema, source table) -> (state, snapshot_lsn) of applier_sync_tables
-    # ``applier repair`` (``applier.migrate.repair``): (name) -> (schema, table) of the rows in state 'repair' (a
-    # repair asks the running applier to hold the table's changes); (name, schema, table) such a row set to
-    # 'repairing' (the applier holds them from now on: the answer)
+    # ``applier repair`` (``applier.migrate.repair``): (name) -> (schema, table, state) of the rows in state 'repair'
+    # (a repair asks the running applier to hold the table's changes) or 'repairing' (held: answered by this applier
+    # or, when it seemed absent, by the repair itself); (name, schema, table) a 'repair' row set to 'repairing' (the
+    # applier holds them from now on: the answer)
     repair_requests: str
     hold_for_repair: str
     # applier_conflicts (``applier.engine.conflicts``): (name, recorded_at, type, table, key, local, remote, xid,
@@ -110,7 +114,7 @@ def progress_sql(ph: str, has_sync_tables: str) -> ProgressSQL:
     value says whether the table applier_sync_tables exists."""
     return ProgressSQL(
         select=(f"SELECT lsn, commit_time, skip_lsn, source_system, slot, last_error, last_error_at, recopy_needed, "
-                f"source_timeline FROM applier_progress WHERE name = {ph}"),
+                f"source_timeline, resynced_from FROM applier_progress WHERE name = {ph}"),
         upsert=_upsert(ph, ", recopy_needed = NULL"),
         # (name, lsn, commit_time, source_system, slot, source_timeline, the position read): one row written, or none when another
         # process moved the position since (a row that did not exist is inserted; one inserted meanwhile
@@ -137,8 +141,8 @@ def progress_sql(ph: str, has_sync_tables: str) -> ProgressSQL:
         has_sync_tables=has_sync_tables,
         table_join=(f"SELECT state, snapshot_lsn FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} "
                     f"AND table_name = {ph}"),
-        repair_requests=(f"SELECT schema_name, table_name FROM applier_sync_tables WHERE name = {ph} "
-                         f"AND state = 'repair' ORDER BY schema_name, table_name"),
+        repair_requests=(f"SELECT schema_name, table_name, state FROM applier_sync_tables WHERE name = {ph} "
+                         f"AND state IN ('repair', 'repairing') ORDER BY schema_name, table_name"),
         hold_for_repair=(f"UPDATE applier_sync_tables SET state = 'repairing' WHERE name = {ph} AND schema_name = {ph} "
                          f"AND table_name = {ph} AND state = 'repair'"),
         record_conflict=(f"INSERT INTO applier_conflicts (name, recorded_at, conflict_type, table_name, key, local_row, "

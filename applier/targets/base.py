@@ -738,13 +738,14 @@ class TargetBase:
             self._has_sync_tables = bool(cur.fetchone()[0])
         return self._has_sync_tables
 
-    def repair_requests(self) -> list[tuple[str, str]]:
-        """(schema, table) of the source tables a repair asks this applier to hold (applier_sync_tables 'repair')."""
+    def repair_requests(self) -> list[tuple[str, str, str]]:
+        """(schema, table, state) of the source tables being repaired (applier_sync_tables 'repair': a repair asks
+        this applier to hold them; 'repairing': held)."""
         if not self._sync_tables_exist():
             return []
         cur = self.conn.cursor()
         cur.execute(self.sql.repair_requests, [self.name])
-        return [(str(schema), str(table)) for schema, table in cur.fetchall()]
+        return [(str(schema), str(table), str(state)) for schema, table, state in cur.fetchall()]
 
     def hold_for_repair(self, schema: str, table: str) -> None:
         """Answer a repair's request: the table's row set to 'repairing', in the open transaction (it commits with

@@ -198,7 +198,24 @@ def test_dry_run_and_refusals(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_pa
     two_phase = make_config(src, dst.url, tmp_path / "work", **extra)
     with pytest.raises(RepairError, match="two.phase.*cannot be placed before or after"):
         repair(two_phase, ["public.t1"], spark=spark)
+    # a refusal found at the second table leaves the first one's row alone (no table held)
+    target_exec(dst.url, "INSERT INTO applier_sync_tables (name, schema_name, table_name, state, run) "
+                         "VALUES ('applier', 'public', 't2', 'copying', 'other')")
+    with pytest.raises(RepairError, match=r"source table public.t2 is being copied by `applier sync --table` "
+                                          r"\(copying"):
+        repair(cfg, ["public.t1", "public.t2"], spark=spark)
+    assert target_exec(dst.url, "SELECT table_name, state FROM applier_sync_tables") == [("t2", "copying")]
+    target_exec(dst.url, "DELETE FROM applier_sync_tables")
     assert contents(dst.url) == before
+    # a table named twice (also as "t2" and "public.t2") is repaired once
+    report = repair(cfg, ["t2", "public.t2", "t2"], spark=spark)
+    assert [(t.table, t.counts) for t in report.tables] == [("public.t2", (1, 0, 0))]
+    assert target_exec(dst.url, "SELECT table_name, state FROM applier_sync_tables") == [("t2", "ready")]
+    # a Spark job that fails (here the row filter, evaluated by the workers' reads): one line naming the table
+    src.cluster.execute("ALTER PUBLICATION pub SET TABLE t1, t2 WHERE (id / (id - id) = 0), k", src.dbname)
+    with pytest.raises(RepairError, match=r"^comparing source table public.t2 with target table public.t2 failed: "
+                                          r"\S+: division by zero$"):
+        repair(cfg, ["public.t2"], dry_run=True, spark=spark)
 
 
 def test_killed_halfway_then_rerun(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_path: Path) -> None:
@@ -230,3 +247,40 @@ def test_killed_halfway_then_rerun(src: ScratchDb, dst: ScratchDb, spark: Any, t
     caught = cli("catchup", "-c", str(cfg_file))
     assert caught.returncode == 0, caught.stderr
     equal_soon(src, dst.url, seconds=0)
+
+
+def soon(check: Any, what: str, seconds: float = 60) -> None:
+    """Wait until ``check()`` is true."""
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_daemon_holds_a_table_the_repair_answered_for(src: ScratchDb, dst: ScratchDb, spark: Any,
+                                                      tmp_path: Path) -> None:
+    """A repair that found no applier (its claim's connection lost) answered itself: the row is 'repairing' though
+    the running daemon never saw 'repair'. The daemon holds the table's changes from then on, not applying them
+    under the rewrite."""
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
+    sync(make_config(src, dst.url, tmp_path / "work"), spark=spark)
+    log = tmp_path / "daemon.log"
+    daemon = start_daemon(cfg_file, log)
+    try:
+        src.cluster.execute("UPDATE t2 SET v = 1 WHERE id = 1", src.dbname)  # the daemon binds t2
+        soon(lambda: target_exec(dst.url, "SELECT v FROM t2 WHERE id = 1") == [(1,)], "t2 applied")
+        target_exec(dst.url, "INSERT INTO applier_sync_tables (name, schema_name, table_name, state, run) "
+                             "VALUES ('applier', 'public', 't2', 'repairing', 'a repair')")
+        time.sleep(3)  # the daemon polls about once a second
+        src.cluster.execute("UPDATE t2 SET v = 2 WHERE id = 1; UPDATE t1 SET v = 2 WHERE id = 1", src.dbname)
+        soon(lambda: target_exec(dst.url, "SELECT v FROM t1 WHERE id = 1") == [(2,)], "t1 applied")
+        soon(lambda: target_exec(dst.url, "SELECT count(*) FROM applier_held")[0][0] == 1, "t2's change held")
+        assert target_exec(dst.url, "SELECT v FROM t2 WHERE id = 1") == [(1,)]
+        assert "is being repaired (`applier repair`), which did not wait" in log.read_text()
+        target_exec(dst.url, "UPDATE applier_sync_tables SET state = 'ready', snapshot_lsn = '0/0'")  # drained
+        soon(lambda: target_exec(dst.url, "SELECT v FROM t2 WHERE id = 1") == [(2,)], "t2's held change applied")
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        code = daemon.wait(60)
+    assert code == 0, log.read_text()

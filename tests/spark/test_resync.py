@@ -21,7 +21,7 @@ from applier.migrate.resync import resync
 from applier.migrate.sync import sync
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config, target_exec
-from tests.spark.test_add_table import config_file, start_daemon
+from tests.spark.test_add_table import cli, config_file, start_daemon
 from tests.spark.test_repair import SOURCE, Writer, equal_soon, recorded
 
 pytest.importorskip("pyspark")
@@ -57,6 +57,7 @@ def test_slot_dropped_under_a_running_replica(src: ScratchDb, dst: ScratchDb, sp
         assert daemon.wait(60) == 6, log.read_text()  # the clear stop: the slot is gone
         writer.pause(1.0)  # the gap: committed while no slot keeps the changes for the replica
         said: list[str] = []
+        began = target_exec(dst.url, "SELECT now()")[0][0]
         report = resync(cfg, spark=spark, say=said.append)
         daemon = start_daemon(cfg_file, log)
         writer.pause(1.0)  # and after the new slot's start
@@ -74,6 +75,28 @@ def test_slot_dropped_under_a_running_replica(src: ScratchDb, dst: ScratchDb, sp
     (slot, lsn, resynced_from, resynced_at) = target_exec(
         dst.url, "SELECT slot, lsn, resynced_from, resynced_at FROM applier_progress")[0]
     assert slot == "applier" and resynced_at is not None
+    # the rewritten rows count as the copy's (not foreign to conflict detection): the copy ends after the resync's
+    # rewrite, by the target's clock
+    assert target_exec(dst.url, "SELECT finished_at::timestamptz FROM applier_sync")[0][0] >= began
     assert resynced_from.startswith("slot 'applier' does not exist on the source (dropped), applied up to "), \
         resynced_from
     assert any("made again at" in line for line in said), said
+
+
+def test_run_after_a_killed_resync_names_resync(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_path: Path) -> None:
+    """A resync killed after making the slot again (the progress row not moved, marked 'resync started'): the slot
+    is ahead of the target, and `applier run` names the command that finishes the job, not a re-copy."""
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg = make_config(src, dst.url, tmp_path / "work")
+    cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
+    sync(cfg, spark=spark)
+    src.cluster.execute("INSERT INTO t1 VALUES (900001, 1, 'in the gap')", src.dbname)
+    drop_slot(src)
+    with psycopg.connect(src.dsn, autocommit=True) as conn:  # as the killed resync made it: after the gap
+        conn.execute("SELECT pg_create_logical_replication_slot('applier', 'pgoutput')")
+    target_exec(dst.url, "UPDATE applier_progress SET resynced_from = 'resync started: slot ''applier'' does not "
+                         "exist on the source (dropped)', resynced_at = NULL")
+    got = cli("catchup", "-c", str(cfg_file))
+    assert got.returncode == 2, (got.stdout, got.stderr)
+    assert "did not end: run `applier resync` again" in got.stderr and "sync --force" not in got.stderr, got.stderr
+    assert "Traceback" not in got.stderr
