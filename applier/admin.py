@@ -188,11 +188,10 @@ def init(cfg: Config, new_slot: bool = False) -> list[str]:
     check_target(cfg, need_init=False)
     if cfg.source["two_phase"] and backend_of(cfg).can_prepare and cfg.target["two_phase_mode"] == "prepare":
         check_prepared_allowed(cfg)
-    from applier.progress.migrate import migrate  # start-up time: alembic/SQLAlchemy (status/skip need not)
+    from applier.progress.migrate import migrate, said  # start-up time: alembic/SQLAlchemy (status/skip need not)
 
     before, after = migrate(cfg.target["url"])
-    done.append(f"control tables: {'created at' if before is None else 'upgraded from ' + before + ' to'} {after}"
-                if before != after else f"control tables: already at {after}")
+    done.append(said(before, after) or f"control tables: already at {after}")
     slot = cfg.source["slot"]
     progress = read_progress(cfg)
     lost = lost_slot(cfg, progress)

@@ -81,7 +81,7 @@ from applier.migrate.sync import (
     read_tables_in_snapshot,
     shapes_in_snapshot,
 )
-from applier.progress.migrate import migrate
+from applier.progress.migrate import migrate, said
 from applier.progress.store import shape_row
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
@@ -119,9 +119,8 @@ def _sync_tables(cfg: Config, names: list[str], force: bool, spark: Any, reporte
                         f"REFRESH PUBLICATION refuses copy_data with two_phase too)")
     check_source(cfg)
     check_target(cfg, need_init=False)
-    before, after = migrate(cfg.target["url"])
-    if before != after:
-        say(f"control tables: {'created at' if before is None else 'upgraded from ' + before + ' to'} {after}")
+    if line := said(*migrate(cfg.target["url"])):
+        say(line)
     target = TargetDb(cfg)
     claims: list[Held | None] = []
     try:

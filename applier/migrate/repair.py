@@ -78,7 +78,7 @@ from applier.migrate.add_table import need_replica, published_tables, temporary_
 from applier.migrate.schema import SourceTable
 from applier.migrate.spark.session import spark_for
 from applier.migrate.sync import SyncError, TargetDb, _now, read_tables_in_snapshot
-from applier.progress.migrate import migrate
+from applier.progress.migrate import migrate, said
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
 from applier.targets.claim import Held, copy_claim_name
@@ -180,10 +180,8 @@ def _repair(cfg: Config, names: list[str] | None, dry_run: bool, spark: Any,
                           f"cannot be placed before or after the repair's snapshot")
     check_source(cfg)
     check_target(cfg, need_init=False)
-    if not dry_run:
-        before, after = migrate(cfg.target["url"])
-        if before != after:
-            say(f"control tables: upgraded from {before} to {after}")
+    if not dry_run and (line := said(*migrate(cfg.target["url"]))):
+        say(line)
     target = TargetDb(cfg)
     claims: list[Held | None] = []
     run = uuid.uuid4().hex

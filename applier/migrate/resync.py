@@ -43,7 +43,7 @@ from applier.errors import InUseError, SlotLost
 from applier.migrate.repair import RepairError, RepairReport, claim_table, compare_table, rewrite_ranges
 from applier.migrate.spark.session import spark_for
 from applier.migrate.sync import TargetDb, _now, read_tables_in_snapshot, slot_row
-from applier.progress.migrate import migrate
+from applier.progress.migrate import migrate, said
 from applier.progress.store import RESYNC_STARTED
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
@@ -65,9 +65,8 @@ def _resync(cfg: Config, spark: Any, say: Callable[[str], None]) -> RepairReport
     name, slot = cfg.apply["name"], cfg.source["slot"]
     check_source(cfg, need_slot=False)
     check_target(cfg, need_init=False)
-    before, after = migrate(cfg.target["url"])
-    if before != after:
-        say(f"control tables: upgraded from {before} to {after}")
+    if line := said(*migrate(cfg.target["url"])):
+        say(line)
     target = TargetDb(cfg)
     claims: list[Held | None] = []
     try:

@@ -86,7 +86,7 @@ from applier.migrate.schema import (
 )
 from applier.migrate.spark.progress import Reporter
 from applier.migrate.spark.session import spark_context, spark_of
-from applier.progress.migrate import migrate
+from applier.progress.migrate import migrate, said
 from applier.progress.store import shape_row
 from applier.rows import one_row
 from applier.source import capture
@@ -427,9 +427,8 @@ def _sync(cfg: Config, force: bool, spark: Any, reporter: Any, say: Any, partiti
     name, slot = cfg.apply["name"], cfg.source["slot"]
     check_source(cfg, need_slot=False)
     check_target(cfg, need_init=False)
-    before, after = migrate(cfg.target["url"])
-    if before != after:
-        say(f"control tables: {'created at' if before is None else 'upgraded from ' + before + ' to'} {after}")
+    if line := said(*migrate(cfg.target["url"])):
+        say(line)
     target = TargetDb(cfg)
     try:
         target.claim("sync")  # no applier may write the progress row while the copy makes it

@@ -40,6 +40,13 @@ def head_revision() -> str | None:
     return ScriptDirectory.from_config(_alembic_config()).get_current_head()
 
 
+def said(before: str | None, after: str | None) -> str | None:
+    """The line that says what ``migrate`` did (None: nothing, they were at head)."""
+    if before == after:
+        return None
+    return f"control tables: {'created at' if before is None else f'upgraded from {before} to'} {after}"
+
+
 def migrate(url: str) -> tuple[str | None, str | None]:
     """Upgrade the control tables to head; returns (revision before, revision after)."""
     engine = create_engine(url)
