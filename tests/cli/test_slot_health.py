@@ -147,6 +147,9 @@ def test_an_idle_slot_against_idle_replication_slot_timeout(tmp_path: Path) -> N
         line = _slot_line(rig)
         assert line.startswith("warn") and f"slot '{SLOT}' has been idle for " in line, line
         assert "of idle_replication_slot_timeout 5s" in line and "max_slot_wal_keep_size -1 (unlimited)" in line, line
+        _wait_for("the slot idle past the timeout", lambda: rig.src(
+            "SELECT now() - inactive_since > interval '5.5 s' FROM pg_replication_slots WHERE slot_name = %s",
+            [SLOT])[0][0])
         rig.src("CHECKPOINT")  # the timeout passed: a checkpoint invalidates it
         r = rig.applier("run", timeout=60)
         assert r.returncode == 6, r.stdout + r.stderr
