@@ -60,19 +60,25 @@ def sync(
         cfg = _config(config, dsn, slot, publication, target, master, partitions)
         from applier.targets.backends import backend_of  # start-up time of the other commands (~0.1 s)
 
-        # a PostgreSQL target is copied by Spark tasks (a SQLite one by the driver alone): its SparkContext starts
-        # now, while the rest of the command loads and reads the catalogs
-        spark = SparkStart(cfg, sql=False) if backend_of(cfg).copies_by_spark else None
+        # a PostgreSQL target is copied by Spark tasks (a SQLite one by the driver alone): for the full sync its
+        # SparkContext starts now, while the rest of the command loads and reads the catalogs (`sync --table`, whose
+        # refusals are the common way out, starts it when it copies)
+        spark = SparkStart(cfg, sql=False) if backend_of(cfg).copies_by_spark and not table else None
         # here, not at the top: start-up time (only sync/verify load alembic/SQLAlchemy and pyspark)
         from applier.migrate.add_table import sync_tables
         from applier.migrate.spark.progress import open_reporter
         from applier.migrate.sync import sync as do_sync
 
         reporter = open_reporter("copy", quiet)
-        if table:
-            res = sync_tables(cfg, table, force=force, spark=spark, reporter=reporter, say=reporter.say)
-        else:
-            res = do_sync(cfg, force=force, spark=spark, reporter=reporter, say=reporter.say)
+        try:
+            if table:
+                res = sync_tables(cfg, table, force=force, spark=spark, reporter=reporter, say=reporter.say)
+            else:
+                res = do_sync(cfg, force=force, spark=spark, reporter=reporter, say=reporter.say)
+        except BaseException:
+            if spark is not None:
+                spark.settle()  # its JVM's start-up lines before the error's one line
+            raise
         for t in res.tables:
             rate = t.rows / t.seconds if t.seconds else 0.0
             typer.echo(f"{t.table}: {t.rows:,} rows, {t.nbytes / 1e6:,.1f} MB in {t.seconds:.1f}s "
@@ -114,7 +120,11 @@ def verify(
         # here, not at the top: start-up time (only sync/verify load alembic/SQLAlchemy and pyspark)
         from applier.migrate.spark.verify import verify as do_verify
 
-        return do_verify(cfg, spark=spark, max_keys=keys, say=_say)
+        try:
+            return do_verify(cfg, spark=spark, max_keys=keys, say=_say)
+        except BaseException:
+            spark.settle()  # its JVM's start-up lines before the error's one line
+            raise
 
     _report(run_guarded(go), "verify", as_json)
 

@@ -318,6 +318,11 @@ class SparkStart:
         except BaseException as exc:  # noqa: BLE001 - raised by get(), in the caller's thread
             self._error = exc
 
+    def settle(self) -> None:
+        """Wait until the start ended, well or not: what its JVM prints as it starts comes before what the caller
+        prints next (a command that fails says its one line last)."""
+        self._thread.join()
+
     def get(self) -> Any:
         """The SparkSession (``sql``) or SparkContext, once started; in the main thread, an interrupt from then on
         cancels its jobs first (as PySpark does for a context started in the main thread)."""
