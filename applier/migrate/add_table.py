@@ -60,6 +60,7 @@ import os
 import re
 import sqlite3
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -158,17 +159,22 @@ def need_replica(target: TargetDb, name: str, command: str = "applier sync --tab
                         f"target already (made by pg_dump)")
 
 
-def _claim_copy(target: TargetDb, name: str, t: SourceTable) -> Held | None:
-    """Claim the copy of ``t`` for this run (``claim.copy_claim_name``), held until the command ends: a second
-    ``sync --table`` of the table is refused naming this one, and an applier waiting for the copy knows that it
-    runs. SyncError naming the holder if another run has it."""
+def claim_copy(target: TargetDb, name: str, t: SourceTable, by: str,
+               refused: Callable[[str], Exception]) -> Held | None:
+    """Claim the copy of ``t`` (``claim.copy_claim_name``) for the command ``by``, held until it ends: a second
+    ``sync --table`` or ``repair`` of the table is refused naming this one, and an applier waiting for the copy
+    knows that it runs. If another has it: ``refused(its holder)`` is raised."""
     key = copy_claim_name(name, t.schema, t.name)
     try:
-        return target.backend.claim(target.conn, target.where, key, "sync --table")
+        return target.backend.claim(target.conn, target.where, key, by)
     except InUseError:
-        holder = target.holder(key) or "a process that has since ended; try again"
-        raise SyncError(f"another `applier sync --table` is copying source table {t.qualified} to this target for "
-                        f"apply.name {name!r}: {holder}; let it end (or stop it) first") from None
+        raise refused(target.holder(key) or "a process that has since ended; try again") from None
+
+
+def _claim_copy(target: TargetDb, name: str, t: SourceTable) -> Held | None:
+    return claim_copy(target, name, t, "sync --table", lambda holder: SyncError(
+        f"another `applier sync --table` is copying source table {t.qualified} to this target for apply.name "
+        f"{name!r}: {holder}; let it end (or stop it) first"))
 
 
 def _check_streamed(cfg: Config, tables: list[SourceTable], say: Any) -> None:

@@ -74,14 +74,14 @@ from applier.config import Config
 from applier.engine.joingate import REPAIR_STATES
 from applier.errors import InUseError
 from applier.lsn import LSN
-from applier.migrate.add_table import need_replica, published_tables, temporary_slot_name
+from applier.migrate.add_table import claim_copy, need_replica, published_tables, temporary_slot_name
 from applier.migrate.schema import SourceTable
 from applier.migrate.spark.session import spark_for
 from applier.migrate.sync import SyncError, TargetDb, _now, read_tables_in_snapshot
 from applier.progress.migrate import migrate, said
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
-from applier.targets.claim import Held, copy_claim_name
+from applier.targets.claim import Held
 from applier.text import one_line, quote_ident
 
 ANSWER_WAIT = 60.0  # seconds a repair waits for the running applier to hold a table before saying so again
@@ -227,13 +227,9 @@ def _repair(cfg: Config, names: list[str] | None, dry_run: bool, spark: Any,
 
 def claim_table(target: TargetDb, name: str, t: SourceTable) -> Held | None:
     """Claim ``t``'s copy (``copy_claim_name``) for this repair; RepairError naming the holder if taken."""
-    key = copy_claim_name(name, t.schema, t.name)
-    try:
-        return target.backend.claim(target.conn, target.where, key, "repair")
-    except InUseError:
-        holder = target.holder(key) or "a process that has since ended; try again"
-        raise InUseError(f"source table {t.qualified} is being repaired or copied to this target for apply.name "
-                         f"{name!r}: {holder}; let it end (or stop it) first") from None
+    return claim_copy(target, name, t, "repair", lambda holder: InUseError(
+        f"source table {t.qualified} is being repaired or copied to this target for apply.name {name!r}: {holder}; "
+        f"let it end (or stop it) first"))
 
 
 def _ask_to_hold(target: TargetDb, name: str, tables: list[SourceTable], run: str) -> None:
