@@ -443,6 +443,7 @@ def _compare_in_spark(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str, 
     """Any target: verify's row hashes in Spark, each row with its place (source ctid, target rowid or ctid)."""
     from pyspark.sql import functions as F
 
+    from applier.migrate.spark.source import read_table  # start-up time: pyspark, pyarrow
     from applier.migrate.spark.verify import hash_sums, prepared  # start-up time: pyspark
 
     located = []
@@ -450,8 +451,8 @@ def _compare_in_spark(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str, 
         plan = {**p, "columns": [*p["columns"], where]}
         if plan.get("canonical") is not None:
             plan["canonical"] = [*plan["canonical"], 25]
-        located.append(prepared(spark.read.format("applier_pg" if p is src_plan else fmt)
-                                .option("plan", json.dumps(plan)).load(), ncols, key_idx, keep=(f"c{ncols}",)))
+        located.append(prepared(read_table(spark, "applier_pg" if p is src_plan else fmt, json.dumps(plan)), ncols,
+                                key_idx, keep=(f"c{ncols}",)))
     sides = [df.groupBy("bucket").agg(*hash_sums(F)) for df in located]
     sums = [{int(r["bucket"]): (r["n"], r["s1"], r["s2"], r["s3"]) for r in side.collect()} for side in sides]
     res.source_rows = sum(v[0] for v in sums[0].values())

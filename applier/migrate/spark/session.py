@@ -356,9 +356,9 @@ def register(spark: Any) -> None:
     if id(spark) in _REGISTERED:
         return
     # here, not at the top: start-up time (it loads pyspark; sync imports this module before it needs Spark)
-    from applier.migrate.spark.source import PgRangeSource, SqliteRangeSource
+    from applier.migrate.spark.source import ManySource, PgRangeSource, SqliteRangeSource
 
-    for ds in (PgRangeSource, SqliteRangeSource):
+    for ds in (PgRangeSource, SqliteRangeSource, ManySource):
         spark.dataSource.register(ds)
     _REGISTERED.add(id(spark))
 

@@ -30,6 +30,14 @@ in ``pg_stat_progress_copy``.
 
 SQLite reading: ``rowid`` ranges (one range for a WITHOUT ROWID table), a
 read-only connection each, values encoded canonically.
+
+``applier_many`` reads several tables in one scan (``verify`` compares small tables together: a Python data
+source costs a planning round trip to a Python process per scan, which a schema of many small tables pays more
+than for its rows): option ``plans``, JSON of ``[format, plan]`` pairs (``applier_pg`` / ``applier_sqlite`` and
+their plans) and ``partitions`` (the tables' ranges are dealt to that many, each read one after the other:
+a Spark task costs more than a small table's rows); rows ``t`` (the table's place in ``plans``), then ``c0`` … ``cW`` as above, ``W`` the widest
+table's, the columns past a table's own NULL. ``read_table`` / ``read_tables`` load either with their schema
+given, so that Spark does not ask a Python process for it.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ import pyarrow.csv as pacsv
 from psycopg import sql as psql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
-from pyspark.sql.types import BinaryType, StructField, StructType
+from pyspark.sql.types import BinaryType, IntegerType, StructField, StructType
 
 from applier.migrate.spark.canonical import canonical_rows_batch, sqlite_source_canonicalizer
 
@@ -76,6 +84,26 @@ def pinned_dsn(dsn: str, application_name: str | None = None) -> str:
 def schema_of(ncols: int) -> StructType:
     """The Spark schema: c0 … cN, all binary."""
     return StructType([StructField(f"c{i}", BinaryType(), True) for i in range(ncols)])
+
+
+def many_schema(width: int) -> StructType:
+    """The Spark schema of ``applier_many``: t, then c0 … c(width-1)."""
+    return StructType([StructField("t", IntegerType(), True), *schema_of(width).fields])
+
+
+def read_table(spark: Any, fmt: str, plan: str) -> Any:
+    """The DataFrame of one table's ``plan`` read by data source ``fmt`` (``applier_pg``, ``applier_sqlite``)."""
+    ncols = len(json.loads(plan)["columns"])
+    return spark.read.format(fmt).schema(schema_of(ncols)).option("plan", plan).load()
+
+
+def read_tables(spark: Any, plans: list[tuple[str, str]], partitions: int) -> Any:
+    """The DataFrame of several tables read in one scan (``applier_many``) of ``partitions`` partitions, each
+    reading its share of the tables' ranges one after the other: ``(format, plan)`` each."""
+    decoded = [(fmt, json.loads(plan)) for fmt, plan in plans]
+    width = max(len(plan["columns"]) for _, plan in decoded)
+    return (spark.read.format("applier_many").schema(many_schema(width))
+            .option("plans", json.dumps(decoded)).option("partitions", partitions).load())
 
 
 class RangePartition(InputPartition):
@@ -116,6 +144,52 @@ class PgRangeSource(DataSource):
 
     def reader(self, schema: StructType) -> DataSourceReader:
         return _PgReader(json.loads(self.options["plan"]))
+
+
+class ManyPartition(InputPartition):
+    """Ranges of several tables read one after the other: (place, index, low bound or None, high bound or None)
+    each."""
+
+    def __init__(self, items: list[tuple[int, int, int | None, int | None]]) -> None:
+        super().__init__(items)
+        self.items = items
+
+
+class _ManyReader(DataSourceReader):
+    def __init__(self, plans: list[tuple[str, dict[str, Any]]], width: int, partitions: int) -> None:
+        self.plans, self.width, self.nparts = plans, width, partitions
+
+    def partitions(self) -> list[ManyPartition]:
+        items = [(place, i, lo, hi) for place, (_, plan) in enumerate(self.plans)
+                 for i, (lo, hi) in enumerate(plan["ranges"])]
+        n = max(1, min(self.nparts, len(items)))
+        return [ManyPartition(items[k::n]) for k in range(n)]
+
+    def read(self, partition: ManyPartition) -> Iterator[pa.RecordBatch]:  # type: ignore[override] # ours only
+        names = ["t", *(f"c{i}" for i in range(self.width))]
+        for place, index, lo, hi in partition.items:
+            fmt, plan = self.plans[place]
+            batches = (read_pg_range(plan, index, lo, hi) if fmt == PgRangeSource.name()
+                       else read_sqlite_range(plan, lo, hi))
+            for batch in batches:
+                n = batch.num_rows
+                pad = [pa.nulls(n, pa.binary())] * (self.width - batch.num_columns)
+                yield pa.RecordBatch.from_arrays([pa.array([place] * n, pa.int32()), *batch.columns, *pad],
+                                                 names=names)
+
+
+class ManySource(DataSource):
+    """``read_tables``: several tables in one scan; see the module header."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "applier_many"
+
+    def schema(self) -> StructType:
+        raise NotImplementedError("applier_many is read with its schema given (read_tables)")
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return _ManyReader(json.loads(self.options["plans"]), len(schema.fields) - 1, int(self.options["partitions"]))
 
 
 class SqliteRangeSource(DataSource):

@@ -85,7 +85,7 @@ from applier.config import Config, ConfigError
 from applier.decoder.messages import CLOSED_BY, Keepalive, XLogData, decision_position, kind_of
 from applier.engine.runner import Runner
 from applier.lsn import LSN
-from applier.migrate.spark.session import check_spark_target, spark_for, spark_of
+from applier.migrate.spark.session import check_spark_target, spark_for, spark_of, task_slots
 from applier.migrate.sync import TargetDb, count_in_snapshot, read_tables_in_snapshot, slot_row
 from applier.source.base import Source, SourceError
 from applier.source.walsender import WalSender
@@ -321,31 +321,59 @@ class Compared:
 
     def sides(self, spark: Any) -> tuple[Any, Any]:
         """Both sides' rows, ``prepared``."""
+        from applier.migrate.spark.source import read_table  # start-up time: pyspark, pyarrow
+
         key_idx = [self.columns.index(k) for k in self.key]
-        return tuple(prepared(spark.read.format(fmt).option("plan", plan).load(), len(self.columns), key_idx)
+        return tuple(prepared(read_table(spark, fmt, plan), len(self.columns), key_idx)
                      for fmt, plan in (("applier_pg", self.source_plan), (self.target_format, self.target_plan)))
 
 
-def compare(spark: Any, tables: list[Compared], kind: Kind, max_keys: int) -> list[TableResult]:
-    """Compare tables (see the module header): job 1 of all of them at once (one Spark job, the tables told apart
-    by their place in ``tables``: a job per small table would cost more than its rows), then job 2 of each that
-    differs. TableResults in the order of ``tables`` (table names left to the caller). When the job of several
-    fails, each is compared alone, so that a failure names its own table; the job of one raises."""
-    from functools import reduce
+def placed(spark: Any, tables: list[Compared]) -> tuple[Any, Any]:
+    """Both sides' rows of several tables, each side one scan (``read_tables``): the table's place ``t`` in
+    ``tables``, its key range, and row hashes as ``prepared`` makes them for the table alone (the key, hence the
+    range, is the same; the row hash covers the widest table's columns, the missing ones NULL on both sides)."""
+    from pyspark.sql import functions as F
 
+    from applier.migrate.spark.source import read_tables  # start-up time: pyspark, pyarrow
+
+    width = max(len(t.columns) for t in tables)
+    null, val = F.unhex(F.lit("00")), F.unhex(F.lit("01"))
+    tagged = [F.when(F.col(f"c{i}").isNull(), null).otherwise(F.concat(val, F.col(f"c{i}"))) for i in range(width)]
+    key = None
+    for n, t in enumerate(tables):
+        cols = [tagged[t.columns.index(k)] for k in t.key] if t.key else tagged[:len(t.columns)]
+        key = (F if key is None else key).when(F.col("t") == n, F.array(*cols))
+    assert key is not None  # tables is not empty
+    row = F.array(*tagged)
+    out = []
+    for fmt_plan in ([("applier_pg", t.source_plan) for t in tables],
+                     [(t.target_format, t.target_plan) for t in tables]):
+        df = read_tables(spark, fmt_plan, task_slots(spark))
+        out.append(df.select("t", F.shiftrightunsigned(F.xxhash64(key), 64 - KEY_BITS).cast("int").alias("bucket"),
+                             F.xxhash64(row).alias("h"), F.hash(row).alias("m")))
+    return out[0], out[1]
+
+
+def compare(spark: Any, tables: list[Compared], kind: Kind, max_keys: int) -> list[TableResult]:
+    """Compare tables (see the module header): job 1 of all of them at once (one Spark job, one scan a side, the
+    tables told apart by their place in ``tables``: a job per small table would cost more than its rows), then
+    job 2 of each that differs. TableResults in the order of ``tables`` (table names left to the caller). When the
+    job of several fails, each is compared alone, so that a failure names its own table; the job of one raises."""
     from pyspark.sql import functions as F
 
     sc = spark.sparkContext
     names = ", ".join(t.label for t in tables)
     sc.setJobDescription(f"applier verify: {names}")
+    log.debug("comparing %d table(s): %s", len(tables), names)
     try:
         # not cached: caching slows down job 1 (the common case: all agree) more than a second read costs job 2
-        sides = [t.sides(spark) for t in tables]
+        if len(tables) == 1:
+            rows = [s.select(F.lit(0).alias("t"), "bucket", "h", "m") for s in tables[0].sides(spark)]
+        else:
+            rows = list(placed(spark, tables))
 
         def side(i: int, p: str) -> Any:
-            rows = reduce(lambda a, b: a.unionAll(b), [s[i].select(F.lit(n).alias("t"), "bucket", "h", "m")
-                                                       for n, s in enumerate(sides)])
-            agg = rows.groupBy("t", "bucket").agg(*hash_sums(F))
+            agg = rows[i].groupBy("t", "bucket").agg(*hash_sums(F))
             return agg.select("t", "bucket", *[F.col(c).alias(f"{p}{c}") for c in _SUMS])
 
         t0 = time.monotonic()
@@ -365,9 +393,10 @@ def compare(spark: Any, tables: list[Compared], kind: Kind, max_keys: int) -> li
             res.target_rows += r["b_n"] or 0
             if any(r[f"a_{c}"] != r[f"b_{c}"] for c in _SUMS):
                 differing[r["t"]].append(int(r["bucket"]))
-        for t, res, (src, tgt), buckets in zip(tables, results, sides, differing, strict=True):
+        for t, res, buckets in zip(tables, results, differing, strict=True):
             res.differing_ranges = len(buckets)
             if buckets:
+                src, tgt = t.sides(spark)
                 differing_keys(src.where(F.col("bucket").isin(buckets)), tgt.where(F.col("bucket").isin(buckets)),
                                t.columns, t.key, kind, max_keys, res)
                 log.debug("%s: differing keys found in %.1fs", t.label, time.monotonic() - t0)
@@ -429,6 +458,7 @@ def compare_on_servers(spark: Any, source_plan: str, target_plan: str, columns: 
     computed on the servers (``applier.migrate.spark.rangehash``); only the rows of the differing ranges are read, by
     job 2."""
     from applier.migrate.spark.rangehash import RANGES, bucket_filter, hash_plan, range_sums  # start-up: pyspark
+    from applier.migrate.spark.source import read_table  # start-up time: pyspark, pyarrow
 
     plans = [json.loads(source_plan), json.loads(target_plan)]
     qkey = [quote_ident(k) for k in key]
@@ -449,8 +479,7 @@ def compare_on_servers(spark: Any, source_plan: str, target_plan: str, columns: 
         for p in plans:  # only the rows of the differing ranges (a table without a key: its row is its key)
             only = bucket_filter(qkey or p["columns"], differing)
             narrowed = json.dumps({**p, "where": f"({p['where']}) AND {only}" if p.get("where") else only})
-            sides.append(prepared(spark.read.format("applier_pg").option("plan", narrowed).load(), len(columns),
-                                   key_idx))
+            sides.append(prepared(read_table(spark, "applier_pg", narrowed), len(columns), key_idx))
         differing_keys(sides[0], sides[1], columns, key, kind, max_keys, res)
         log.debug("%s: differing keys found in %.1fs", label, time.monotonic() - t0)
         return res
