@@ -23,9 +23,10 @@ stream at a snapshot the way ``applier sync --table`` joins a copied table, whil
    source's encoding; else in Spark (``applier.migrate.spark.verify``'s row hashes). The rows of the differing
    ranges are then read with their place (the source's ``ctid`` in S, the target's ``ctid``/``rowid``, with the
    partition's OID for a partitioned table), so that a range is found again by a TID scan, not a hash of every row;
-5. each differing range rewritten in ONE target transaction: the target's rows of the range deleted, the
-   source's rows of the range in S inserted, and an ``applier_repairs`` row (migration 0009: run, table, S,
-   range, rows inserted / updated / deleted) written. T on the target is then the source at S exactly: what the
+5. each differing range rewritten whole in ONE target transaction (``rewrite_groups``: up to 64 ranges and about
+   10,000 rows share one, as a commit per range would cost more than its rows): the target's rows of the range
+   deleted, the source's rows of the range in S inserted, and an ``applier_repairs`` row (migration 0009: run,
+   table, S, range, rows inserted / updated / deleted) written. T on the target is then the source at S exactly: what the
    applier applied before the answer plus drift (rows deleted, changed or added on the target by hand), and the
    changes held before S, are all differences of the comparison at S;
 6. the row set to 'ready' (durable). The applier drains the held changes as after a copy: those committed before
@@ -490,10 +491,30 @@ RECORD = ("INSERT INTO applier_repairs (name, run, schema_name, table_name, snap
           "rows_updated, rows_deleted, repaired_at) VALUES ({})")
 
 
+REWRITE_RANGES = 64  # at most this many key ranges rewritten in one target transaction
+REWRITE_ROWS = 10_000  # and (but for a single range) at most about this many rows
+
+
+def rewrite_groups(ranges: list[RangeRepair]) -> Iterator[list[RangeRepair]]:
+    """The differing ranges in groups, each group rewritten in one target transaction: a range is always whole in
+    one, and a transaction per range would cost a commit (a flush) per range, more than its rows."""
+    group: list[RangeRepair] = []
+    rows = 0
+    for fix in ranges:
+        n = fix.inserted + fix.updated + fix.deleted
+        if group and (len(group) >= REWRITE_RANGES or rows + n > REWRITE_ROWS):
+            yield group
+            group, rows = [], 0
+        group.append(fix)
+        rows += n
+    if group:
+        yield group
+
+
 def rewrite_ranges(cfg: Config, target: TargetDb, t: SourceTable, found: TableRepair, snapshot: str, at: str, run: str,
              say: Callable[[str], None]) -> None:
-    """Each differing range in one target transaction: its target rows deleted, the source's rows in the snapshot
-    inserted, the range recorded in applier_repairs."""
+    """The differing ranges in target transactions of a few ranges each (``rewrite_groups``): their target rows
+    deleted, the source's rows in the snapshot inserted, each range recorded in applier_repairs."""
     # start-up time: these load pyspark / pyarrow
     from applier.migrate.spark.copy import sqlite_rows
     from applier.migrate.spark.source import pg_in_snapshot, pg_plan, pinned_dsn, range_query
@@ -510,22 +531,25 @@ def rewrite_ranges(cfg: Config, target: TargetDb, t: SourceTable, found: TableRe
             dst = stack.enter_context(psycopg.connect(pinned_dsn(target.where, "applier-repair"), autocommit=True))
             with contextlib.suppress(psycopg.Error):  # as the copy: no triggers, no foreign-key checks, if the role may
                 dst.execute("SET session_replication_role = replica")
-        for fix in found.ranges:
-            query = range_query({**plan, "where": f"({plan['where']}) AND {fix.source_where}" if plan.get("where")
-                                 else fix.source_where}, None, None)
-            record = [cfg.apply["name"], run, t.schema, t.name, at, fix.key_range, fix.inserted, fix.updated,
-                      fix.deleted, _now()]
+        for group in rewrite_groups(found.ranges):
+            source_where = " OR ".join(f"({fix.source_where})" for fix in group)
+            target_where = " OR ".join(f"({fix.target_where})" for fix in group)
+            query = range_query({**plan, "where": f"({plan['where']}) AND ({source_where})" if plan.get("where")
+                                 else source_where}, None, None)
+            records = [[cfg.apply["name"], run, t.schema, t.name, at, fix.key_range, fix.inserted, fix.updated,
+                        fix.deleted, _now()] for fix in group]
             if dst is not None:
                 with dst.transaction():
-                    dst.execute(delete + fix.target_where)
+                    dst.execute(delete + target_where)
                     with src.cursor().copy(f"COPY ({query}) TO STDOUT") as cin, \
                             dst.cursor().copy(f"COPY {qtarget} ({', '.join(cols)}) FROM STDIN") as cout:
                         for data in cin:
                             cout.write(data)
-                    dst.execute(RECORD.format(", ".join(["%s"] * 10)), record)
+                    dst.cursor().executemany(RECORD.format(", ".join(["%s"] * 10)), records)
             else:
                 insert = f"INSERT INTO {qtarget} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
                 rows = sqlite_rows(src, query, [c.type_oid for c in t.columns])
-                target.transaction([(delete + fix.target_where, []), *[(insert, list(r)) for r in rows],
-                                    (RECORD.format(", ".join("?" * 10)), record)])
+                record = RECORD.format(", ".join("?" * 10))
+                target.transaction([(delete + target_where, []), *[(insert, list(r)) for r in rows],
+                                    *[(record, r) for r in records]])
     say(f"{t.qualified}: {len(found.ranges)} key ranges rewritten in target table {shown}")
