@@ -22,13 +22,15 @@ stream at a snapshot the way ``applier sync --table`` joins a copied table, whil
    servers (``applier.migrate.spark.rangehash``) when the target is PostgreSQL with T's column types and the
    source's encoding; else in Spark (``applier.migrate.spark.verify``'s row hashes). The rows of the differing
    ranges are then read with their place (the source's ``ctid`` in S, the target's ``ctid``/``rowid``, with the
-   partition's OID for a partitioned table), so that a range is found again by a TID scan, not a hash of every row;
+   partition's OID for a partitioned table), so that the rows to rewrite are found again by a TID scan, not a hash
+   of every row;
 5. each differing range rewritten whole in ONE target transaction (``rewrite_groups``: up to 64 ranges and about
-   10,000 rows share one, as a commit per range would cost more than its rows): the target's rows of the range
-   deleted, the source's rows of the range in S inserted, and an ``applier_repairs`` row (migration 0009: run,
-   table, S, range, rows inserted / updated / deleted) written. T on the target is then the source at S exactly: what the
-   applier applied before the answer plus drift (rows deleted, changed or added on the target by hand), and the
-   changes held before S, are all differences of the comparison at S;
+   10,000 rows share one, as a commit per range would cost more than its rows): the range's rows that differ
+   (``_counted``: a key on one side only, a row that differs, a key held twice) deleted from the target and copied
+   from the source in S, the rows alike on both sides left as they are, and an ``applier_repairs`` row (migration
+   0009: run, table, S, range, rows inserted / updated / deleted) written. T on the target is then the source at S
+   exactly: what the applier applied before the answer plus drift (rows deleted, changed or added on the target by
+   hand), and the changes held before S, are all differences of the comparison at S;
 6. the row set to 'ready' (durable). The applier drains the held changes as after a copy: those committed before
    S skipped (they are in the repaired table), the later ones applied, in commit order; nothing lost or doubled.
 
@@ -37,8 +39,8 @@ know S before it reaches it, and S can only be taken after it holds, or a change
 applied before the applier knows S. Held changes before S cost a rewrite of the ranges they touched, nothing else.
 
 A table without a key (no primary key, no replica identity index): its ranges are those of the whole row's hash,
-as verify compares it; a range rewritten holds the source's rows of that hash range, duplicates included, so
-nothing but differing rows' ranges is rewritten there either.
+as verify compares it; a row whose number of copies differs is rewritten with all its copies, so a range
+rewritten holds the source's rows of that hash range, duplicates included.
 
 ``dry_run``: nothing is written, no row changes state: a snapshot is taken and each table compared with the
 target as it is, the differing ranges and counts reported. While an applier applies, the changes not yet applied
@@ -399,10 +401,9 @@ def _compare_on_servers(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str
                 side.setdefault(int(bucket), []).append((k, r, at))
         hashed.append(side)
     for r in differing:
-        src, tgt = hashed[0].get(r, []), hashed[1].get(r, [])
-        fix = _counted(r, [(k, h) for k, h, _ in src], [(k, h) for k, h, _ in tgt], bool(key))
-        fix.source_where = _where_places([at for _, _, at in src], src_plan)
-        fix.target_where = _where_places([at for _, _, at in tgt], tgt_plan)
+        fix, src_at, tgt_at = _counted(r, hashed[0].get(r, []), hashed[1].get(r, []), bool(key))
+        fix.source_where = _where_places(src_at, src_plan)
+        fix.target_where = _where_places(tgt_at, tgt_plan)
         res.ranges.append(fix)
 
 
@@ -423,20 +424,27 @@ def _where_places(places: list[str], plan: dict[str, Any]) -> str:
     return "(tableoid, ctid) IN (" + ", ".join(f"({int(oid)}::oid, '{tid}'::tid)" for oid, tid in pairs) + ")"
 
 
-def _counted(bucket: int, src: list[tuple[Any, Any]], tgt: list[tuple[Any, Any]], keyed: bool) -> RangeRepair:
-    """The counts of one range from both sides' (key hash, row hash) pairs; without a key the row is the key, and
-    duplicates count."""
+def _counted(bucket: int, src: list[tuple[Any, Any, str]], tgt: list[tuple[Any, Any, str]],
+             keyed: bool) -> tuple[RangeRepair, list[str], list[str]]:
+    """The counts of one range from both sides' (key hash, row hash, place) triples, and the places of the rows
+    that differ on each side (the rows a rewrite deletes from the target and copies from the source: a key on one
+    side only, a row that differs, a key held twice; without a key the row is the key, and a row whose number of
+    copies differs is rewritten with all its copies). The rows alike on both sides are left as they are."""
     fix = RangeRepair(bucket)
     if keyed:
-        s, t = dict(src), dict(tgt)
+        s, t = {k: h for k, h, _ in src}, {k: h for k, h, _ in tgt}
         fix.inserted = sum(1 for k in s if k not in t)
         fix.deleted = sum(1 for k in t if k not in s)
         fix.updated = sum(1 for k in s if k in t and s[k] != t[k])
+        twice = {k for k, n in (Counter(k for k, _, _ in src) + Counter(k for k, _, _ in tgt)).items()
+                 if n > (k in s) + (k in t)}
+        differs = {k for k in s.keys() | t.keys() if s.get(k) != t.get(k)} | twice
     else:
-        cs, ct = Counter(k for k, _ in src), Counter(k for k, _ in tgt)
+        cs, ct = Counter(k for k, _, _ in src), Counter(k for k, _, _ in tgt)
         fix.inserted = sum((cs - ct).values())
         fix.deleted = sum((ct - cs).values())
-    return fix
+        differs = {k for k in cs.keys() | ct.keys() if cs[k] != ct[k]}
+    return fix, [at for k, _, at in src if k in differs], [at for k, _, at in tgt if k in differs]
 
 
 def _compare_in_spark(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str, Any], fmt: str, ncols: int,
@@ -470,10 +478,11 @@ def _compare_in_spark(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str, 
                                                                r[f"c{ncols}"]))
     sqlite_target = fmt == "applier_sqlite"
     for b in differing:
-        src, tgt = by[0].get(b, []), by[1].get(b, [])
-        fix = _counted(b, [(k, h) for k, h, _ in src], [(k, h) for k, h, _ in tgt], bool(key_idx))
-        fix.source_where = _where_places([_loc(x, sqlite_target) for _, _, x in src], src_plan)
-        locs = [_loc(x, sqlite_target) for _, _, x in tgt]
+        fix, src_at, tgt_at = _counted(b, [(k, h, _loc(x, sqlite_target)) for k, h, x in by[0].get(b, [])],
+                                       [(k, h, _loc(x, sqlite_target)) for k, h, x in by[1].get(b, [])],
+                                       bool(key_idx))
+        fix.source_where = _where_places(src_at, src_plan)
+        locs = tgt_at
         fix.target_where = (f"rowid IN ({', '.join(str(int(x)) for x in locs)})" if locs else "false") \
             if sqlite_target else _where_places(locs, tgt_plan)
         res.ranges.append(fix)
