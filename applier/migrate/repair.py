@@ -28,7 +28,9 @@ stream at a snapshot the way ``applier sync --table`` joins a copied table, whil
    10,000 rows share one, as a commit per range would cost more than its rows): the range's rows that differ
    (``_counted``: a key on one side only, a row that differs, a key held twice) deleted from the target and copied
    from the source in S, the rows alike on both sides left as they are, and an ``applier_repairs`` row (migration
-   0009: run, table, S, range, rows inserted / updated / deleted) written. T on the target is then the source at S
+   0009: run, table, S, range, rows inserted / updated / deleted) written. A unique value that moved between rows
+   of two groups (two rows swapped it) fails the first group's transaction: the remaining ranges are then
+   rewritten together in one. T on the target is then the source at S
    exactly: what the applier applied before the answer plus drift (rows deleted, changed or added on the target by
    hand), and the changes held before S, are all differences of the comparison at S;
 6. the row set to 'ready' (durable). The applier drains the held changes as after a copy: those committed before
@@ -540,7 +542,7 @@ def rewrite_ranges(cfg: Config, target: TargetDb, t: SourceTable, found: TableRe
             dst = stack.enter_context(psycopg.connect(pinned_dsn(target.where, "applier-repair"), autocommit=True))
             with contextlib.suppress(psycopg.Error):  # as the copy: no triggers, no foreign-key checks, if the role may
                 dst.execute("SET session_replication_role = replica")
-        for group in rewrite_groups(found.ranges):
+        def rewrite(group: list[RangeRepair]) -> None:
             source_where = " OR ".join(f"({fix.source_where})" for fix in group)
             target_where = " OR ".join(f"({fix.target_where})" for fix in group)
             query = range_query({**plan, "where": f"({plan['where']}) AND ({source_where})" if plan.get("where")
@@ -561,4 +563,17 @@ def rewrite_ranges(cfg: Config, target: TargetDb, t: SourceTable, found: TableRe
                 record = RECORD.format(", ".join("?" * 10))
                 target.transaction([(delete + target_where, []), *[(insert, list(r)) for r in rows],
                                     *[(record, r) for r in records]])
+
+        groups = list(rewrite_groups(found.ranges))
+        while groups:
+            try:
+                rewrite(groups[0])
+            except Exception as exc:
+                # a value of a unique column that moved to a row of a range rewritten later (two rows swapped it):
+                # the rest of the ranges together, in one transaction, their old rows deleted before any is copied
+                if len(groups) == 1 or not target.backend.failures.is_unique(exc):
+                    raise
+                groups = [[fix for group in groups for fix in group]]
+                continue
+            groups.pop(0)
     say(f"{t.qualified}: {len(found.ranges)} key ranges rewritten in target table {shown}")

@@ -264,8 +264,9 @@ class Failures(NamedTuple):
     a failure the runner ends the session on and sorts. ``is_transient(exc)``: whether such a failure (or what
     caused it: the engine wraps the driver's error in an ``ApplyError``) passes by itself (a connection lost,
     a server shutting down or starting, a busy database), so it is retried with backoff, rather than being about
-    what was applied.
+    what was applied. ``is_unique(exc)``: whether ``exc`` is a unique (or primary key) violation.
     """
 
     errors: tuple[type[Exception], ...]
     is_transient: Callable[[BaseException], bool]
+    is_unique: Callable[[BaseException], bool]

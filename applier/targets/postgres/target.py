@@ -138,8 +138,13 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+def is_unique(exc: BaseException) -> bool:
+    """SQLSTATE 23505."""
+    return isinstance(exc, UniqueViolation)
+
+
 # what a failure on a PostgreSQL target raises, and which of it passes by itself (``applier.targets.opener``)
-FAILURES = Failures((psycopg.Error,), is_transient)
+FAILURES = Failures((psycopg.Error,), is_transient, is_unique)
 
 
 def origin_name(name: str) -> str:
@@ -764,7 +769,7 @@ class PostgresTarget(TargetBase):
 
     def is_unique_error(self, exc: BaseException) -> bool:
         """SQLSTATE 23505."""
-        return isinstance(exc, UniqueViolation)
+        return is_unique(exc)
 
     def find_sql(self, b: Binding, where: str, limit: int) -> str:
         """The rows, locked (FOR UPDATE), with their last commit's time and origin when ``detects_origin`` (in the

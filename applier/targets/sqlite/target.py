@@ -44,8 +44,13 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+def is_unique(exc: BaseException) -> bool:
+    """An IntegrityError of a UNIQUE (or PRIMARY KEY) constraint."""
+    return isinstance(exc, sqlite3.IntegrityError) and "UNIQUE constraint failed" in str(exc)
+
+
 # what a failure on a SQLite target raises, and which of it passes by itself (``applier.targets.opener``)
-FAILURES = Failures((sqlite3.Error,), is_transient)
+FAILURES = Failures((sqlite3.Error,), is_transient, is_unique)
 
 
 def sqlite_path(url: str) -> str:
@@ -163,7 +168,7 @@ class SqliteTarget(TargetBase):
 
     def is_unique_error(self, exc: BaseException) -> bool:
         """An IntegrityError of a UNIQUE (or PRIMARY KEY) constraint."""
-        return isinstance(exc, sqlite3.IntegrityError) and "UNIQUE constraint failed" in str(exc)
+        return is_unique(exc)
 
     def find_sql(self, b: Binding, where: str, limit: int) -> str:
         """rowid and the sent columns as a JSON object (a BLOB as hex: JSON holds none)."""
