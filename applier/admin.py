@@ -38,6 +38,7 @@ from applier.source.walsender import SLOT_STATE, WalSender, slot_state
 from applier.targets import opener
 from applier.targets.backends import backend_of
 from applier.targets.base import utc_now
+from applier.targets.claim import ProcessClaim
 from applier.text import one_line, redact_dsn, redact_text
 
 
@@ -58,19 +59,22 @@ def source_connect(cfg: Config) -> psycopg.Connection[Any]:
                            f"({redact_dsn(cfg.source['dsn'])}): {redact_text(one_line(exc))}") from None
 
 
-def check_source(cfg: Config, need_slot: bool = True) -> dict[str, Any]:
+def check_source(cfg: Config, need_slot: bool = True, conn: psycopg.Connection[Any] | None = None) -> dict[str, Any]:
     """Source reachable, wal_level logical, publications exist, slot exists (if needed), the role may replicate;
-    returns facts (``server_version``, ``slot``: see ``check_slot``). ``applier check`` (``applier.check``) runs
+    returns facts (``server_version``, ``slot``: see ``check_slot``). On ``conn`` (a ``source_connect`` connection the
+    caller keeps open for more) if given, else on a connection of its own. ``applier check`` (``applier.check``) runs
     the same checks one by one."""
-    with source_connect(cfg) as conn:
-        refused = failover.refusal(cfg, conn.info.server_version)
-        if refused is not None:
-            raise refused
-        check_wal_level(cfg, conn)
-        check_publications(cfg, conn)
-        slot = check_slot(cfg, conn, need_slot)
-        check_replication_privilege(cfg, conn)
-        return {"server_version": conn.info.server_version, "slot": slot}
+    if conn is None:
+        with source_connect(cfg) as own:
+            return check_source(cfg, need_slot, own)
+    refused = failover.refusal(cfg, conn.info.server_version)
+    if refused is not None:
+        raise refused
+    check_wal_level(cfg, conn)
+    check_publications(cfg, conn)
+    slot = check_slot(cfg, conn, need_slot)
+    check_replication_privilege(cfg, conn)
+    return {"server_version": conn.info.server_version, "slot": slot}
 
 
 def check_wal_level(cfg: Config, conn: psycopg.Connection[Any]) -> str:
@@ -145,20 +149,32 @@ def _revision(cfg: Config, conn: Any) -> str | None:
     return None if row is None else row[0]
 
 
-def check_target(cfg: Config, need_init: bool = True) -> str | None:
-    """Target reachable and (if needed) its control tables at the newest revision; returns the revision."""
+def check_target(cfg: Config, need_init: bool = True, claim: ProcessClaim | None = None) -> str | None:
+    """Target reachable and (if needed) its control tables at the newest revision; returns the revision.
+
+    ``claim``: the process's claim (``applier.engine.runner``), handed the checks' connection when they pass if it
+    holds one of that kind (``ProcessClaim.adopt``: the claim is then taken on it, a connection fewer); the checks
+    then read in autocommit, as the claim's connection is."""
     b = backend_of(cfg)
     missing = b.missing_file(opener.location(cfg))
     if need_init and missing is not None:  # opening a missing file would create it
         raise ConfigError(f"{cfg.where('target', 'url')}: the target's control tables are missing "
                           f"({missing} does not exist); run `applier init`")
-    with target_db(cfg) as conn:
+    conn = opener.open(cfg, plain=True, autocommit=claim is not None)
+    kept = False
+    try:
         try:
             rev = _revision(cfg, conn)
             writable = not need_init or rev == HEAD_REVISION and _conflicts_writable(cfg, conn)
         except b.Error as exc:
             raise ConfigError(f"{cfg.where('target', 'url')}: cannot read the target's control tables "
                               f"({redact_dsn(cfg.target['url'])}): {one_line(exc)[:300]}") from None
+        conn.commit()
+        passed = (not need_init or rev == HEAD_REVISION) and writable
+        kept = passed and claim is not None and claim.adopt(conn)
+    finally:
+        if not kept:
+            conn.close()
     if need_init and rev != HEAD_REVISION:
         raise ConfigError(f"{cfg.where('target', 'url')}: the target's control tables are "
                           f"{'missing' if rev is None else f'at revision {rev}'}; run `applier init`")

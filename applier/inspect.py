@@ -51,12 +51,21 @@ def current_wal_insert_lsn(dsn: str, flush: bool = False) -> LSN:
     """
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
-            assert row is not None
-            lsn = LSN.parse(row[0])
-            if flush:
-                conn.execute("SELECT pg_current_xact_id()")
-            return lsn
+            return wal_insert_lsn(conn, flush)
+    except psycopg.Error as exc:
+        raise SourceError(f"cannot read the source's WAL position: {one_line(exc)}") from None
+
+
+def wal_insert_lsn(conn: psycopg.Connection[Any], flush: bool = False) -> LSN:
+    """``current_wal_insert_lsn`` on ``conn``, an autocommit connection to the source the caller has open (a
+    connection fewer); SourceError if it fails."""
+    try:
+        row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
+        assert row is not None
+        lsn = LSN.parse(row[0])
+        if flush:
+            conn.execute("SELECT pg_current_xact_id()")
+        return lsn
     except psycopg.Error as exc:
         raise SourceError(f"cannot read the source's WAL position: {one_line(exc)}") from None
 

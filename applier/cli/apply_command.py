@@ -115,7 +115,7 @@ def apply(catchup: bool, config: Path | None = None, dsn: str | None = None, slo
     summary line. ``until`` (catchup only, typer's way in): apply the transactions committed at or before this
     LSN and stop."""
     # here, not at the top: start-up time (`applier --help` and the other commands do not load the engine)
-    from applier.admin import SlotMissing, check_source, check_target, read_progress
+    from applier.admin import SlotMissing, check_source, check_target, read_progress, source_connect
     from applier.engine.heartbeat import Bar, Heartbeat
     from applier.engine.runner import Runner
 
@@ -147,18 +147,21 @@ def apply(catchup: bool, config: Path | None = None, dsn: str | None = None, slo
                     heartbeat=Heartbeat(Bar.EVERY, bar.show) if bar is not None else None, metrics=served,
                     until=end)
     def checks() -> None:
-        try:
-            check_source(cfg)
-        except SlotMissing as missing:  # a slot the target applied from is lost, not to be made: SlotLost says so
+        # one source connection for the checks and catchup's goal; the target's checks hand theirs to the claim
+        with source_connect(cfg) as conn:
             try:
-                check_target(cfg)
-                applied = read_progress(cfg).lsn
-            except ConfigError:
-                raise missing from None
-            if not applied:
-                raise
-            check_source(cfg, need_slot=False)
-        check_target(cfg)
+                check_source(cfg, conn=conn)
+            except SlotMissing as missing:  # a slot the target applied from is lost, not to be made: SlotLost says so
+                try:
+                    check_target(cfg)
+                    applied = read_progress(cfg).lsn
+                except ConfigError:
+                    raise missing from None
+                if not applied:
+                    raise
+                check_source(cfg, need_slot=False, conn=conn)
+            check_target(cfg, claim=runner.claim)
+            runner.read_goal(conn)
 
     complete = False
     try:

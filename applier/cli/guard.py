@@ -15,7 +15,6 @@ functions, so both ways in print the same lines and exit with the same codes.
 from __future__ import annotations
 
 import logging
-import sqlite3
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -74,14 +73,25 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (psycopg.OperationalError, CONNECTION),
     (psycopg.InterfaceError, CONNECTION),
     (psycopg.Error, APPLY),
-    (sqlite3.Error, APPLY),
+    # (sqlite3.Error, APPLY): added by ``exit_codes`` once sqlite3 is loaded
 )
-_DRIVER_ERRORS = (psycopg.Error, sqlite3.Error)
+
+
+def driver_errors() -> tuple[type[Exception], ...]:
+    """The database drivers' base errors: psycopg's, and sqlite3's once a SQLite database was opened (start-up time:
+    a command on a PostgreSQL target never loads sqlite3, and none of its errors exists before it is loaded)."""
+    sqlite3 = sys.modules.get("sqlite3")
+    return (psycopg.Error,) if sqlite3 is None else (psycopg.Error, sqlite3.Error)
+
+
+def exit_codes() -> tuple[tuple[type[BaseException], int], ...]:
+    """``EXIT_CODES``, and sqlite3's errors (APPLY) once loaded (``driver_errors``)."""
+    return (*EXIT_CODES, *((kind, APPLY) for kind in driver_errors()[1:]))
 
 
 def exit_code(exc: BaseException) -> int:
-    """The exit code of an error of a known kind (``EXIT_CODES``)."""
-    return next(code for kind, code in EXIT_CODES if isinstance(exc, kind))
+    """The exit code of an error of a known kind (``exit_codes``)."""
+    return next(code for kind, code in exit_codes() if isinstance(exc, kind))
 
 
 def echo(line: str, err: bool = False) -> None:
@@ -118,9 +128,9 @@ def run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
     traceback), an interrupt into one line and exit 130."""
     try:
         return fn(*args, **kwargs)
-    except tuple(kind for kind, _ in EXIT_CODES) as exc:
+    except tuple(kind for kind, _ in exit_codes()) as exc:
         logging.getLogger("applier.cli").debug("the command failed:", exc_info=exc)
-        fail(one_line(exc) if isinstance(exc, _DRIVER_ERRORS) else str(exc), exit_code(exc))
+        fail(one_line(exc) if isinstance(exc, driver_errors()) else str(exc), exit_code(exc))
     except KeyboardInterrupt:
         interrupted()
 

@@ -37,11 +37,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from applier.ddl.shape import PREFIX as DDL_PREFIX
-from applier.ddl.shape import Captured
-from applier.ddl.shape import parse as parse_ddl
 from applier.decoder.messages import (
     PG_EPOCH_UNIX,
     Begin,
@@ -68,7 +65,6 @@ from applier.decoder.messages import (
 from applier.decoder.pgoutput import decode_message, definition_key, write_truncate
 from applier.engine.batch import Batch
 from applier.engine.conflicts import DEFAULT_POLICIES, Change, Resolver
-from applier.engine.ddl import DdlFollower
 from applier.engine.holding import transaction_of
 from applier.engine.joingate import JoinGate, Place
 from applier.engine.newtables import NewTables
@@ -82,6 +78,10 @@ from applier.lsn import LSN
 from applier.targets.base import Binding, describe_values, not_found, source_name
 from applier.targets.contract import Target
 from applier.text import one_line
+
+if TYPE_CHECKING:  # start-up time: the DDL model is loaded only where schema changes are followed
+    from applier.ddl.shape import Captured
+    from applier.engine.ddl import DdlFollower
 
 log = logging.getLogger("applier.engine")
 
@@ -122,6 +122,9 @@ class ApplyEngine:
         # schema_changes "follow": captured DDL and Relation-message renames (``ddl``: the policy of each [ddl] class)
         self.ddl: DdlFollower | None = None
         if schema_changes == "follow":
+            # start-up time: the follower and the DDL model it uses (dozens of dataclasses) load only when on
+            from applier.engine.ddl import DdlFollower
+
             self.ddl = DdlFollower(target, self.relmap, ddl or {}, self.tally)
             if new_tables == "sync" and joiner is not None:  # a captured ALTER PUBLICATION … ADD TABLE joins it
                 self.ddl.new_table = lambda shape, lsn: joiner.new_table(shape.schema, shape.name, lsn)
@@ -477,7 +480,7 @@ class ApplyEngine:
         again from the applied position), else at once; one of a transaction applied before not again. Following
         schema changes, a transactional ``applier.ddl`` message (DDL capture) is applied after the rows before it,
         in the open group."""
-        if self.ddl is not None and m.prefix == DDL_PREFIX:
+        if self.ddl is not None and m.prefix == self.ddl.PREFIX:
             txn = self.txn
             if not m.transactional or txn is None:
                 log.warning("DDL capture message at %s is not transactional: ignored (capture writes transactional "
@@ -487,7 +490,7 @@ class ApplyEngine:
                 return
             self.flush_batch()
             self.ensure_group()
-            cap = parse_ddl(m.content, m.lsn)
+            cap = self.ddl.parse(m.content, m.lsn)
             if self.draining is not None:  # held for the table being drained: applied to it alone, unless in its copy
                 oid, at = self.draining
                 if txn.final_lsn >= at:

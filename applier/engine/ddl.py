@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from applier.ddl.changes import AmbiguousColumns, Change, CreateTable, DropTable, RenameTable, diff
-from applier.ddl.shape import Captured, TableShape, from_relation
+from applier.ddl.shape import PREFIX, Captured, TableShape, from_relation, parse
 from applier.decoder.messages import Relation, Type
 from applier.engine.relation import RelationMap
 from applier.engine.tally import Tally
@@ -62,6 +62,8 @@ class DdlFollower:
 
     __slots__ = ("target", "relmap", "policies", "tally", "new_table", "_known", "pending", "undecided")
 
+    PREFIX = PREFIX  # the prefix of DDL capture's logical messages (``applier.ddl.shape``)
+
     def __init__(self, target: Target, relmap: RelationMap, policies: Mapping[str, str], tally: Tally) -> None:
         self.target = target
         self.relmap = relmap
@@ -73,6 +75,11 @@ class DdlFollower:
         self._known: dict[int, TableShape] | None = None  # committed on the target (read once, at first use)
         self.pending: dict[int, TableShape | None] = {}  # written in the open group (None: forgotten)
         self.undecided: set[int] = set()  # xids prepared on the target with shapes written in their group
+
+    @staticmethod
+    def parse(content: bytes | str, lsn: LSN) -> Captured:
+        """Read one DDL capture message (``applier.ddl.shape.parse``)."""
+        return parse(content, lsn)
 
     # -- the shapes --------------------------------------------------------------------------------------------------
 

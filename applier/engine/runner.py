@@ -79,7 +79,7 @@ from applier.engine.heartbeat import CATCHUP_EVERY, Heartbeat
 from applier.engine.newtables import NewTables
 from applier.engine.spool import SpoolFull
 from applier.errors import ApplyError, Conflicted, ConflictStopped, FinalError, SlotLost, TableWait, Unreachable
-from applier.inspect import current_wal_insert_lsn
+from applier.inspect import current_wal_insert_lsn, wal_insert_lsn
 from applier.lsn import LSN
 from applier.progress.store import RESYNC_STARTED, Progress
 from applier.source import failover
@@ -300,22 +300,35 @@ class Runner:
     def preflight(self, checks: Callable[[], None]) -> bool:
         """Run the start-up ``checks`` (ConfigError if one fails); a database that cannot be reached is an
         ``ConnectError`` for ``catchup`` and, for ``run``, waited for with the backoff of a lost connection.
-        False: stopped while waiting."""
+        False: stopped while waiting. The checks may hand their connections on (``read_goal``, the claim's
+        ``adopt``); whatever ends the preflight other than passing closes what they handed the claim."""
         delay = self.cfg.apply["retry_initial"]
-        while True:
-            try:
-                checks()
-                return True
-            except ConfigError as exc:
-                if reachable(self.cfg):
-                    raise
-                if self.catchup:
-                    raise ConnectError(str(exc)) from None
-                self.down_since = self.down_since or time.monotonic()
-                log.warning("%s; retrying in %.1fs", exc, delay)
-            if self.stop.wait(delay):
-                return False
-            delay = min(delay * 2, self.cfg.apply["retry_max"])
+        try:
+            while True:
+                try:
+                    checks()
+                    return True
+                except ConfigError as exc:
+                    if reachable(self.cfg):
+                        raise
+                    if self.catchup:
+                        raise ConnectError(str(exc)) from None
+                    self.down_since = self.down_since or time.monotonic()
+                    log.warning("%s; retrying in %.1fs", exc, delay)
+                if self.stop.wait(delay):
+                    self.claim.release()
+                    return False
+                delay = min(delay * 2, self.cfg.apply["retry_max"])
+        except BaseException:
+            self.claim.release()
+            raise
+
+    def read_goal(self, conn: psycopg.Connection[Any]) -> None:
+        """Read catchup's goal (the source's WAL insert position now) on ``conn``, an autocommit connection to the
+        source that the start-up checks have open, rather than on a connection of its own when the run starts;
+        nothing for ``run`` or ``catchup --until``. SourceError if it cannot be read."""
+        if self.catchup and self.until is None:
+            self.goal = wal_insert_lsn(conn, flush=True)
 
     def run(self) -> Summary:
         """Apply until stopped (daemon) or caught up (catchup); returns the summary."""
@@ -331,7 +344,8 @@ class Runner:
             self.goal = self.summary.goal = self.until
             log.info("catching up to %s (--until): the transactions committed at or before it", self.goal)
         elif self.catchup:
-            self.goal = current_wal_insert_lsn(self.cfg.source["dsn"], flush=True)
+            if self.goal is None:  # not read by the start-up checks (``read_goal``)
+                self.goal = current_wal_insert_lsn(self.cfg.source["dsn"], flush=True)
             self.summary.goal = self.goal
             log.info("catching up to the source's WAL insert position %s", self.goal)
         careful = False

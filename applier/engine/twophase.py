@@ -29,7 +29,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from applier.decoder.messages import (
     PG_EPOCH_UNIX,
@@ -39,7 +39,6 @@ from applier.decoder.messages import (
     RollbackPrepared,
     StreamPrepare,
 )
-from applier.engine.ddl import DdlFollower
 from applier.engine.relation import RelationMap
 from applier.engine.spool import SpoolSet
 from applier.engine.tally import Stats, Tally
@@ -48,6 +47,9 @@ from applier.errors import ApplyError
 from applier.lsn import LSN
 from applier.targets.contract import Target
 from applier.text import one_line
+
+if TYPE_CHECKING:  # start-up time: the DDL model is loaded only where schema changes are followed
+    from applier.engine.ddl import DdlFollower
 
 
 class Engine(Protocol):

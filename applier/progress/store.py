@@ -4,10 +4,12 @@ and its value type."""
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from applier.ddl.shape import TableShape
 from applier.lsn import LSN
+
+if TYPE_CHECKING:  # start-up time: the DDL model is loaded only where schema changes are followed
+    from applier.ddl.shape import TableShape
 
 # ``resynced_from`` of a resync that has not ended (its slot made again, the progress row not moved yet)
 RESYNC_STARTED = "resync started: slot "

@@ -70,13 +70,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from applier.ddl.shape import TableShape
 from applier.source.base import SourceError, SourceUnreachable
 from applier.text import one_line
+
+if TYPE_CHECKING:  # start-up time: the DDL model is loaded only where schema changes are followed
+    from applier.ddl.shape import TableShape
 
 VERSION = 1
 SCHEMA = "applier_ddl"
@@ -332,6 +334,8 @@ def shapes(conn: psycopg.Connection[Any], oids: Sequence[int]) -> list[TableShap
     of, as the connection's transaction snapshot sees them, in OID order (a table not there is left out); None when
     capture is not installed in that snapshot.
     psycopg.Error when they cannot be read (the functions dropped since the snapshot, an index that is gone)."""
+    from applier.ddl.shape import TableShape  # start-up time: as at the top (init and sync ask, the apply path never)
+
     if not state(conn).installed:
         return None
     rows = conn.execute("SELECT applier_ddl.describe(r)::text FROM (SELECT unnest(%s::oid[]) AS r UNION SELECT "

@@ -42,16 +42,18 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from operator import itemgetter
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from applier._cmodule import twin
-from applier.ddl.changes import Change
-from applier.ddl.shape import TableShape
 from applier.decoder.messages import NULL, UNCHANGED_TOAST, Relation, TupleData
 from applier.errors import ApplyError, Conflicted, FinalError, ProgressMoved
 from applier.lsn import LSN
 from applier.progress.store import Progress, ProgressSQL, prune_conflicts, shape_row
 from applier.text import one_line, quote_ident
+
+if TYPE_CHECKING:  # start-up time: the DDL model is loaded only where schema changes are followed
+    from applier.ddl.changes import Change
+    from applier.ddl.shape import TableShape
 
 log = logging.getLogger("applier.targets")
 
@@ -703,6 +705,8 @@ class TargetBase:
 
     def known_shapes(self) -> dict[int, TableShape]:
         """The applier_ddl_tables rows of this applier, by source table OID."""
+        from applier.ddl.shape import TableShape  # start-up time: as at the top (only a schema follower asks)
+
         cur = self.conn.cursor()
         cur.execute(self.sql.known_shapes, [self.name])
         return {int(oid): TableShape.from_json(shape) for oid, shape in cur.fetchall()}

@@ -20,7 +20,8 @@ Only *looking* (``holder``) never takes the claim.
 A process that applies in many sessions (``applier.engine.runner``: a session ends at each lost
 connection and the next starts after a backoff) holds the claim as a ``ProcessClaim``: on a
 PostgreSQL target on a connection of its own, kept through the retries and taken again before a
-session applies if it was lost; on a SQLite target the lock file, kept open. A newcomer is refused
+session applies if it was lost (the first time on the connection the start-up checks opened, handed on:
+``adopt``); on a SQLite target the lock file, kept open. A newcomer is refused
 while the process retries, and ``applier status`` names it. The session's target is then told the
 claim is held (``claim(command, held=True)``) rather than taking it on its own connection.
 """
@@ -30,7 +31,7 @@ from __future__ import annotations
 import os
 import socket
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import Any, Protocol
 
 from applier.errors import InUseError
 
@@ -51,7 +52,13 @@ class ProcessClaim(ABC):
 
     @abstractmethod
     def release(self) -> None:
-        """Give the claim up."""
+        """Give the claim up (and close a connection ``adopt`` kept)."""
+
+    def adopt(self, conn: Any) -> bool:
+        """Keep ``conn``, a plain autocommit connection to the target that the caller opened (the start-up checks'),
+        to take the claim on when it is next held, rather than connect again; False if this kind's claim holds no
+        connection (the caller then closes ``conn``) or is held already."""
+        return False
 
 
 def who_am_i(command: str, limit: int = 0) -> str:

@@ -29,14 +29,16 @@ Invariants every target keeps, whatever the role:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from applier.ddl.changes import Change
-from applier.ddl.shape import TableShape
 from applier.decoder.messages import Relation, TupleData, Type
 from applier.lsn import LSN
 from applier.progress.store import Progress
 from applier.targets.base import Binding, Converter, Join, LocalRow
+
+if TYPE_CHECKING:  # start-up time: the DDL model is loaded only where schema changes are followed
+    from applier.ddl.changes import Change
+    from applier.ddl.shape import TableShape
 
 
 class RowWriter(Protocol):

@@ -4,7 +4,9 @@ typer (and the pydantic validators it builds for every option), SQLAlchemy, alem
 cost a few tenths of a second to import; the apply commands need none of them. The first test runs
 a real ``applier catchup`` (the script's entry point, a real source, a SQLite or PostgreSQL target,
 one row to apply) in a subprocess that lists the modules it imported, and checks the row arrived
-and none of those were imported. bench/startup.py measures the time itself.
+and none of those were imported. The second counts the sessions a real catch-up with nothing to apply opens on
+each database (``pg_stat_database.sessions``): the start-up checks read on the connections the command keeps
+anyway. bench/startup.py measures the time itself.
 
 The typer-free way in (``applier.cli.apply_command``) must read a command line as typer does, or hand it
 to typer: the other tests pin both.
@@ -15,9 +17,11 @@ from __future__ import annotations
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 import typer.main
 
@@ -30,6 +34,9 @@ from tests.plugins.cli import clean_env
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 
 HEAVY = ("typer", "click", "pydantic", "pydantic_core", "sqlalchemy", "alembic", "rich")
+# what only some catch-ups use, loaded when asked: the DDL model and its follower (apply.schema_changes "follow"), the
+# binary converters (source.binary), verify's read plans; sqlite3 (a SQLite target)
+UNUSED = ("applier.ddl", "applier.engine.ddl", "applier.targets.binary", "applier.migrate")
 
 # The ``applier`` script's entry point, writing the names of the modules it imported to argv[1] at exit.
 PROBE = """\
@@ -55,10 +62,8 @@ def pg_target_db(pg_clusters: ClusterPool) -> Iterator[ScratchDb]:
         yield db
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
-def test_catchup_imports_no_heavy_library(source: ScratchDb, pg_target_db: ScratchDb, tmp_path: Path,
-                                          kind: str) -> None:
-    slot = f"startup_{kind}"
+def prepare(source: ScratchDb, pg_target_db: ScratchDb, tmp_path: Path, kind: str, slot: str) -> tuple[Path, str]:
+    """A config for a fresh slot and a target of ``kind``, initialized; its path and the target's URL."""
     source.cluster.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", source.dbname, [slot])
     if kind == "sqlite":
         url = f"sqlite:///{tmp_path / 'replica.db'}"
@@ -67,11 +72,18 @@ def test_catchup_imports_no_heavy_library(source: ScratchDb, pg_target_db: Scrat
         db.close()
     else:
         url = pg_target_db.url
-        pg_target_db.cluster.execute("CREATE TABLE t (id int PRIMARY KEY, v text)", pg_target_db.dbname)
+        pg_target_db.cluster.execute("CREATE TABLE IF NOT EXISTS t (id int PRIMARY KEY, v text)", pg_target_db.dbname)
     config = tmp_path / "applier.toml"
     config.write_text(f'[source]\ndsn = "{source.dsn}"\nslot = "{slot}"\npublications = ["pub"]\n\n'
-                      f'[target]\nurl = "{url}"\n\n[apply]\nwork_dir = "{tmp_path / "work"}"\n')
+                      f'[target]\nurl = "{url}"\n\n[apply]\nname = "{slot}"\nwork_dir = "{tmp_path / "work"}"\n')
     init(load_config(config, env={}))
+    return config, url
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_catchup_imports_no_heavy_library(source: ScratchDb, pg_target_db: ScratchDb, tmp_path: Path,
+                                          kind: str) -> None:
+    config, _ = prepare(source, pg_target_db, tmp_path, kind, f"startup_{kind}")
     row = (1 if kind == "sqlite" else 2, kind)  # one source table for both: the slot made here sees only this row
     source.cluster.execute("INSERT INTO t VALUES (%s, %s)", source.dbname, list(row))
 
@@ -86,11 +98,46 @@ def test_catchup_imports_no_heavy_library(source: ScratchDb, pg_target_db: Scrat
             rows = db.execute("SELECT id, v FROM t").fetchall()
         db.close()
     else:
-        rows = pg_target_db.cluster.execute("SELECT id, v FROM t", pg_target_db.dbname)
+        rows = pg_target_db.cluster.execute("SELECT id, v FROM t WHERE v = %s", pg_target_db.dbname, [kind])
     assert rows == [row]
     loaded = set(modules.read_text().split())
     assert {"psycopg", "applier.engine.runner"} <= loaded  # the list is the real one
     assert sorted(m for m in loaded if m.split(".")[0] in HEAVY) == []
+    unused = (*UNUSED, "sqlite3") if kind == "postgresql" else UNUSED
+    assert sorted(m for m in loaded if any(m == u or m.startswith(u + ".") for u in unused)) == []
+
+
+def sessions(db: ScratchDb) -> int:
+    """Sessions ever opened to ``db`` (``pg_stat_database.sessions``: plain connections, not walsenders), once none
+    is left (a backend reports its session before it leaves ``pg_stat_activity``); read from another database."""
+    deadline = time.monotonic() + 30
+    with psycopg.connect(db.cluster.dsn("postgres"), autocommit=True) as conn:
+        while conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND backend_type = "
+                           "'client backend'", [db.dbname]).fetchone() != (0,):
+            assert time.monotonic() < deadline, f"sessions on {db.dbname} do not end"
+            time.sleep(0.05)
+        row = conn.execute("SELECT sessions FROM pg_stat_database WHERE datname = %s", [db.dbname]).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_catchup_connects_to_each_database_as_few_times_as_it_can(source: ScratchDb, pg_target_db: ScratchDb,
+                                                                  tmp_path: Path, kind: str) -> None:
+    """What a one-shot catch-up with nothing to apply costs the servers: besides its replication connection, one
+    session on the source (the checks, then the goal) and, on a PostgreSQL target, two (the checks', on which the
+    claim is then taken, and the session's that applies), as an operator counts them in pg_stat_database."""
+    config, _ = prepare(source, pg_target_db, tmp_path, kind, f"conns_{kind}")
+    before = sessions(source), sessions(pg_target_db)
+
+    r = subprocess.run([sys.executable, "-c", "from applier.cli.main import main; main()", "catchup", "-c",
+                        str(config)], capture_output=True, text=True, timeout=120, env=clean_env(),
+                       stdin=subprocess.DEVNULL)
+
+    assert r.returncode == 0, r.stderr
+    assert "applied 0 transactions" in r.stdout
+    after = sessions(source), sessions(pg_target_db)
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 2 if kind == "postgresql" else 0)
 
 
 @pytest.mark.parametrize("argv", [

@@ -13,7 +13,6 @@ and every failure is reported.
 from __future__ import annotations
 
 import logging
-
 from pathlib import Path
 
 import pytest

@@ -11,11 +11,9 @@ import psycopg
 
 from applier.config import Config
 from applier.decoder.messages import Relation, Type
-from applier.migrate.spark.plans import pg_plan
 from applier.rows import one_row
 from applier.targets.backend import Backend
 from applier.targets.base import Converter
-from applier.targets.binary import binary_converters
 from applier.targets.claim import Held, ProcessClaim
 from applier.targets.contract import Target
 from applier.targets.postgres.claim import PgProcessClaim, pg_claim, pg_holder
@@ -74,6 +72,8 @@ class PostgresBackend(Backend):
 
     def binary_converters(self, rel: Relation, types: dict[int, Type],
                           money: Converter | None = None) -> list[Converter]:
+        from applier.targets.binary import binary_converters  # start-up time: text mode never loads them
+
         return binary_converters(rel, types, self.kind, money)
 
     def execute(self, conn: Any, sql: str, params: list[Any] | tuple[Any, ...] = ()) -> Any:
@@ -131,6 +131,8 @@ class PostgresBackend(Backend):
         return set_pg_sequences(conn, seqs, tables, table_map, margin)
 
     def read_plan(self, conn: Any, location: str, qname: str, columns: list[str], partitions: int) -> tuple[str, str]:
+        from applier.migrate.spark.plans import pg_plan  # start-up time: only verify reads this way
+
         (pages,) = one_row(conn.execute("SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::int",
                                         [qname]))
         # a partitioned table's rows are its partitions': read without ONLY

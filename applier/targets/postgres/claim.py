@@ -94,7 +94,8 @@ def pg_holder(conn: Any, name: str) -> str | None:
 
 
 class PgProcessClaim(ProcessClaim):
-    """The advisory lock held by this process on a connection of its own, through its sessions' retries."""
+    """The advisory lock held by this process on a connection of its own, through its sessions' retries: the
+    connection the start-up checks handed on (``adopt``) the first time, if they did."""
 
     def __init__(self, location: str, name: str, command: str, connect_timeout: int = 10) -> None:
         self.location = location  # the libpq conninfo of the target
@@ -102,25 +103,43 @@ class PgProcessClaim(ProcessClaim):
         self.command = command
         self.connect_timeout = connect_timeout
         self._conn: psycopg.Connection[Any] | None = None
+        self._held = False  # whether the lock is taken on ``_conn`` (an adopted connection is not yet)
+
+    def adopt(self, conn: Any) -> bool:
+        if self._held:
+            return False
+        self.release()  # a connection an earlier try of the checks handed on (``run`` waiting for the databases)
+        self._conn = conn
+        return True
 
     def hold(self) -> None:
-        if self._conn is not None and not self._conn.closed:
+        conn = self._conn
+        if conn is not None and not conn.closed:
             try:
-                self._conn.execute("SELECT 1")  # the lock lives as long as this session: is it still there?
+                if self._held:
+                    conn.execute("SELECT 1")  # the lock lives as long as this session: is it still there?
+                else:
+                    self._take(conn)
                 return
-            except psycopg.Error:
-                self._conn.close()
+            except psycopg.Error:  # lost (or refused: taken again below, which says so)
+                conn.close()
         self._conn = None
+        self._held = False
         conn = psycopg.connect(self.location, autocommit=True, connect_timeout=self.connect_timeout)
         try:
-            pg_claim(conn, self.name, self.command)
+            self._take(conn)
         except BaseException:
             conn.close()
             raise
         self._conn = conn
+
+    def _take(self, conn: psycopg.Connection[Any]) -> None:
+        pg_claim(conn, self.name, self.command)
+        self._held = True
 
     def release(self) -> None:
         if self._conn is not None:
             with contextlib.suppress(psycopg.Error):
                 self._conn.close()
             self._conn = None
+        self._held = False

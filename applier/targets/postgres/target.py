@@ -70,7 +70,7 @@ import logging
 import re
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import pq
@@ -81,8 +81,6 @@ from psycopg.generators import fetch_many
 from psycopg.generators import send as psycopg_send
 
 from applier._cmodule import twin
-from applier.ddl.changes import Change
-from applier.ddl.shape import TableShape
 from applier.decoder.messages import BINARY, NULL, Relation, TupleData, Type, pg_timestamp
 from applier.errors import ApplyError, Conflicted, FinalError, MissingTable, TargetUnreachable
 from applier.lsn import LSN
@@ -101,11 +99,15 @@ from applier.targets.base import (
 from applier.targets.contract import Failures
 from applier.targets.follow import ADD_COLUMNS_HINT, column_changes, kinds_clash, rewrites
 from applier.targets.postgres.claim import pg_claim, pg_holder
-from applier.targets.postgres.ddl import DdlWriter
 from applier.targets.postgres.naming import pg_target_table
 from applier.targets.values import FIRST_USER_OID
 from applier.text import one_line, quote_ident
 from applier.url import Kind, parse_target_url
+
+if TYPE_CHECKING:  # start-up time: the DDL model is loaded only where schema changes are followed
+    from applier.ddl.changes import Change
+    from applier.ddl.shape import TableShape
+    from applier.targets.postgres.ddl import DdlWriter
 
 log = logging.getLogger("applier.targets")
 
@@ -584,21 +586,26 @@ class PostgresTarget(TargetBase):
         return (f"{schema}.{table}" if schema else table,
                 (quote_ident(schema) + "." if schema else "") + quote_ident(table))
 
+    def _ddl(self) -> DdlWriter:
+        from applier.targets.postgres.ddl import DdlWriter  # start-up time: as at the top (only a schema follower asks)
+
+        return DdlWriter(self.conn, self.table_map)
+
     def write_ddl(self, change: Change, lsn: LSN) -> None:
         """Write one captured schema change in the open transaction (see ``SchemaWriter``; ``ddl.DdlWriter``)."""
-        DdlWriter(self.conn, self.table_map).write(change, lsn)
+        self._ddl().write(change, lsn)
 
     def target_exists(self, shape: TableShape) -> bool:
         """Whether the target table of source table ``shape`` exists (see ``SchemaWriter``)."""
-        return DdlWriter(self.conn, self.table_map).exists(shape)
+        return self._ddl().exists(shape)
 
     def target_partitioned(self, shape: TableShape) -> bool:
         """Whether the target table of source table ``shape`` is a partitioned table (see ``SchemaWriter``)."""
-        return DdlWriter(self.conn, self.table_map).partitioned(shape)
+        return self._ddl().partitioned(shape)
 
     def target_partition_of(self, shape: TableShape, parent: TableShape) -> bool:
         """Whether the target table of ``shape`` is a partition of ``parent``'s (see ``SchemaWriter``)."""
-        return DdlWriter(self.conn, self.table_map).partition_of(shape, parent)
+        return self._ddl().partition_of(shape, parent)
 
     def follow(self, rel: Relation, types: dict[int, Type], lsn: LSN, no_ddl: str | None = None) -> None:
         """Make the target table fit ``rel`` (see ``SchemaFollower``): ADD COLUMN with the source's type (format_type of a

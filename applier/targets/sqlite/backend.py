@@ -12,10 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from applier.config import Config
 from applier.decoder.messages import Relation, Type
-from applier.migrate.spark.plans import sqlite_plan
 from applier.targets.backend import Backend
 from applier.targets.base import Converter
-from applier.targets.binary import binary_converters
 from applier.targets.claim import Held, ProcessClaim
 from applier.targets.contract import Target
 from applier.targets.sqlite.claim import FileProcessClaim, sqlite_claim, sqlite_claim_path, sqlite_holder, unshared
@@ -113,6 +111,8 @@ class SqliteBackend(Backend):
 
     def binary_converters(self, rel: Relation, types: dict[int, Type],
                           money: Converter | None = None) -> list[Converter]:
+        from applier.targets.binary import binary_converters  # start-up time: text mode never loads them
+
         return binary_converters(rel, types, self.kind, money)
 
     def transaction(self, conn: Any, statements: list[tuple[str, list[Any]]], durable: bool = False) -> list[int]:
@@ -152,6 +152,8 @@ class SqliteBackend(Backend):
         return set_sqlite_sequences(conn, seqs, tables, table_map, margin, location)
 
     def read_plan(self, conn: Any, location: str, qname: str, columns: list[str], partitions: int) -> tuple[str, str]:
+        from applier.migrate.spark.plans import sqlite_plan  # start-up time: only verify reads this way
+
         return "applier_sqlite", sqlite_plan(location, qname, columns, _rowid_ranges(conn, qname, partitions))
 
     def exists(self, conn: Any, shown: str, qname: str) -> bool:

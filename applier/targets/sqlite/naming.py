@@ -7,8 +7,12 @@ identifier.
 
 from __future__ import annotations
 
-from applier.ddl.shape import TableShape
+from typing import TYPE_CHECKING
+
 from applier.decoder.messages import Relation
+
+if TYPE_CHECKING:  # start-up time: the DDL model is loaded only where schema changes are followed
+    from applier.ddl.shape import TableShape
 
 
 def sqlite_table_name(namespace: str, name: str, table_map: dict[str, str]) -> str:

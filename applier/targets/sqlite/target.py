@@ -12,10 +12,8 @@ from __future__ import annotations
 import re
 import sqlite3
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from applier.ddl.changes import Change
-from applier.ddl.shape import TableShape
 from applier.decoder.messages import Relation, TupleData, Type
 from applier.errors import ApplyError, MissingTable
 from applier.lsn import LSN
@@ -24,10 +22,14 @@ from applier.targets.base import SQLITE, Binding, LocalRow, TargetBase, present_
 from applier.targets.contract import Failures
 from applier.targets.follow import ADD_COLUMNS_HINT
 from applier.targets.sqlite.claim import FileClaim, sqlite_claim, sqlite_holder
-from applier.targets.sqlite.ddl import SqliteSchemaWriter
 from applier.targets.sqlite.naming import sqlite_target_table
 from applier.targets.sqlite.values import sqlite_declared, sqlite_text_converters
 from applier.text import quote_ident
+
+if TYPE_CHECKING:  # start-up time: the DDL model is loaded only where schema changes are followed
+    from applier.ddl.changes import Change
+    from applier.ddl.shape import TableShape
+    from applier.targets.sqlite.ddl import SqliteSchemaWriter
 from applier.url import Kind, parse_target_url
 
 SQLITE_SQL = progress_sql("?", "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'applier_sync_tables'")
@@ -83,11 +85,21 @@ class SqliteTarget(TargetBase):
         self._durable = LSN(0)
         self.path = path
         self._claim: FileClaim | None = None
-        self.schema_writer = SqliteSchemaWriter(self.conn, self.table_map)
+        self._schema_writer: SqliteSchemaWriter | None = None  # made at first use (``schema_writer``)
 
     def target_table(self, rel: Relation) -> tuple[str | None, str]:
         """(None, table) on the target for a source relation (applier.targets.naming)."""
         return sqlite_target_table(rel, self.table_map)
+
+    @property
+    def schema_writer(self) -> SqliteSchemaWriter:
+        """The writer of captured schema changes (``applier.targets.sqlite.ddl``), made at first use."""
+        if self._schema_writer is None:
+            # start-up time: as at the top (only a schema follower asks)
+            from applier.targets.sqlite.ddl import SqliteSchemaWriter
+
+            self._schema_writer = SqliteSchemaWriter(self.conn, self.table_map)
+        return self._schema_writer
 
     def write_ddl(self, change: Change, lsn: LSN) -> None:
         """Write one captured schema change in the open transaction (``applier.targets.sqlite.ddl``)."""
