@@ -11,7 +11,11 @@ stream at a snapshot the way ``applier sync --table`` joins a copied table, whil
    asked to hold T's changes. It answers between two transactions, about once a second (``JoinGate.repairs``,
    ``ApplyEngine.answer_repairs``): T's binding is dropped, so its next change reads the row and is held
    (``applier.engine.holding``), and the row is set to 'repairing' in the target transaction that commits
-   everything applied to T before. The command waits for that answer; when no applier holds the progress row
+   everything applied to T before. An applier waiting for another table (a ``TableWait``: apply.new_tables
+   "wait", a prepared transaction waiting for a copy) answers while it waits (``Runner._answer_repairs``), in a
+   transaction of its own: exactly-once-safe, because a wait runs no session (everything applied is committed
+   at the recorded position, nothing bound), so the next session binds T anew, reads 'repairing' and holds, as
+   an applier started after the answer does. So the wait for an answer is bounded by the applier's poll. The command waits for that answer; when no applier holds the progress row
    (``claim``), it answers itself: an applier starting later reads the row when it binds T and holds; one running whose claim's connection was
    lost unbinds T at its next poll (``JoinGate.repairs`` reads 'repairing' rows too) and holds from then on.
    From the answer on, T on the target does not change but by this command;
@@ -272,7 +276,7 @@ def _wait_for_answers(target: TargetDb, name: str, tables: list[SourceTable], ru
             said = time.monotonic()
             say(f"waiting for {holder} to hold the changes of "
                 f"{', '.join(t.qualified for t, (s,) in zip(tables, states, strict=True) if s != 'repairing')} "
-                f"(it answers between two transactions; a transaction waiting for a table or a lock delays it)")
+                f"(it answers between two transactions; a transaction waiting for a lock on the target delays it)")
         time.sleep(0.2)
 
 

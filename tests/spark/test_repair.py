@@ -284,3 +284,48 @@ def test_daemon_holds_a_table_the_repair_answered_for(src: ScratchDb, dst: Scrat
         daemon.send_signal(signal.SIGTERM)
         code = daemon.wait(60)
     assert code == 0, log.read_text()
+
+
+def test_repair_answered_while_the_daemon_waits_for_a_table(src: ScratchDb, dst: ScratchDb, spark: Any,
+                                                            tmp_path: Path) -> None:
+    """The daemon waits for another table (published, no target table: apply.new_tables = "wait"): it answers the
+    repair while it waits, and the repaired table's changes around the snapshot land once the wait is over."""
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg = make_config(src, dst.url, tmp_path / "work")
+    cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
+    sync(cfg, spark=spark)
+    log = tmp_path / "daemon.log"
+    daemon = start_daemon(cfg_file, log)
+    done: list[Any] = []
+    repairing = threading.Thread(target=lambda: done.append(_repaired(cfg, spark)), daemon=True)
+    try:
+        src.cluster.execute("CREATE TABLE t3 (id int PRIMARY KEY); ALTER PUBLICATION pub ADD TABLE t3; "
+                            "INSERT INTO t3 VALUES (1); UPDATE t1 SET v = 7 WHERE id = 100", src.dbname)
+        soon(lambda: "waiting for `applier sync --table public.t3`" in log.read_text(), "the daemon waits for t3")
+        for sql in DAMAGE[:3]:  # t1's damage
+            target_exec(dst.url, sql)
+        repairing.start()
+        repairing.join(90)
+        assert done, f"the repair still waits for the daemon, which waits for public.t3: {log.read_text()}"
+        assert not isinstance(done[0], BaseException), done[0]
+        assert done[0].tables[0].counts == (5, 6, 3)  # the damage, and the update the daemon had not applied
+        src.cluster.execute("UPDATE t1 SET v = 8 WHERE id = 101", src.dbname)  # after the snapshot
+        target_exec(dst.url, "CREATE TABLE t3 (id int PRIMARY KEY)")  # the wait ends
+        want = src.cluster.execute(TABLES["t1"], src.dbname)
+        soon(lambda: target_exec(dst.url, TABLES["t1"]) == want, "t1 equal to the source")
+        soon(lambda: target_exec(dst.url, "SELECT id FROM t3") == [(1,)], "t3's row applied")
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        code = daemon.wait(60)
+        if repairing.ident is not None:  # started: it ends once nobody applies (it answers itself)
+            repairing.join(120)
+    assert code == 0, log.read_text()
+    assert "held from now on (answered while waiting)" in log.read_text()
+
+
+def _repaired(cfg: Any, spark: Any) -> Any:
+    """``repair`` of public.t1, or what it raised."""
+    try:
+        return repair(cfg, ["public.t1"], spark=spark)
+    except BaseException as exc:  # noqa: BLE001 - asserted by the caller
+        return exc
