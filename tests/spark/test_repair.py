@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from applier.admin import status
 from applier.errors import InUseError
 from applier.migrate.repair import RepairError, repair
 from applier.migrate.sync import SyncError, sync
@@ -229,12 +230,22 @@ def test_killed_halfway_then_rerun(src: ScratchDb, dst: ScratchDb, spark: Any, t
     deadline = time.monotonic() + 180
     while proc.poll() is None and time.monotonic() < deadline:
         if target_exec(dst.url, "SELECT count(*) FROM applier_repairs")[0][0] >= 3:
+            running = status(make_config(src, dst.url, tmp_path / "work"))["repairs"]
             proc.send_signal(signal.SIGKILL)
             break
         time.sleep(0.01)
     proc.wait(30)
     assert proc.returncode == -signal.SIGKILL, proc.communicate()
     assert target_exec(dst.url, "SELECT state FROM applier_sync_tables") == [("repairing",)]
+    # `applier status` names the table under repair, its snapshot, since when and who; once killed, nobody
+    (snapshot_lsn,) = target_exec(dst.url, "SELECT snapshot_lsn FROM applier_sync_tables")[0]
+    assert [{**r, "since": bool(r["since"])} for r in running] == [
+        {"table": "public.t1", "state": "repairing", "snapshot_lsn": snapshot_lsn, "since": True,
+         "by": running[0]["by"]}]
+    assert "repair (pid" in running[0]["by"], running
+    shown = cli("status", "-c", str(cfg_file))
+    assert f"repair: public.t1 repairing, at snapshot {snapshot_lsn}, since " in shown.stdout, shown.stdout
+    assert "by nobody: not running (killed or failed)" in shown.stdout, shown.stdout
     done = target_exec(dst.url, "SELECT count(*) FROM applier_repairs")[0][0]
     assert 3 <= done < 1000
     # the source goes on meanwhile: those changes are in the rerun's snapshot, or applied after it, once each

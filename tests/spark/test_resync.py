@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from applier.admin import status
 from applier.migrate.resync import resync
 from applier.migrate.sync import sync
 from tests.plugins.clusters import ScratchDb
@@ -81,6 +82,10 @@ def test_slot_dropped_under_a_running_replica(src: ScratchDb, dst: ScratchDb, sp
     assert resynced_from.startswith("slot 'applier' does not exist on the source (dropped), applied up to "), \
         resynced_from
     assert any("made again at" in line for line in said), said
+    # `applier status` says where the replica came from and when
+    assert status(cfg)["resynced"] == {"from": resynced_from, "at": resynced_at}
+    shown = cli("status", "-c", str(cfg_file))
+    assert f"resynced: from {resynced_from}, at {resynced_at}\n" in shown.stdout, shown.stdout
 
 
 def test_run_after_a_killed_resync_names_resync(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_path: Path) -> None:
