@@ -43,8 +43,9 @@ A table without a key (no primary key, no replica identity index): its ranges ar
 as verify compares it; a range rewritten holds the source's rows of that hash range, duplicates included, so
 nothing but differing rows' ranges is rewritten there either.
 
-``dry_run``: nothing is written, no row changes state: a snapshot is taken and each table compared with the
-target as it is, the differing ranges and counts reported. While an applier applies, the changes not yet applied
+``dry_run``: nothing is written, no row changes state, the control tables are not upgraded (read as they are, at
+any revision: no applier_repairs needed): a snapshot is taken and each table compared with the target as it is,
+the differing ranges and counts reported. While an applier applies, the changes not yet applied
 at that moment show up as differences too (the report says so).
 
 A repair killed half-way: the ranges it rewrote are each whole (one transaction) and recorded; the row stays

@@ -24,6 +24,7 @@ from applier.admin import status
 from applier.errors import InUseError
 from applier.migrate.repair import RepairError, repair
 from applier.migrate.sync import SyncError, sync
+from applier.progress.store import VERSION_TABLE
 from applier.sandbox.clusters import find_install
 from applier.targets.claim import copy_claim_name
 from applier.targets.postgres.claim import pg_claim
@@ -180,8 +181,13 @@ def test_dry_run_and_refusals(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_pa
     sync(cfg, spark=spark)
     damage(dst.url)
     before = contents(dst.url)
+    # a replica whose control tables are older than the repair's (no applier_repairs, no resynced_from), made by
+    # `applier init` over tables copied by hand (no applier_sync row): a dry run reports, upgrading nothing
+    downgrade(dst.url, "0008")
+    target_exec(dst.url, "DELETE FROM applier_sync")
     report = repair(cfg, dry_run=True, spark=spark)
     assert contents(dst.url) == before
+    assert target_exec(dst.url, f"SELECT version_num FROM {VERSION_TABLE}") == [("0008",)]  # not upgraded
     assert target_exec(dst.url, "SELECT count(*) FROM applier_sync_tables") == [(0,)]
     by = {t.table: t for t in report.tables}
     assert by["public.t1"].counts == (5, 5, 3) and not by["public.t1"].rewritten
@@ -217,6 +223,23 @@ def test_dry_run_and_refusals(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_pa
     with pytest.raises(RepairError, match=r"^comparing source table public.t2 with target table public.t2 failed: "
                                           r"\S+: division by zero$"):
         repair(cfg, ["public.t2"], dry_run=True, spark=spark)
+
+
+def downgrade(url: str, revision: str) -> None:
+    """The target's control tables taken back to ``revision`` (as an older applier left them)."""
+    from alembic import command
+    from sqlalchemy import create_engine
+
+    from applier.progress.migrate import _alembic_config
+
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            cfg = _alembic_config()
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, revision)
+    finally:
+        engine.dispose()
 
 
 def test_killed_halfway_then_rerun(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_path: Path) -> None:
