@@ -223,6 +223,12 @@ def test_dry_run_and_refusals(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_pa
     with pytest.raises(RepairError, match=r"^comparing source table public.t2 with target table public.t2 failed: "
                                           r"\S+: division by zero$"):
         repair(cfg, ["public.t2"], dry_run=True, spark=spark)
+    # a column the source has and the target table lacks (a schema change not applied yet): refused, nothing held
+    src.cluster.execute("ALTER TABLE t1 ADD COLUMN x int", src.dbname)
+    with pytest.raises(RepairError, match=r"^target table public.t1 lacks column\(s\) x of source table public.t1: a "
+                                          r"schema change `applier run` has not applied yet"):
+        repair(cfg, ["public.t1"], spark=spark)
+    assert target_exec(dst.url, "SELECT table_name, state FROM applier_sync_tables") == [("t2", "ready")]
 
 
 def downgrade(url: str, revision: str) -> None:
@@ -357,9 +363,51 @@ def test_repair_answered_while_the_daemon_waits_for_a_table(src: ScratchDb, dst:
     assert "held from now on (answered while waiting)" in log.read_text()
 
 
-def _repaired(cfg: Any, spark: Any) -> Any:
-    """``repair`` of public.t1, or what it raised."""
+def _repaired(cfg: Any, spark: Any, tables: tuple[str, ...] | list[str] = ("public.t1",)) -> Any:
+    """``repair`` of ``tables``, or what it raised."""
     try:
-        return repair(cfg, ["public.t1"], spark=spark)
+        return repair(cfg, list(tables), spark=spark)
     except BaseException as exc:  # noqa: BLE001 - asserted by the caller
         return exc
+
+
+def test_a_schema_change_between_the_hold_and_the_snapshot(src: ScratchDb, dst: ScratchDb, spark: Any,
+                                                           tmp_path: Path) -> None:
+    """Columns added (t2) and dropped (t1) on tables under repair after their changes are held and before the
+    snapshot: the repair of each stops with one line, rewriting nothing in it (a drop was silently skipped before,
+    the target table left in its old shape), and releases it; the applier then applies the held changes (the
+    column added: schema_changes = "add_columns"), and a rerun repairs them. The other table named (k) is
+    repaired."""
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg = make_config(src, dst.url, tmp_path / "work")
+    cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
+    sync(cfg, spark=spark)
+    damage(dst.url)
+    done: list[Any] = []
+    with psycopg.connect(src.dsn) as running:  # a transaction with an xid: the repair's slot waits for its end
+        running.execute("SELECT pg_current_xact_id()")
+        repairing = threading.Thread(target=lambda: done.append(_repaired(cfg, spark, ["t1", "t2", "k"])),
+                                     daemon=True)
+        repairing.start()
+        soon(lambda: target_exec(dst.url, "SELECT count(*) FROM applier_sync_tables WHERE state = 'repairing'")
+             == [(3,)], "the tables held")
+        src.cluster.execute("BEGIN; ALTER TABLE t2 ADD COLUMN w int; UPDATE t2 SET v = 3, w = 7 WHERE id = 1; "
+                            "ALTER TABLE t1 DROP COLUMN note; UPDATE t1 SET v = 4 WHERE id = 1000; COMMIT",
+                            src.dbname)  # after the hold, before the snapshot
+        running.commit()
+    repairing.join(120)
+    assert done and isinstance(done[0], RepairError), done
+    line = str(done[0])
+    assert "\n" not in line and line.startswith("source table public.t1 changed shape at the repair's snapshot "), line
+    assert "(column(s) note dropped or renamed on the source) and target table public.t1 does not have that shape " \
+           "yet; nothing rewritten in it: `applier run` now applies its held changes" in line, line
+    assert "(column(s) w added or renamed on the source) and target table public.t2" in line, line
+    assert set(recorded(dst.url)) == {"k"}  # t1, t2: nothing rewritten
+    assert target_exec(dst.url, "SELECT DISTINCT state FROM applier_sync_tables") == [("ready",)]
+    caught = cli("catchup", "-c", str(cfg_file), env={"APPLIER_APPLY_SCHEMA_CHANGES": "add_columns"})
+    assert caught.returncode == 0, caught.stderr
+    assert target_exec(dst.url, "SELECT w, v FROM t2 WHERE id = 1") == [(7, 3)]  # the held change, column and all
+    report = repair(cfg, ["public.t1", "public.t2"], spark=spark)
+    assert [t.counts for t in report.tables] == [(5, 5, 3), (1, 0, 0)]  # the damage, in the new shapes
+    for query in ("SELECT id, v FROM t1 ORDER BY id", "SELECT id, v, w FROM t2 ORDER BY id", TABLES["k"]):
+        assert target_exec(dst.url, query) == src.cluster.execute(query, src.dbname)
