@@ -411,3 +411,41 @@ def test_a_schema_change_between_the_hold_and_the_snapshot(src: ScratchDb, dst: 
     assert [t.counts for t in report.tables] == [(5, 5, 3), (1, 0, 0)]  # the damage, in the new shapes
     for query in ("SELECT id, v FROM t1 ORDER BY id", "SELECT id, v, w FROM t2 ORDER BY id", TABLES["k"]):
         assert target_exec(dst.url, query) == src.cluster.execute(query, src.dbname)
+
+
+def test_daemon_killed_during_a_repair(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_path: Path) -> None:
+    """The daemon SIGKILLed while the repair rewrites (it holds t1's changes, some written to applier_held, others
+    in its open transaction): the repair finishes, the daemon started again drains and follows; the target equals
+    the source, the writer's changes once each (an insert applied twice stops the daemon: on_error = stop)."""
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg = make_config(src, dst.url, tmp_path / "work")
+    cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
+    sync(cfg, spark=spark)
+    log = tmp_path / "daemon.log"
+    daemon = start_daemon(cfg_file, log)
+    soon(lambda: "applier run: source" in log.read_text(), "the daemon running")
+    target_exec(dst.url, "UPDATE t1 SET v = -1 WHERE id % 3 = 0")  # most ranges differ: the rewrite takes a while
+    writer = Writer(src.dsn)
+    writer.start()
+    done: list[Any] = []
+    repairing = threading.Thread(target=lambda: done.append(_repaired(cfg, spark)), daemon=True)
+    try:
+        writer.pause(0.5)
+        repairing.start()
+        soon(lambda: target_exec(dst.url, "SELECT count(*) FROM applier_repairs")[0][0] >= 3, "the rewrite going on",
+             seconds=120)
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait(30)
+        repairing.join(300)
+        assert done and not isinstance(done[0], BaseException), done
+        daemon = start_daemon(cfg_file, log)
+        writer.pause(1.0)
+    finally:
+        writer.stop()
+    try:
+        equal_soon(src, dst.url)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        code = daemon.wait(60)
+    assert code == 0, log.read_text()
+    assert target_exec(dst.url, "SELECT count(*) FROM applier_held") == [(0,)]
