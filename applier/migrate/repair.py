@@ -346,7 +346,8 @@ def _wait_for_answers(target: TargetDb, name: str, tables: list[SourceTable], ru
             said = time.monotonic()
             say(f"waiting for {holder} to hold the changes of "
                 f"{', '.join(t.qualified for t, (s,) in zip(tables, states, strict=True) if s != 'repairing')} "
-                f"(it answers between two transactions; a transaction waiting for a lock on the target delays it)")
+                f"(it answers between two transactions and while it waits for a table; a transaction waiting for a lock on "
+                f"the target, or retried after an error, delays it)")
         time.sleep(0.2)
 
 
