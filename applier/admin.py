@@ -38,7 +38,7 @@ from applier.source.walsender import SLOT_STATE, WalSender, slot_state
 from applier.targets import opener
 from applier.targets.backends import backend_of
 from applier.targets.base import utc_now
-from applier.targets.claim import ProcessClaim
+from applier.targets.claim import ProcessClaim, copy_claim_name
 from applier.text import one_line, redact_dsn, redact_text
 
 
@@ -378,6 +378,11 @@ def status(cfg: Config) -> dict[str, Any]:
       ``source_timeline``: the source's timeline the progress was last written on;
     - ``recopy_needed``: why the replica needs a re-copy (``applier init --new-slot`` after a lost slot), until
       ``applier sync`` completes one;
+    - ``resynced``: after ``applier resync``, the lost slot and the position applied from it (``from``) and when the
+      replica was resynced onto the new slot (``at``; null: a resync started and did not end), or null;
+    - ``repairs``: the tables under repair (``applier repair``: applier_sync_tables 'repair' or 'repairing'): table,
+      state, snapshot LSN (null before it is taken), since when, and ``by`` who holds the repair's claim (null: no
+      repair runs for it any more, killed or failed: rerun it);
     - the last error and when, prepared transactions waiting, a pending skip;
     - ``held``: the tables being copied whose changes are held meanwhile (applier_held, ``applier.engine.holding``):
       table and source transactions held;
@@ -388,9 +393,15 @@ def status(cfg: Config) -> dict[str, Any]:
     """
     check_target(cfg)
     progress = read_progress(cfg)
+    sql = _progress_sql(cfg)
+    with target_db(cfg) as conn:
+        repairing = conn.execute(sql.repairs_running, [cfg.apply["name"]]).fetchall()
     target = opener.open(cfg, applying=False)
     try:
         running = target.holder()
+        repairs = [{"table": f"{schema}.{table}", "state": state, "snapshot_lsn": lsn, "since": since,
+                    "by": target.holder(copy_claim_name(cfg.apply["name"], schema, table))}
+                   for schema, table, state, lsn, since in repairing]
     finally:
         target.close()
     out: dict[str, Any] = {"name": cfg.apply["name"], "running": running, "slot": cfg.source["slot"],
@@ -437,7 +448,9 @@ def status(cfg: Config) -> dict[str, Any]:
     out["prepared_waiting"] = list_prepared(cfg)
     out["recopy_needed"] = progress.recopy_needed
     out["source_timeline"] = progress.source_timeline
-    sql = _progress_sql(cfg)
+    out["resynced"] = None if progress.resynced_from is None else {"from": progress.resynced_from,
+                                                                    "at": progress.resynced_at}
+    out["repairs"] = repairs
     with target_db(cfg) as conn:
         out["conflicts"] = {str(k): int(n) for k, n in conn.execute(sql.count_conflicts,
                                                                      [cfg.apply["name"]]).fetchall()}

@@ -127,6 +127,15 @@ def status(config: ConfigOpt = None, as_json: Annotated[bool, typer.Option("--js
                     v = f"{v['change']} ({v['result']}) at LSN {v['lsn']}, {v['at']}"
                 if k == "held" and v:  # tables being copied: their changes wait on the target
                     v = ", ".join(f"{h['table']} ({h['transactions']} transactions)" for h in v)
+                if k == "resynced" and v is not None:  # the lost slot a resync replaced, and when
+                    v = (f"from {v['from']}, at {v['at']}" if v["at"] is not None
+                         else f"{v['from']}: not ended, run `applier resync` again")
+                if k == "repairs":  # a line per table under repair: what, since when, who
+                    for r in v:
+                        at = f"at snapshot {r['snapshot_lsn']}" if r["snapshot_lsn"] else "snapshot not taken yet"
+                        by = r["by"] or "nobody: not running (killed or failed), run `applier repair --table` again"
+                        typer.echo(redact_text(f"repair: {r['table']} {r['state']}, {at}, since {r['since']}, by {by}"))
+                    continue
                 if k == "failover":  # one line of what was found, then one per thing missing
                     for line in [v.get("summary") or v.get("error")] + [f"missing: {w}" for w in v.get("warnings", ())]:
                         typer.echo(redact_text(f"failover: {line}"))

@@ -42,7 +42,8 @@ retry can neither lose nor repeat a transaction.
   confirm, the source closed), the target stays open (its claim held, no transaction open: a SQLite
   file stays writable for ``applier sync --table``) while the wait polls about once a
   ``TABLE_POLL`` seconds, and a new session starts at once when it is over (no backoff). Each
-  reason is logged once, and so is a copy found dead (``TableWait.dead``); a stop ends the wait.
+  reason is logged once, and so is a copy found dead (``TableWait.dead``); a stop ends the wait. A repair that
+  asks for a table to be held meanwhile is answered by the wait (``_answer_repairs``), not left waiting for it.
 
 Metrics (``applier.metrics``, when on): the runner hands each session's engine and source to the
 ``Metrics`` object and counts errors by kind, retries and reconnects; the engine reports each commit.
@@ -463,7 +464,7 @@ class Runner:
             self._end_session(target, engine, source, failure, close_target=wait is None)
             if wait is not None:
                 try:
-                    self._wait_for_table(wait)
+                    self._wait_for_table(wait, target)
                 finally:
                     target.close()
 
@@ -490,19 +491,40 @@ class Runner:
         if n:
             log.info("pruned %d rows recorded before %s ago from applier_conflicts", n, keep)
 
-    def _wait_for_table(self, wait: TableWait) -> None:
-        """Poll until ``wait`` is over or the run is stopped (the target open, nothing open on it)."""
+    def _wait_for_table(self, wait: TableWait, target: Target) -> None:
+        """Poll until ``wait`` is over or the run is stopped (the target open, nothing open on it), answering the
+        repairs that ask meanwhile (``_answer_repairs``)."""
         if str(wait) != self.waiting:
             self.waiting = str(wait)
             log.warning("%s", wait)
         while not self.stop.wait(TABLE_POLL):
             self.joiner.reap()
+            self._answer_repairs(target)
             if wait.changed():
                 return
             dead = wait.dead()
             if dead is not None and dead != self.waiting:  # said once; the wait goes on (a new copy ends it)
                 self.waiting = dead
                 log.warning("%s", dead)
+
+    @staticmethod
+    def _answer_repairs(target: Target) -> None:
+        """While a change waits (``TableWait``): each table a repair asks to be held is answered at once, its row set
+        to 'repairing' in a transaction of its own. No session runs, so nothing is bound and nothing open: everything
+        applied is committed at the recorded position, and the next session binds the table anew, reads the row and
+        holds its changes (as an applier starting after the answer does), exactly as between two transactions."""
+        for schema, table, state in target.repair_requests():
+            if state != "repair":
+                continue
+            target.begin()
+            try:
+                target.hold_for_repair(schema, table)
+            except BaseException:
+                target.rollback()
+                raise
+            target.commit(LSN(0))
+            log.info("table %s.%s: `applier repair` asks for its changes to be held while it repairs it; held from "
+                     "now on (answered while waiting)", schema, table)
 
     def _end_session(self, target: Target, engine: ApplyEngine | None, source: ChunkReader | None,
                      failure: BaseException | None, close_target: bool = True) -> None:

@@ -152,7 +152,8 @@ def need_replica(target: TargetDb, name: str, command: str = "applier sync --tab
     if state is not None:
         raise SyncError(f"`{command}` works on a replica, but for apply.name {name!r} the full sync "
                         f"is {state['state']} (interrupted or running): let it end, or run `applier sync` again")
-    if not target.execute(target.backend.sql.select, [name]):
+    # the row alone, none of its columns: a ``repair --dry-run`` reads control tables older than the head as they are
+    if not target.execute(f"SELECT 1 FROM applier_progress WHERE name = {target.ph}", [name]):
         raise SyncError(f"`{command}` works on a replica, but for apply.name {name!r} this target "
                         f"is none yet (no sync has run, and no progress row from `applier init`): run `applier sync` "
                         f"first (it copies every published table), or `applier init` when the tables are on the "

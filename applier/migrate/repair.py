@@ -11,7 +11,11 @@ stream at a snapshot the way ``applier sync --table`` joins a copied table, whil
    asked to hold T's changes. It answers between two transactions, about once a second (``JoinGate.repairs``,
    ``ApplyEngine.answer_repairs``): T's binding is dropped, so its next change reads the row and is held
    (``applier.engine.holding``), and the row is set to 'repairing' in the target transaction that commits
-   everything applied to T before. The command waits for that answer; when no applier holds the progress row
+   everything applied to T before. An applier waiting for another table (a ``TableWait``: apply.new_tables
+   "wait", a prepared transaction waiting for a copy) answers while it waits (``Runner._answer_repairs``), in a
+   transaction of its own: exactly-once-safe, because a wait runs no session (everything applied is committed
+   at the recorded position, nothing bound), so the next session binds T anew, reads 'repairing' and holds, as
+   an applier started after the answer does. So the wait for an answer is bounded by the applier's poll. The command waits for that answer; when no applier holds the progress row
    (``claim``), it answers itself: an applier starting later reads the row when it binds T and holds; one running whose claim's connection was
    lost unbinds T at its next poll (``JoinGate.repairs`` reads 'repairing' rows too) and holds from then on.
    From the answer on, T on the target does not change but by this command;
@@ -36,6 +40,17 @@ stream at a snapshot the way ``applier sync --table`` joins a copied table, whil
 6. the row set to 'ready' (durable). The applier drains the held changes as after a copy: those committed before
    S skipped (they are in the repaired table), the later ones applied, in commit order; nothing lost or doubled.
 
+Schema changes: a repair compares and rewrites the source's columns, so T's target table must have them: one
+that lacks a source column (a schema change the applier has not applied yet) is refused before anything is held.
+A column added, dropped or renamed on the source after the answer and before S is held with T's changes, and
+being before S it would be skipped at the drain, the rewrite leaving the target table in its old shape: so T's
+columns at S are checked against the target table's (a target column the source lacks counts only if it was not
+there before the hold: ``_changed_shape``), and a T that changed is not rewritten but released (its row 'ready'
+at 0/0: the applier applies all it held, the schema change among them, as if no repair had asked) and named in one
+line (the other tables are repaired; exit 2); run the repair again once the applier applied it. A T a killed
+repair held before this run stays held (ranges rewritten at that repair's snapshot hold its rows): the line says
+to make the target table fit by hand first.
+
 Why hold from the answer, not from S (applying T's changes committed before S first): the applier would need to
 know S before it reaches it, and S can only be taken after it holds, or a change committed after S could be
 applied before the applier knows S. Held changes before S cost a rewrite of the ranges they touched, nothing else.
@@ -44,8 +59,9 @@ A table without a key (no primary key, no replica identity index): its ranges ar
 as verify compares it; a row whose number of copies differs is rewritten with all its copies, so a range
 rewritten holds the source's rows of that hash range, duplicates included.
 
-``dry_run``: nothing is written, no row changes state: a snapshot is taken and each table compared with the
-target as it is, the differing ranges and counts reported. While an applier applies, the changes not yet applied
+``dry_run``: nothing is written, no row changes state, the control tables are not upgraded (read as they are, at
+any revision: no applier_repairs needed): a snapshot is taken and each table compared with the target as it is,
+the differing ranges and counts reported. While an applier applies, the changes not yet applied
 at that moment show up as differences too (the report says so).
 
 A repair killed half-way: the ranges it rewrote are each whole (one transaction) and recorded; the row stays
@@ -189,17 +205,25 @@ def _repair(cfg: Config, names: list[str] | None, dry_run: bool, spark: Any,
         say(line)
     target = TargetDb(cfg)
     claims: list[Held | None] = []
+    held_before: set[str] = set()
     run = uuid.uuid4().hex
     try:
         need_replica(target, name, "applier repair")
         tables = published_tables(cfg, names) if names else read_tables_in_snapshot(cfg, None)
+        extra: dict[str, set[str]] = {}  # each target table's columns of its own (no source column's), before
         for t in tables:
             if not target.exists(t):
                 raise RepairError(f"target table {target.name_of(t)[0]} of source table {t.qualified} does not exist: "
                                   f"nothing to repair; `applier sync --table {t.qualified}` copies it")
+            missing, extra[t.qualified] = _shapes(target, t)
+            if missing:
+                raise RepairError(f"target table {target.name_of(t)[0]} lacks column(s) {', '.join(missing)} of "
+                                  f"source table {t.qualified}: a schema change `applier run` has not applied yet "
+                                  f"(it does at the table's next change), or columns dropped on the target; nothing "
+                                  f"repaired: run `applier repair` again once the target table has them")
         if not dry_run:
             claims = [claim_table(target, name, t) for t in tables]
-            _ask_to_hold(target, name, tables, run)
+            held_before = _ask_to_hold(target, name, tables, run)
             _wait_for_answers(target, name, tables, run, say)
         with _snapshot(cfg, run) as (snapshot, at):
             report = RepairReport(str(at), dry_run)
@@ -209,10 +233,14 @@ def _repair(cfg: Config, names: list[str] | None, dry_run: bool, spark: Any,
             if spark is None:
                 spark = spark_for(cfg)
             in_snapshot = {t.qualified: t for t in read_tables_in_snapshot(cfg, snapshot)}
+            refused: list[str] = []  # tables whose shape changed in the window (``_changed_shape``)
             for t in tables:
                 now = in_snapshot.get(t.qualified)
                 if now is None:
                     raise RepairError(f"source table {t.qualified} is no longer published at the repair's snapshot")
+                if changed := _changed_shape(target, now, extra[t.qualified], str(at)):
+                    refused.append(changed + _released(target, name, run, t, dry_run, held_before))
+                    continue
                 say(f"comparing {t.qualified}")
                 found = compare_table(cfg, target, spark, now, snapshot)
                 if not dry_run and found.ranges:
@@ -222,12 +250,53 @@ def _repair(cfg: Config, names: list[str] | None, dry_run: bool, spark: Any,
                     # the server's clock: finished_at bounds the rewrite's commits as not foreign (``_copied_at``)
                     _set_rows(target, name, run, [t], "state = 'ready', finished_at = CURRENT_TIMESTAMP", [])
                 report.tables.append(found)
+        if refused:  # the other tables are repaired
+            raise RepairError("; ".join(refused))
         return report
     finally:
         target.close()
         for claim in claims:
             if claim is not None:
                 claim.release()
+
+
+def _shapes(target: TargetDb, t: SourceTable) -> tuple[list[str], set[str]]:
+    """(the source columns of ``t`` that its target table lacks, the target table's columns the source does not
+    have): a repair compares and rewrites the source's columns, so the first must be empty."""
+    held = target.column_names(t)
+    source = {c.name for c in [*t.columns, *t.generated]} | set(t.unpublished)
+    return [c.name for c in t.columns if c.name not in held], held - source
+
+
+def _changed_shape(target: TargetDb, t: SourceTable, extra_before: set[str], at: str) -> str | None:
+    """Why ``t`` (its columns at the repair's snapshot ``at``) cannot be repaired: a column added, renamed or dropped
+    on the source after the applier held the table's changes and before the snapshot. That change is held with
+    them and, being before the snapshot, would be skipped at the drain (the rewrite does not change the target
+    table's shape), so the table would stay in its old shape: refused instead. None: the shapes fit."""
+    missing, extra = _shapes(target, t)
+    dropped = sorted(extra - extra_before)
+    if not missing and not dropped:
+        return None
+    what = "; ".join(([f"column(s) {', '.join(missing)} added or renamed"] if missing else [])
+                     + ([f"column(s) {', '.join(dropped)} dropped or renamed"] if dropped else []))
+    return (f"source table {t.qualified} changed shape at the repair's snapshot {at} ({what} on the source) and "
+            f"target table {target.name_of(t)[0]} does not have that shape yet")
+
+
+def _released(target: TargetDb, name: str, run: str, t: SourceTable, dry_run: bool, held_before: set[str]) -> str:
+    """Stop holding ``t`` without repairing it (its shape changed: ``_changed_shape``); the rest of the line. The
+    row 'ready' at 0/0: the applier applies every change it held (all after its answer, the schema change among
+    them) and the later ones, as if no repair had asked. Not when a killed repair held it before this run (the
+    ranges it rewrote hold its snapshot's rows: the held changes before it must be skipped): it stays held."""
+    if dry_run:
+        return " (a dry run: nothing held, nothing written)"
+    if t.qualified in held_before:
+        return (f"; nothing rewritten in it by this run, and it stays held (an earlier repair of it did not end): "
+                f"make target table {target.name_of(t)[0]} fit the source table's columns by hand (ALTER TABLE), "
+                f"then run `applier repair --table {t.qualified}` again")
+    _set_rows(target, name, run, [t], "state = 'ready', snapshot_lsn = '0/0', finished_at = CURRENT_TIMESTAMP", [])
+    return (f"; nothing rewritten in it: `applier run` now applies its held changes, that schema change among "
+            f"them; run `applier repair --table {t.qualified}` again once it has")
 
 
 def claim_table(target: TargetDb, name: str, t: SourceTable) -> Held | None:
@@ -237,11 +306,13 @@ def claim_table(target: TargetDb, name: str, t: SourceTable) -> Held | None:
         f"let it end (or stop it) first"))
 
 
-def _ask_to_hold(target: TargetDb, name: str, tables: list[SourceTable], run: str) -> None:
+def _ask_to_hold(target: TargetDb, name: str, tables: list[SourceTable], run: str) -> set[str]:
     """Step 2: the tables' rows to 'repair' in one durable transaction, once every row is checked: RepairError, and
-    no row changed, while a ``sync --table`` copies one of them."""
+    no row changed, while a ``sync --table`` copies one of them. The tables held already (by a repair that did not
+    end)."""
     ph = target.ph
     writes: list[tuple[str, list[Any]]] = []
+    held: set[str] = set()
     for t in tables:
         key = [name, t.schema, t.name]
         row = target.execute(f"SELECT state FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} "
@@ -250,12 +321,15 @@ def _ask_to_hold(target: TargetDb, name: str, tables: list[SourceTable], run: st
             raise RepairError(f"source table {t.qualified} is being copied by `applier sync --table` ({row[0][0]}, "
                               f"interrupted: its claim is free): run `applier sync --table {t.qualified}` to finish "
                               f"it")
+        if row and row[0][0] in REPAIR_STATES:
+            held.add(t.qualified)
         writes += [
             (f"DELETE FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} AND table_name = {ph}", key),
             (f"INSERT INTO applier_sync_tables (name, schema_name, table_name, state, run, started_at) "
              f"VALUES ({ph}, {ph}, {ph}, 'repair', {ph}, {ph})", [*key, run, _now()]),
         ]
     target.transaction(writes, durable=True)
+    return held
 
 
 def _wait_for_answers(target: TargetDb, name: str, tables: list[SourceTable], run: str,
@@ -277,7 +351,8 @@ def _wait_for_answers(target: TargetDb, name: str, tables: list[SourceTable], ru
             said = time.monotonic()
             say(f"waiting for {holder} to hold the changes of "
                 f"{', '.join(t.qualified for t, (s,) in zip(tables, states, strict=True) if s != 'repairing')} "
-                f"(it answers between two transactions; a transaction waiting for a table or a lock delays it)")
+                f"(it answers between two transactions and while it waits for a table; a transaction waiting for a lock on "
+                f"the target, or retried after an error, delays it)")
         time.sleep(0.2)
 
 

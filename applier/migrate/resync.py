@@ -7,7 +7,14 @@ After the clear stop on a missing or invalidated slot (``SlotLost``, exit 6), ``
    (``admin.lost_slot``: nothing to do, ``applier run`` follows it), a table whose copy or repair is unfinished (its
    ``applier_sync_tables`` row not 'ready': finish that first);
 2. drops the invalidated slot (a dropped one is gone already) and creates the slot again, with ``SNAPSHOT 'export'``:
-   its consistent point C and a snapshot seeing exactly the transactions committed before C;
+   its consistent point C and a snapshot seeing exactly the transactions committed before C. With
+   ``source.two_phase``, the transactions the target holds prepared from the lost slot are dead now (a
+   PostgreSQL target's ``PREPARE TRANSACTION`` under applier's gid, holding row locks the rewrite would wait for;
+   or the changes kept in ``applier_prepared``): each one's COMMIT or ROLLBACK PREPARED came after the applied
+   position, so only the lost slot would have sent it. None is prepared on the source at C (a logical slot is
+   made only once every transaction running, prepared ones included, has ended): one the source committed is in
+   C's snapshot, one it rolled back is nowhere. So the target's are rolled back (the kept ones deleted with
+   the progress row's move, step 4) before anything is rewritten, and the count said;
 3. repairs every published table against that snapshot (``applier.migrate.repair``: verify's key-range hashes,
    each differing range rewritten in one target transaction and recorded in ``applier_repairs``). No applier
    runs, so nothing is held: each table is then the source at C. The changes the lost slot never delivered (those
@@ -116,6 +123,11 @@ def _resync(cfg: Config, spark: Any, say: Callable[[str], None]) -> RepairReport
             assert info.snapshot_name is not None  # asked for (SNAPSHOT 'export')
             say(f"slot {slot!r} {lost_what} with the target at {progress.lsn}: made again at {at}; repairing every "
                 f"published table against its snapshot")
+            kept = int(target.execute(f"SELECT count(*) FROM applier_prepared WHERE name = {ph}", [name])[0][0])
+            dead = target.backend.roll_back_prepared(target.conn, name) + kept
+            if dead:
+                say(f"{dead} transactions prepared on the target from the lost slot rolled back: their COMMIT or "
+                    f"ROLLBACK PREPARED is lost with it, and a commit's effect is in the new slot's snapshot")
             if spark is None:
                 spark = spark_for(cfg)
             report = RepairReport(str(at), False)
@@ -134,6 +146,7 @@ def _resync(cfg: Config, spark: Any, say: Callable[[str], None]) -> RepairReport
                 (f"UPDATE applier_progress SET resynced_from = {ph}, resynced_at = {ph} WHERE name = {ph}",
                  [f"slot {slot!r} {lost_what}, applied up to {progress.lsn}", _now(), name]),
                 (f"DELETE FROM applier_held WHERE name = {ph}", [name]),
+                (f"DELETE FROM applier_prepared WHERE name = {ph}", [name]),  # dead (step 2)
                 # the rewritten rows are the copy's, not foreign (``_copied_at``): by the target server's clock
                 (f"UPDATE applier_sync SET finished_at = CURRENT_TIMESTAMP WHERE name = {ph}", [name]),
                 (f"UPDATE applier_sync_tables SET finished_at = CURRENT_TIMESTAMP WHERE name = {ph}", [name]),

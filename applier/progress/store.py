@@ -39,6 +39,7 @@ class Progress(NamedTuple):
     recopy_needed: str | None = None
     source_timeline: int | None = None
     resynced_from: str | None = None  # the lost slot a resync replaced (``RESYNC_STARTED``…: one not ended yet)
+    resynced_at: str | None = None  # when the resync ended (None: none did)
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...] | None) -> Progress:
@@ -73,6 +74,7 @@ class ProgressSQL(NamedTuple):
     # applier holds them from now on: the answer)
     repair_requests: str
     hold_for_repair: str
+    repairs_running: str  # (name) -> (schema, table, state, snapshot_lsn, started_at) of the rows a repair holds
     # applier_conflicts (``applier.engine.conflicts``): (name, recorded_at, type, table, key, local, remote, xid,
     # commit_lsn, commit_time, policy, resolution); (name, before) -> rows deleted; (name) -> (type, count) rows
     record_conflict: str
@@ -116,7 +118,7 @@ def progress_sql(ph: str, has_sync_tables: str) -> ProgressSQL:
     value says whether the table applier_sync_tables exists."""
     return ProgressSQL(
         select=(f"SELECT lsn, commit_time, skip_lsn, source_system, slot, last_error, last_error_at, recopy_needed, "
-                f"source_timeline, resynced_from FROM applier_progress WHERE name = {ph}"),
+                f"source_timeline, resynced_from, resynced_at FROM applier_progress WHERE name = {ph}"),
         upsert=_upsert(ph, ", recopy_needed = NULL"),
         # (name, lsn, commit_time, source_system, slot, source_timeline, the position read): one row written, or none when another
         # process moved the position since (a row that did not exist is inserted; one inserted meanwhile
@@ -147,6 +149,8 @@ def progress_sql(ph: str, has_sync_tables: str) -> ProgressSQL:
                          f"AND state IN ('repair', 'repairing') ORDER BY schema_name, table_name"),
         hold_for_repair=(f"UPDATE applier_sync_tables SET state = 'repairing' WHERE name = {ph} AND schema_name = {ph} "
                          f"AND table_name = {ph} AND state = 'repair'"),
+        repairs_running=(f"SELECT schema_name, table_name, state, snapshot_lsn, started_at FROM applier_sync_tables "
+                         f"WHERE name = {ph} AND state IN ('repair', 'repairing') ORDER BY schema_name, table_name"),
         record_conflict=(f"INSERT INTO applier_conflicts (name, recorded_at, conflict_type, table_name, key, local_row, "
                          f"remote_row, xid, commit_lsn, commit_time, policy, resolution) VALUES "
                          f"({', '.join([ph] * 12)})"),

@@ -157,6 +157,12 @@ class Backend(ABC):
         """Drop replication origin ``origin`` on the target."""
         raise NotImplementedError(f"a target of kind {self.kind} has no replication origins")
 
+    def roll_back_prepared(self, conn: Any, name: str) -> int:
+        """ROLLBACK PREPARED every transaction the applier ``name`` holds prepared on the target (its
+        ``prepared_gid``s; ``applier resync``: they came from a lost slot), outside any transaction; how many. None
+        where this kind cannot prepare (``can_prepare``)."""
+        return 0
+
     def lacking_privileges(self, conn: Any, qname: str, privileges: tuple[str, ...]) -> list[str]:
         """What the target role may not do of ``privileges`` to target table ``qname`` (one line, or none); a target
         without roles: none."""

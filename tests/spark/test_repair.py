@@ -20,10 +20,12 @@ from typing import Any
 import psycopg
 import pytest
 
+from applier.admin import status
 from applier.errors import InUseError
 from applier.migrate.repair import RepairError, repair
 from applier.migrate.spark.rangehash import bucket_of
 from applier.migrate.sync import SyncError, sync
+from applier.progress.store import VERSION_TABLE
 from applier.sandbox.clusters import find_install
 from applier.targets.claim import copy_claim_name
 from applier.targets.postgres.claim import pg_claim
@@ -180,8 +182,13 @@ def test_dry_run_and_refusals(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_pa
     sync(cfg, spark=spark)
     damage(dst.url)
     before = contents(dst.url)
+    # a replica whose control tables are older than the repair's (no applier_repairs, no resynced_from), made by
+    # `applier init` over tables copied by hand (no applier_sync row): a dry run reports, upgrading nothing
+    downgrade(dst.url, "0008")
+    target_exec(dst.url, "DELETE FROM applier_sync")
     report = repair(cfg, dry_run=True, spark=spark)
     assert contents(dst.url) == before
+    assert target_exec(dst.url, f"SELECT version_num FROM {VERSION_TABLE}") == [("0008",)]  # not upgraded
     assert target_exec(dst.url, "SELECT count(*) FROM applier_sync_tables") == [(0,)]
     by = {t.table: t for t in report.tables}
     assert by["public.t1"].counts == (5, 5, 3) and not by["public.t1"].rewritten
@@ -217,6 +224,29 @@ def test_dry_run_and_refusals(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_pa
     with pytest.raises(RepairError, match=r"^comparing source table public.t2 with target table public.t2 failed: "
                                           r"\S+: division by zero$"):
         repair(cfg, ["public.t2"], dry_run=True, spark=spark)
+    # a column the source has and the target table lacks (a schema change not applied yet): refused, nothing held
+    src.cluster.execute("ALTER TABLE t1 ADD COLUMN x int", src.dbname)
+    with pytest.raises(RepairError, match=r"^target table public.t1 lacks column\(s\) x of source table public.t1: a "
+                                          r"schema change `applier run` has not applied yet"):
+        repair(cfg, ["public.t1"], spark=spark)
+    assert target_exec(dst.url, "SELECT table_name, state FROM applier_sync_tables") == [("t2", "ready")]
+
+
+def downgrade(url: str, revision: str) -> None:
+    """The target's control tables taken back to ``revision`` (as an older applier left them)."""
+    from alembic import command
+    from sqlalchemy import create_engine
+
+    from applier.progress.migrate import _alembic_config
+
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            cfg = _alembic_config()
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, revision)
+    finally:
+        engine.dispose()
 
 
 def test_killed_halfway_then_rerun(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_path: Path) -> None:
@@ -232,12 +262,22 @@ def test_killed_halfway_then_rerun(src: ScratchDb, dst: ScratchDb, spark: Any, t
     deadline = time.monotonic() + 180
     while proc.poll() is None and time.monotonic() < deadline:
         if target_exec(dst.url, "SELECT count(*) FROM applier_repairs")[0][0] >= 3:
+            running = status(make_config(src, dst.url, tmp_path / "work"))["repairs"]
             proc.send_signal(signal.SIGKILL)
             break
         time.sleep(0.01)
     proc.wait(30)
     assert proc.returncode == -signal.SIGKILL, proc.communicate()
     assert target_exec(dst.url, "SELECT state FROM applier_sync_tables") == [("repairing",)]
+    # `applier status` names the table under repair, its snapshot, since when and who; once killed, nobody
+    (snapshot_lsn,) = target_exec(dst.url, "SELECT snapshot_lsn FROM applier_sync_tables")[0]
+    assert [{**r, "since": bool(r["since"])} for r in running] == [
+        {"table": "public.t1", "state": "repairing", "snapshot_lsn": snapshot_lsn, "since": True,
+         "by": running[0]["by"]}]
+    assert "repair (pid" in running[0]["by"], running
+    shown = cli("status", "-c", str(cfg_file))
+    assert f"repair: public.t1 repairing, at snapshot {snapshot_lsn}, since " in shown.stdout, shown.stdout
+    assert "by nobody: not running (killed or failed)" in shown.stdout, shown.stdout
     done = target_exec(dst.url, "SELECT count(*) FROM applier_repairs")[0][0]
     assert 3 <= done < 1000
     # the source goes on meanwhile: those changes are in the rerun's snapshot, or applied after it, once each
@@ -309,3 +349,128 @@ def test_a_unique_value_swapped_between_rows_of_far_ranges(src: ScratchDb, dst: 
     assert len(report.tables[0].ranges) > 64  # more than one transaction's worth
     want = src.cluster.execute("SELECT id, code, v FROM u ORDER BY id", src.dbname)
     assert target_exec(dst.url, "SELECT id, code, v FROM u ORDER BY id") == [tuple(r) for r in want]
+
+
+def test_repair_answered_while_the_daemon_waits_for_a_table(src: ScratchDb, dst: ScratchDb, spark: Any,
+                                                            tmp_path: Path) -> None:
+    """The daemon waits for another table (published, no target table: apply.new_tables = "wait"): it answers the
+    repair while it waits, and the repaired table's changes around the snapshot land once the wait is over."""
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg = make_config(src, dst.url, tmp_path / "work")
+    cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
+    sync(cfg, spark=spark)
+    log = tmp_path / "daemon.log"
+    daemon = start_daemon(cfg_file, log)
+    done: list[Any] = []
+    repairing = threading.Thread(target=lambda: done.append(_repaired(cfg, spark)), daemon=True)
+    try:
+        src.cluster.execute("CREATE TABLE t3 (id int PRIMARY KEY); ALTER PUBLICATION pub ADD TABLE t3; "
+                            "INSERT INTO t3 VALUES (1); UPDATE t1 SET v = 7 WHERE id = 100", src.dbname)
+        soon(lambda: "waiting for `applier sync --table public.t3`" in log.read_text(), "the daemon waits for t3")
+        for sql in DAMAGE[:3]:  # t1's damage
+            target_exec(dst.url, sql)
+        repairing.start()
+        repairing.join(90)
+        assert done, f"the repair still waits for the daemon, which waits for public.t3: {log.read_text()}"
+        assert not isinstance(done[0], BaseException), done[0]
+        assert done[0].tables[0].counts == (5, 6, 3)  # the damage, and the update the daemon had not applied
+        src.cluster.execute("UPDATE t1 SET v = 8 WHERE id = 101", src.dbname)  # after the snapshot
+        target_exec(dst.url, "CREATE TABLE t3 (id int PRIMARY KEY)")  # the wait ends
+        want = src.cluster.execute(TABLES["t1"], src.dbname)
+        soon(lambda: target_exec(dst.url, TABLES["t1"]) == want, "t1 equal to the source")
+        soon(lambda: target_exec(dst.url, "SELECT id FROM t3") == [(1,)], "t3's row applied")
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        code = daemon.wait(60)
+        if repairing.ident is not None:  # started: it ends once nobody applies (it answers itself)
+            repairing.join(120)
+    assert code == 0, log.read_text()
+    assert "held from now on (answered while waiting)" in log.read_text()
+
+
+def _repaired(cfg: Any, spark: Any, tables: tuple[str, ...] | list[str] = ("public.t1",)) -> Any:
+    """``repair`` of ``tables``, or what it raised."""
+    try:
+        return repair(cfg, list(tables), spark=spark)
+    except BaseException as exc:  # noqa: BLE001 - asserted by the caller
+        return exc
+
+
+def test_a_schema_change_between_the_hold_and_the_snapshot(src: ScratchDb, dst: ScratchDb, spark: Any,
+                                                           tmp_path: Path) -> None:
+    """Columns added (t2) and dropped (t1) on tables under repair after their changes are held and before the
+    snapshot: the repair of each stops with one line, rewriting nothing in it (a drop was silently skipped before,
+    the target table left in its old shape), and releases it; the applier then applies the held changes (the
+    column added: schema_changes = "add_columns"), and a rerun repairs them. The other table named (k) is
+    repaired."""
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg = make_config(src, dst.url, tmp_path / "work")
+    cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
+    sync(cfg, spark=spark)
+    damage(dst.url)
+    done: list[Any] = []
+    with psycopg.connect(src.dsn) as running:  # a transaction with an xid: the repair's slot waits for its end
+        running.execute("SELECT pg_current_xact_id()")
+        repairing = threading.Thread(target=lambda: done.append(_repaired(cfg, spark, ["t1", "t2", "k"])),
+                                     daemon=True)
+        repairing.start()
+        soon(lambda: target_exec(dst.url, "SELECT count(*) FROM applier_sync_tables WHERE state = 'repairing'")
+             == [(3,)], "the tables held")
+        src.cluster.execute("BEGIN; ALTER TABLE t2 ADD COLUMN w int; UPDATE t2 SET v = 3, w = 7 WHERE id = 1; "
+                            "ALTER TABLE t1 DROP COLUMN note; UPDATE t1 SET v = 4 WHERE id = 1000; COMMIT",
+                            src.dbname)  # after the hold, before the snapshot
+        running.commit()
+    repairing.join(120)
+    assert done and isinstance(done[0], RepairError), done
+    line = str(done[0])
+    assert "\n" not in line and line.startswith("source table public.t1 changed shape at the repair's snapshot "), line
+    assert "(column(s) note dropped or renamed on the source) and target table public.t1 does not have that shape " \
+           "yet; nothing rewritten in it: `applier run` now applies its held changes" in line, line
+    assert "(column(s) w added or renamed on the source) and target table public.t2" in line, line
+    assert set(recorded(dst.url)) == {"k"}  # t1, t2: nothing rewritten
+    assert target_exec(dst.url, "SELECT DISTINCT state FROM applier_sync_tables") == [("ready",)]
+    caught = cli("catchup", "-c", str(cfg_file), env={"APPLIER_APPLY_SCHEMA_CHANGES": "add_columns"})
+    assert caught.returncode == 0, caught.stderr
+    assert target_exec(dst.url, "SELECT w, v FROM t2 WHERE id = 1") == [(7, 3)]  # the held change, column and all
+    report = repair(cfg, ["public.t1", "public.t2"], spark=spark)
+    assert [t.counts for t in report.tables] == [(5, 5, 3), (1, 0, 0)]  # the damage, in the new shapes
+    for query in ("SELECT id, v FROM t1 ORDER BY id", "SELECT id, v, w FROM t2 ORDER BY id", TABLES["k"]):
+        assert target_exec(dst.url, query) == src.cluster.execute(query, src.dbname)
+
+
+def test_daemon_killed_during_a_repair(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_path: Path) -> None:
+    """The daemon SIGKILLed while the repair rewrites (it holds t1's changes, some written to applier_held, others
+    in its open transaction): the repair finishes, the daemon started again drains and follows; the target equals
+    the source, the writer's changes once each (an insert applied twice stops the daemon: on_error = stop)."""
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg = make_config(src, dst.url, tmp_path / "work")
+    cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
+    sync(cfg, spark=spark)
+    log = tmp_path / "daemon.log"
+    daemon = start_daemon(cfg_file, log)
+    soon(lambda: "applier run: source" in log.read_text(), "the daemon running")
+    target_exec(dst.url, "UPDATE t1 SET v = -1 WHERE id % 3 = 0")  # most ranges differ: the rewrite takes a while
+    writer = Writer(src.dsn)
+    writer.start()
+    done: list[Any] = []
+    repairing = threading.Thread(target=lambda: done.append(_repaired(cfg, spark)), daemon=True)
+    try:
+        writer.pause(0.5)
+        repairing.start()
+        soon(lambda: target_exec(dst.url, "SELECT count(*) FROM applier_repairs")[0][0] >= 3, "the rewrite going on",
+             seconds=120)
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait(30)
+        repairing.join(300)
+        assert done and not isinstance(done[0], BaseException), done
+        daemon = start_daemon(cfg_file, log)
+        writer.pause(1.0)
+    finally:
+        writer.stop()
+    try:
+        equal_soon(src, dst.url)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        code = daemon.wait(60)
+    assert code == 0, log.read_text()
+    assert target_exec(dst.url, "SELECT count(*) FROM applier_held") == [(0,)]

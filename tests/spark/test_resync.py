@@ -9,6 +9,7 @@ updates add 1: one applied twice, or lost, leaves a value that differs; an inser
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from pathlib import Path
@@ -17,9 +18,11 @@ from typing import Any
 import psycopg
 import pytest
 
+from applier.admin import status
 from applier.migrate.resync import resync
 from applier.migrate.sync import sync
-from tests.plugins.clusters import ScratchDb
+from applier.sandbox.clusters import Cluster
+from tests.plugins.clusters import ScratchDb, scratch_db
 from tests.spark.conftest import make_config, target_exec
 from tests.spark.test_add_table import cli, config_file, start_daemon
 from tests.spark.test_repair import SOURCE, Writer, equal_soon, recorded
@@ -81,6 +84,10 @@ def test_slot_dropped_under_a_running_replica(src: ScratchDb, dst: ScratchDb, sp
     assert resynced_from.startswith("slot 'applier' does not exist on the source (dropped), applied up to "), \
         resynced_from
     assert any("made again at" in line for line in said), said
+    # `applier status` says where the replica came from and when
+    assert status(cfg)["resynced"] == {"from": resynced_from, "at": resynced_at}
+    shown = cli("status", "-c", str(cfg_file))
+    assert f"resynced: from {resynced_from}, at {resynced_at}\n" in shown.stdout, shown.stdout
 
 
 def test_run_after_a_killed_resync_names_resync(src: ScratchDb, dst: ScratchDb, spark: Any, tmp_path: Path) -> None:
@@ -100,3 +107,50 @@ def test_run_after_a_killed_resync_names_resync(src: ScratchDb, dst: ScratchDb, 
     assert got.returncode == 2, (got.stdout, got.stderr)
     assert "did not end: run `applier resync` again" in got.stderr and "sync --force" not in got.stderr, got.stderr
     assert "Traceback" not in got.stderr
+
+
+@pytest.mark.parametrize("target_kind", ["postgresql", "sqlite"])
+def test_resync_of_a_two_phase_replica(target_kind: str, src: ScratchDb, newest_target: Cluster, spark: Any,
+                                       tmp_path: Path) -> None:
+    """source.two_phase: transactions the target holds prepared from the lost slot (PREPARE TRANSACTION on a
+    PostgreSQL target, holding row locks the rewrite needs; applier_prepared on SQLite) are rolled back and
+    counted; one the source committed in the gap is in the new snapshot, one it rolled back nowhere."""
+    with contextlib.ExitStack() as stack:
+        target_url = (f"sqlite:///{tmp_path / 'replica.db'}" if target_kind == "sqlite"
+                      else stack.enter_context(scratch_db(newest_target, "tgt")).url)
+        if target_kind == "postgresql":  # a rewrite waiting for a prepared transaction's lock fails, not hangs
+            target_exec(target_url, f"ALTER DATABASE {target_url.rsplit('/', 1)[1]} SET lock_timeout = '5s'")
+            stack.callback(_roll_back_prepared, newest_target, target_url.rsplit("/", 1)[1])
+        stack.callback(_roll_back_prepared, src.cluster, src.dbname)
+        src.cluster.execute(SOURCE, src.dbname)
+        cfg = make_config(src, target_url, tmp_path / "work", **{"source.two_phase": True})
+        cfg_file = config_file(tmp_path / "applier.toml", src, target_url, tmp_path / "work",
+                               source={"two_phase": True})
+        sync(cfg, spark=spark)
+        with psycopg.connect(src.dsn, autocommit=True) as conn:
+            for gid, change in (("p1", "UPDATE t1 SET v = 5 WHERE id = 1"), ("p2", "UPDATE t1 SET v = 6 WHERE id = 2")):
+                conn.execute("BEGIN")
+                conn.execute(change)
+                conn.execute(f"PREPARE TRANSACTION '{gid}'")
+        caught = cli("catchup", "-c", str(cfg_file))
+        assert caught.returncode == 0, caught.stderr
+        assert len(status(cfg)["prepared_waiting"]) == 2
+        drop_slot(src)
+        for gap in ("COMMIT PREPARED 'p1'", "ROLLBACK PREPARED 'p2'", "INSERT INTO t1 VALUES (900001, 1, 'in the gap')"):
+            src.cluster.execute(gap, src.dbname)
+        said: list[str] = []
+        resync(cfg, spark=spark, say=said.append)
+        assert any(line.startswith("2 transactions prepared on the target from the lost slot rolled back")
+                   for line in said), said
+        assert status(cfg)["prepared_waiting"] == []
+        src.cluster.execute("UPDATE t1 SET v = 7 WHERE id = 3", src.dbname)  # after the new slot's start
+        caught = cli("catchup", "-c", str(cfg_file))
+        assert caught.returncode == 0, caught.stderr
+        equal_soon(src, target_url, seconds=0)
+
+
+def _roll_back_prepared(cluster: Cluster, dbname: str) -> None:
+    """What a failed test leaves prepared in ``dbname`` rolled back (a prepared transaction keeps a database from
+    being dropped)."""
+    for (gid,) in cluster.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()", dbname):
+        cluster.execute(f"ROLLBACK PREPARED '{gid}'", dbname)

@@ -8,12 +8,13 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import psycopg
+from psycopg import sql as psql
 
 from applier.config import Config
 from applier.decoder.messages import Relation, Type
 from applier.rows import one_row
 from applier.targets.backend import Backend
-from applier.targets.base import Converter
+from applier.targets.base import Converter, prepared_gid, prepared_xid
 from applier.targets.claim import Held, ProcessClaim
 from applier.targets.contract import Target
 from applier.targets.postgres.claim import PgProcessClaim, pg_claim, pg_holder
@@ -102,6 +103,14 @@ class PostgresBackend(Backend):
 
     def drop_origin(self, conn: Any, origin: str) -> None:
         conn.execute("SELECT pg_replication_origin_drop(%s)", [origin])
+
+    def roll_back_prepared(self, conn: Any, name: str) -> int:
+        gids = [gid for (gid,) in conn.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database() "
+                                               "AND starts_with(gid, %s)", [prepared_gid(name)]).fetchall()
+                if prepared_xid(name, gid) is not None]
+        for gid in gids:
+            conn.execute(psql.SQL("ROLLBACK PREPARED {}").format(psql.Literal(gid)))
+        return len(gids)
 
     def lacking_privileges(self, conn: Any, qname: str, privileges: tuple[str, ...]) -> list[str]:
         row = one_row(conn.execute("SELECT " + ", ".join(f"has_table_privilege(%s, '{p}')" for p in privileges),
