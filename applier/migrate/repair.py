@@ -27,7 +27,8 @@ stream at a snapshot the way ``applier sync --table`` joins a copied table, whil
    source's encoding; else in Spark (``applier.migrate.spark.verify``'s row hashes). The rows of the differing
    ranges are then read with their place (the source's ``ctid`` in S, the target's ``ctid``/``rowid``, with the
    partition's OID for a partitioned table), so that the rows to rewrite are found again by a TID scan, not a hash
-   of every row;
+   of every row (the source table's files, recorded before the comparison, are checked again under a lock at the
+   rewrite: a VACUUM FULL or CLUSTER between moves its rows, and the table's repair then stops, to be run again);
 5. each differing range rewritten whole in ONE target transaction (``rewrite_groups``: up to 64 ranges and about
    10,000 rows share one, as a commit per range would cost more than its rows): the range's rows that differ
    (``_counted``: a key on one side only, a row that differs, a key held twice) deleted from the target and copied
@@ -136,6 +137,7 @@ class TableRepair:
     target_rows: int = 0
     ranges: list[RangeRepair] = field(default_factory=list)
     rewritten: bool = False  # the ranges were rewritten (not a dry run)
+    source_files: str = ""  # the source table's files when it was compared (``source_files``)
 
     @property
     def counts(self) -> tuple[int, int, int]:
@@ -411,11 +413,25 @@ def compare_table(cfg: Config, target: TargetDb, spark: Any, t: SourceTable, sna
 
     from applier.migrate.spark.copy import spark_error_line
 
+    with source_connect(cfg) as conn:
+        files = source_files(conn, t)
     try:
-        return _compare_table(cfg, target, spark, t, snapshot)
+        found = _compare_table(cfg, target, spark, t, snapshot)
+        found.source_files = files
+        return found
     except (PySparkException, Py4JError) as exc:
         raise RepairError(f"comparing source table {t.qualified} with target table {target.name_of(t)[0]} failed: "
                           f"{spark_error_line(exc)}") from None
+
+
+def source_files(conn: Any, t: SourceTable) -> str:
+    """The files of source table ``t`` (with its partitions when it is read with them): a row's place (ctid) found
+    by the comparison holds the same row at the rewrite only if no VACUUM FULL, CLUSTER or table rewrite came
+    between (each gives the table a new file; an old snapshot then sees its rows at other places)."""
+    tree = "pg_partition_tree(%s::regclass)" if not t.only else "(SELECT %s::regclass AS relid) AS r"
+    row = conn.execute(f"SELECT string_agg(relid::oid::text || ':' || pg_relation_filenode(relid)::text, ',' "
+                       f"ORDER BY relid::oid) FROM {tree}", [t.qname]).fetchone()
+    return str(row[0]) if row else ""
 
 
 def _compare_table(cfg: Config, target: TargetDb, spark: Any, t: SourceTable, snapshot: str) -> TableRepair:
@@ -612,6 +628,12 @@ def rewrite_ranges(cfg: Config, target: TargetDb, t: SourceTable, found: TableRe
     delete = f"DELETE FROM {target.own(t)} WHERE "
     with contextlib.ExitStack() as stack:
         src = stack.enter_context(pg_in_snapshot(plan, 0))
+        # the places found by the comparison hold until the rewrite ends: no VACUUM FULL or CLUSTER meanwhile
+        src.execute(f"LOCK TABLE {'ONLY ' if t.only else ''}{t.qname} IN ACCESS SHARE MODE")
+        if source_files(src, t) != found.source_files:
+            raise RepairError(f"source table {t.qualified} was rewritten (VACUUM FULL, CLUSTER, ALTER TABLE) "
+                              f"while it was compared: its rows are at other places now; run `applier repair` "
+                              f"again")
         dst = None
         if target.backend.keeps_types:  # COPY text from the source into the target, both with the pinned settings
             dst = stack.enter_context(psycopg.connect(pinned_dsn(target.where, "applier-repair"), autocommit=True))

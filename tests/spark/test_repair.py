@@ -22,9 +22,9 @@ import pytest
 
 from applier.admin import status
 from applier.errors import InUseError
-from applier.migrate.repair import RepairError, repair
+from applier.migrate.repair import RepairError, _snapshot, compare_table, repair, rewrite_ranges
 from applier.migrate.spark.rangehash import bucket_of
-from applier.migrate.sync import SyncError, sync
+from applier.migrate.sync import SyncError, TargetDb, read_tables_in_snapshot, sync
 from applier.progress.store import VERSION_TABLE
 from applier.sandbox.clusters import find_install
 from applier.targets.claim import copy_claim_name
@@ -474,3 +474,29 @@ def test_daemon_killed_during_a_repair(src: ScratchDb, dst: ScratchDb, spark: An
         code = daemon.wait(60)
     assert code == 0, log.read_text()
     assert target_exec(dst.url, "SELECT count(*) FROM applier_held") == [(0,)]
+
+
+def test_a_source_table_rewritten_between_the_comparison_and_the_rewrite(src: ScratchDb, dst: ScratchDb, spark: Any,
+                                                                         tmp_path: Path) -> None:
+    """The comparison finds the rows to copy by their place (ctid) in the snapshot; a VACUUM FULL of the source
+    table before the rewrite moves them: the rewrite stops with one line instead of copying other rows."""
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg = make_config(src, dst.url, tmp_path / "work")
+    sync(cfg, spark=spark)
+    src.cluster.execute("DELETE FROM t1 WHERE id <= 1000", src.dbname)  # VACUUM FULL compacts: later rows move
+    target_exec(dst.url, "DELETE FROM t1 WHERE id <= 1000")
+    target_exec(dst.url, "UPDATE t1 SET v = -1 WHERE id BETWEEN 2001 AND 2005")
+    target_exec(dst.url, "DELETE FROM t1 WHERE id BETWEEN 2006 AND 2010")
+    target = TargetDb(cfg)
+    try:
+        with _snapshot(cfg, "test") as (snapshot, at):
+            t1 = next(t for t in read_tables_in_snapshot(cfg, snapshot) if t.name == "t1")
+            found = compare_table(cfg, target, spark, t1, snapshot)
+            assert found.counts == (5, 5, 0)
+            src.cluster.execute("VACUUM FULL t1", src.dbname)
+            before = contents(dst.url)
+            with pytest.raises(RepairError, match="source table public.t1 was rewritten .* while it was compared"):
+                rewrite_ranges(cfg, target, t1, found, snapshot, str(at), "test", lambda line: None)
+            assert contents(dst.url) == before
+    finally:
+        target.close()
