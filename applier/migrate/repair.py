@@ -80,6 +80,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import math
 import sqlite3
 import time
 import uuid
@@ -87,6 +89,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import reduce
 from typing import Any
 
 import psycopg
@@ -468,11 +471,38 @@ def _compare_table(cfg: Config, target: TargetDb, spark: Any, t: SourceTable, sn
     return res
 
 
+log = logging.getLogger("applier.repair")
+
+READ_ROWS = 100_000  # the rows of the differing parts read, at most, before parts are split further
+PART_ROWS = 16  # rows a part should hold, about, once split (fewer: more sums than rows to read)
+MIN_SPLIT_BITS = 4  # a split into fewer than 16 parts each is not worth its scan
+MAX_BITS = 50
+MAX_PARTS = 10_000  # the differing parts named in one filter, at most (more: the damage is most of the table)
+
+
+def split_bits(rows: int, parts: int) -> int:
+    """How many more bits of the key's md5 to split ``parts`` differing parts holding ``rows`` rows (both sides)
+    by, so that each new part holds about ``PART_ROWS`` (0: not worth it: few rows, or parts already small)."""
+    if rows <= READ_ROWS or parts > MAX_PARTS:
+        return 0
+    extra = int(math.log2(max(1.0, rows / (2 * parts * PART_ROWS))))
+    return min(extra, 10) if extra >= MIN_SPLIT_BITS else 0
+
+
 def _compare_on_servers(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str, Any], key: list[str],
                         res: TableRepair) -> None:
-    """PostgreSQL on both sides, same types: the ranges' sums on the servers, then the differing ranges' row hashes
+    """PostgreSQL on both sides, same types: the ranges' sums on the servers; while the differing ones hold more
+    than ``READ_ROWS`` rows, the sums of their parts (``split_bits``: the next bits of the key's md5, parts of
+    about ``PART_ROWS`` rows), so that few rows alike on both sides are read; then the differing parts' row hashes
     (key text and row text md5s) read to count."""
-    from applier.migrate.spark.rangehash import bucket_filter, bucket_of, hash_plan, range_sums, row_text  # pyspark
+    from applier.migrate.spark.rangehash import (  # start-up time: pyspark
+        KEY_BITS,
+        bucket_filter,
+        bucket_of,
+        hash_plan,
+        range_sums,
+        row_text,
+    )
     from applier.migrate.spark.source import pg_in_snapshot, range_query  # start-up time: pyspark
 
     plans = [src_plan, tgt_plan]
@@ -481,19 +511,31 @@ def _compare_on_servers(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str
     differing = sorted(r for r in a.keys() | b.keys() if a.get(r) != b.get(r))
     if not differing:
         return
+    ranges, bits = differing, KEY_BITS
+
+    def narrowed(p: dict[str, Any], parts: list[int], bits: int) -> dict[str, Any]:
+        where = bucket_filter(key or p["columns"], parts, bits)
+        return {**p, "where": f"({p['where']}) AND {where}" if p.get("where") else where}
+
+    while extra := split_bits(sum(a.get(r, (0,))[0] + b.get(r, (0,))[0] for r in differing), len(differing)):
+        finer = min(MAX_BITS, bits + extra)
+        if finer == bits:
+            break
+        log.debug("%s: %d differing parts of %d bits split into parts of %d bits", res.table, len(differing), bits,
+                  finer)
+        a, b = range_sums(spark, *[hash_plan(narrowed(p, differing, bits), p["columns"], key, finer) for p in plans])
+        differing, bits = sorted(r for r in a.keys() | b.keys() if a.get(r) != b.get(r)), finer
     hashed: list[dict[int, list[tuple[str, str, str]]]] = []
     for p in plans:
         keyed = key or p["columns"]
-        where = bucket_filter(keyed, differing)
-        narrowed = {**p, "where": f"({p['where']}) AND {where}" if p.get("where") else where,
-                    "columns": [bucket_of(keyed), f"md5({row_text(keyed)})",
-                                f"md5({row_text(p['columns'])})", _place(p)]}
+        read = {**narrowed(p, differing, bits), "columns": [bucket_of(keyed), f"md5({row_text(keyed)})",
+                                                           f"md5({row_text(p['columns'])})", _place(p)]}
         side: dict[int, list[tuple[str, str, str]]] = {}
-        with pg_in_snapshot(narrowed, 0) as conn:
-            for bucket, k, r, at in conn.execute(range_query(narrowed, None, None)):
+        with pg_in_snapshot(read, 0) as conn:
+            for bucket, k, r, at in conn.execute(range_query(read, None, None)):
                 side.setdefault(int(bucket), []).append((k, r, at))
         hashed.append(side)
-    for r in differing:
+    for r in ranges:
         fix, src_at, tgt_at = _counted(r, hashed[0].get(r, []), hashed[1].get(r, []), bool(key))
         fix.source_where = _where_places(src_at, src_plan)
         fix.target_where = _where_places(tgt_at, tgt_plan)
@@ -542,11 +584,12 @@ def _counted(bucket: int, src: list[tuple[Any, Any, str]], tgt: list[tuple[Any, 
 
 def _compare_in_spark(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str, Any], fmt: str, ncols: int,
                       key_idx: list[int], res: TableRepair) -> None:
-    """Any target: verify's row hashes in Spark, each row with its place (source ctid, target rowid or ctid)."""
+    """Any target: verify's row hashes in Spark, each row with its place (source ctid, target rowid or ctid); the
+    differing ranges split into parts while they hold many rows (as ``_compare_on_servers``)."""
     from pyspark.sql import functions as F
 
     from applier.migrate.spark.source import read_table  # start-up time: pyspark, pyarrow
-    from applier.migrate.spark.verify import hash_sums, prepared  # start-up time: pyspark
+    from applier.migrate.spark.verify import KEY_BITS, hash_sums, prepared  # start-up time: pyspark
 
     located = []
     for p, where in ((src_plan, _place(src_plan)), (tgt_plan, "rowid" if fmt == "applier_sqlite" else _place(tgt_plan))):
@@ -562,8 +605,25 @@ def _compare_in_spark(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str, 
     differing = sorted(r for r in sums[0].keys() | sums[1].keys() if sums[0].get(r) != sums[1].get(r))
     if not differing:
         return
-    rows = [df.where(F.col("bucket").isin(differing)).select("bucket", "key", "h", "m", f"c{ncols}").collect()
-            for df in located]
+    # the differing ranges split into parts (as on the servers: ``split_bits``) while they hold many rows; the
+    # parts' sums are joined in Spark, only the differing parts (and their row counts) come to the driver
+    within, bits = F.col("bucket").isin(differing), KEY_BITS
+    counts = {r: sums[0].get(r, (0,))[0] + sums[1].get(r, (0,))[0] for r in differing}
+    while extra := split_bits(sum(counts.values()), len(counts)):
+        finer = min(MAX_BITS, bits + extra)
+        if finer == bits:
+            break
+        log.debug("%s: %d differing parts of %d bits split into parts of %d bits", res.table, len(counts), bits,
+                  finer)
+        part = F.shiftrightunsigned(F.xxhash64("key"), 64 - finer).alias("p")
+        a, b = [df.where(within).groupBy(part).agg(*hash_sums(F)).select(
+            "p", *[F.col(c).alias(f"{x}{c}") for c in ("n", "s1", "s2", "s3")]) for df, x in zip(located, "ab")]
+        same = reduce(lambda u, v: u & v, [F.col(f"a{c}").eqNullSafe(F.col(f"b{c}")) for c in ("n", "s1", "s2", "s3")])
+        counts = {int(r["p"]): (r["an"] or 0) + (r["bn"] or 0)
+                  for r in a.join(b, "p", "full_outer").where(~same).select("p", "an", "bn").collect()}
+        within = F.shiftrightunsigned(F.xxhash64("key"), 64 - finer).isin(sorted(counts))
+        bits = finer
+    rows = [df.where(within).select("bucket", "key", "h", "m", f"c{ncols}").collect() for df in located]
     by: list[dict[int, list[tuple[Any, ...]]]] = [{}, {}]
     for side, got in enumerate(rows):
         for r in got:

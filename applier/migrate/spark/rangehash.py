@@ -48,18 +48,22 @@ def row_text(columns: Sequence[str]) -> str:
     return f"ROW({', '.join(columns)})::text"
 
 
-def _bucket_of(md5_hex: str) -> str:
-    return f"(('x' || left({md5_hex}, 3))::bit(12)::int >> {12 - KEY_BITS})"
+def _bucket_of(md5_hex: str, bits: int = KEY_BITS) -> str:
+    """SQL for the top ``bits`` bits (at most 60) of an md5 (hex) as a bigint: with ``KEY_BITS``, the key range; with
+    more, a part of it (its range: the part's number shifted right by ``bits - KEY_BITS``)."""
+    digits = -(-bits // 4)
+    return f"(('x' || lpad(left({md5_hex}, {digits}), 16, '0'))::bit(64)::bigint >> {4 * digits - bits})"
 
 
-def bucket_of(key: Sequence[str]) -> str:
-    """SQL for the key range of a row whose key is these (quoted) columns."""
-    return _bucket_of(f"md5({row_text(key)})")
+def bucket_of(key: Sequence[str], bits: int = KEY_BITS) -> str:
+    """SQL for the key range (or, with more ``bits``, the part of one) of a row whose key is these (quoted)
+    columns."""
+    return _bucket_of(f"md5({row_text(key)})", bits)
 
 
-def bucket_filter(key: Sequence[str], buckets: Sequence[int]) -> str:
-    """A condition selecting the rows whose key (quoted columns) lies in one of these ranges."""
-    return f"{bucket_of(key)} IN ({', '.join(str(int(b)) for b in buckets)})"
+def bucket_filter(key: Sequence[str], buckets: Sequence[int], bits: int = KEY_BITS) -> str:
+    """A condition selecting the rows whose key (quoted columns) lies in one of these ranges (or parts)."""
+    return f"{bucket_of(key, bits)} IN ({', '.join(str(int(b)) for b in buckets)})"
 
 
 def sums_query(plan: dict[str, Any], lo: int | None, hi: int | None) -> str:
@@ -67,16 +71,16 @@ def sums_query(plan: dict[str, Any], lo: int | None, hi: int | None) -> str:
     inner = range_query(plan, lo, hi)
     key = "k" if plan["keyed"] else "m"
     cols = "md5(r) AS m, md5(k) AS k" if plan["keyed"] else "md5(r) AS m"
-    return (f"SELECT {_bucket_of(key)} AS b, count(*), sum(('x' || left(m, 16))::bit(64)::bigint), "
+    return (f"SELECT {_bucket_of(key, plan.get('bits', KEY_BITS))} AS b, count(*), sum(('x' || left(m, 16))::bit(64)::bigint), "
             f"sum(('x' || right(m, 16))::bit(64)::bigint) FROM (SELECT {cols} FROM ({inner}) AS q) AS h GROUP BY 1")
 
 
-def hash_plan(plan: dict[str, Any], columns: list[str], key: list[str]) -> dict[str, Any]:
+def hash_plan(plan: dict[str, Any], columns: list[str], key: list[str], bits: int = KEY_BITS) -> dict[str, Any]:
     """A ``pg_plan`` (parsed) turned into the plan of ``sums_query``: its columns (quoted names or SQL, in the
     order of the comparison) become the row text ``r`` and, when ``key`` (quoted) is not empty, the key text
-    ``k``."""
+    ``k``; the sums are per key range, or with more ``bits`` per part of one."""
     exprs = [f"{row_text(columns)} AS r"] + ([f"{row_text(key)} AS k"] if key else [])
-    return {**plan, "columns": exprs, "keyed": bool(key)}
+    return {**plan, "columns": exprs, "keyed": bool(key), "bits": bits}
 
 
 def _sums_of(plans: list[dict[str, Any]], items: list[tuple[int, int]]) -> list[tuple[int, int, Sums]]:
