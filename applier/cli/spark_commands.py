@@ -144,7 +144,8 @@ def repair(
 
     `applier run` may keep running: it holds each repaired table's changes while the table is repaired and
     applies the later ones afterwards, the other tables' meanwhile. Each differing key range (of 1024 of the
-    key's hash) is rewritten in one target transaction and recorded in applier_repairs. Run it again after a
+    key's hash) is rewritten in one target transaction (only its rows that differ; up to 64 ranges share one) and
+    recorded in applier_repairs. Run it again after a
     failure or a kill: it finishes.
 
     Examples:

@@ -34,8 +34,8 @@ stream at a snapshot the way ``applier sync --table`` joins a copied table, whil
    (``_counted``: a key on one side only, a row that differs, a key held twice) deleted from the target and copied
    from the source in S, the rows alike on both sides left as they are, and an ``applier_repairs`` row (migration
    0009: run, table, S, range, rows inserted / updated / deleted) written. A unique value that moved between rows
-   of two groups (two rows swapped it) fails the first group's transaction: the remaining ranges are then
-   rewritten together in one. T on the target is then the source at S
+   of two groups (two rows swapped it) fails the first group's transaction: it is then rewritten with the next
+   group, then with the next two, … in one transaction (all their old rows deleted before any is copied). T on the target is then the source at S
    exactly: what the applier applied before the answer plus drift (rows deleted, changed or added on the target by
    hand), and the changes held before S, are all differences of the comparison at S;
 6. the row set to 'ready' (durable). The applier drains the held changes as after a copy: those committed before
@@ -125,8 +125,18 @@ class RangeRepair:
     inserted: int = 0
     updated: int = 0
     deleted: int = 0
-    source_where: str = ""  # the range's rows on the source (SQL)
-    target_where: str = ""  # and on the target
+    source_at: list[str] = field(default_factory=list, repr=False)  # the places of its differing rows (``_place``)
+    target_at: list[str] = field(default_factory=list, repr=False)  # on the target (a SQLite target: rowids)
+
+    @property
+    def rows(self) -> int:
+        """The rows its rewrite deletes and copies."""
+        return len(self.source_at) + len(self.target_at)
+
+    def as_json(self) -> dict[str, int]:
+        """For --json (not the places)."""
+        return {"key_range": self.key_range, "inserted": self.inserted, "updated": self.updated,
+                "deleted": self.deleted}
 
 
 @dataclass
@@ -141,6 +151,8 @@ class TableRepair:
     ranges: list[RangeRepair] = field(default_factory=list)
     rewritten: bool = False  # the ranges were rewritten (not a dry run)
     source_files: str = ""  # the source table's files when it was compared (``source_files``)
+    source_partitioned: bool = False  # read with its partitions: a place is (partition OID, ctid)
+    target_partitioned: bool = False
 
     @property
     def counts(self) -> tuple[int, int, int]:
@@ -183,8 +195,9 @@ class RepairReport:
     def as_json(self) -> dict[str, Any]:
         """For --json."""
         return {"snapshot_lsn": self.snapshot_lsn, "dry_run": self.dry_run,
-                "tables": [{**asdict(t), "counts": dict(zip(("inserted", "updated", "deleted"), t.counts,
-                                                              strict=True))} for t in self.tables]}
+                "tables": [{**asdict(t), "ranges": [r.as_json() for r in t.ranges],
+                            "counts": dict(zip(("inserted", "updated", "deleted"), t.counts, strict=True))}
+                           for t in self.tables]}
 
 
 def repair(cfg: Config, tables: list[str] | None = None, *, dry_run: bool = False, spark: Any = None,
@@ -462,7 +475,8 @@ def _compare_table(cfg: Config, target: TargetDb, spark: Any, t: SourceTable, sn
                                               qcols + [quote_ident(c) for c in nulls], cfg.spark["partitions"])
     tgt_plan = json.loads(tgt_json)
     key = [quote_ident(k) for k in t.key_columns]
-    res = TableRepair(t.qualified, shown, bool(key))
+    res = TableRepair(t.qualified, shown, bool(key), source_partitioned=not src_plan.get("only", True),
+                      target_partitioned=not tgt_plan.get("only", True))
     if on_servers:
         _compare_on_servers(spark, src_plan, tgt_plan, key, res)
     else:
@@ -536,10 +550,7 @@ def _compare_on_servers(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str
                 side.setdefault(int(bucket), []).append((k, r, at))
         hashed.append(side)
     for r in ranges:
-        fix, src_at, tgt_at = _counted(r, hashed[0].get(r, []), hashed[1].get(r, []), bool(key))
-        fix.source_where = _where_places(src_at, src_plan)
-        fix.target_where = _where_places(tgt_at, tgt_plan)
-        res.ranges.append(fix)
+        res.ranges.append(_counted(r, hashed[0].get(r, []), hashed[1].get(r, []), bool(key)))
 
 
 def _place(plan: dict[str, Any]) -> str:
@@ -549,18 +560,27 @@ def _place(plan: dict[str, Any]) -> str:
     return "ctid::text" if plan.get("only", True) else "tableoid::text || ' ' || ctid::text"
 
 
-def _where_places(places: list[str], plan: dict[str, Any]) -> str:
-    """A condition selecting the rows at these places (``_place``) of a plan's PostgreSQL table (a TID scan)."""
+def _where_places(places: list[str], partitioned: bool) -> str:
+    """A condition selecting the rows at these places (``_place``) of a PostgreSQL table (a TID scan), read with its
+    partitions or not: one ctid array per partition (an IN list of (oid, ctid) pairs is an OR tree, too deep past
+    a few thousand)."""
     if not places:
         return "false"
-    if plan.get("only", True):
-        return "ctid = ANY('{" + ",".join(f'"{c}"' for c in places) + "}'::tid[])"
-    pairs = [p.split(" ", 1) for p in places]
-    return "(tableoid, ctid) IN (" + ", ".join(f"({int(oid)}::oid, '{tid}'::tid)" for oid, tid in pairs) + ")"
+    if not partitioned:
+        return _tids(places)
+    by: dict[int, list[str]] = {}
+    for p in places:
+        oid, tid = p.split(" ", 1)
+        by.setdefault(int(oid), []).append(tid)
+    return " OR ".join(f"(tableoid = {oid}::oid AND {_tids(tids)})" for oid, tids in sorted(by.items()))
+
+
+def _tids(tids: list[str]) -> str:
+    return "ctid = ANY('{" + ",".join(f'"{c}"' for c in tids) + "}'::tid[])"
 
 
 def _counted(bucket: int, src: list[tuple[Any, Any, str]], tgt: list[tuple[Any, Any, str]],
-             keyed: bool) -> tuple[RangeRepair, list[str], list[str]]:
+             keyed: bool) -> RangeRepair:
     """The counts of one range from both sides' (key hash, row hash, place) triples, and the places of the rows
     that differ on each side (the rows a rewrite deletes from the target and copies from the source: a key on one
     side only, a row that differs, a key held twice; without a key the row is the key, and a row whose number of
@@ -571,15 +591,18 @@ def _counted(bucket: int, src: list[tuple[Any, Any, str]], tgt: list[tuple[Any, 
         fix.inserted = sum(1 for k in s if k not in t)
         fix.deleted = sum(1 for k in t if k not in s)
         fix.updated = sum(1 for k in s if k in t and s[k] != t[k])
-        twice = {k for k, n in (Counter(k for k, _, _ in src) + Counter(k for k, _, _ in tgt)).items()
-                 if n > (k in s) + (k in t)}
+        held = Counter(k for k, _, _ in tgt)
+        twice = {k for k, n in (Counter(k for k, _, _ in src) + held).items() if n > (k in s) + (k in t)}
+        fix.deleted += sum(held[k] - 1 for k in twice if held[k] > 1)  # a key's other copies on the target
         differs = {k for k in s.keys() | t.keys() if s.get(k) != t.get(k)} | twice
     else:
         cs, ct = Counter(k for k, _, _ in src), Counter(k for k, _, _ in tgt)
         fix.inserted = sum((cs - ct).values())
         fix.deleted = sum((ct - cs).values())
         differs = {k for k in cs.keys() | ct.keys() if cs[k] != ct[k]}
-    return fix, [at for k, _, at in src if k in differs], [at for k, _, at in tgt if k in differs]
+    fix.source_at = [at for k, _, at in src if k in differs]
+    fix.target_at = [at for k, _, at in tgt if k in differs]
+    return fix
 
 
 def _compare_in_spark(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str, Any], fmt: str, ncols: int,
@@ -631,14 +654,8 @@ def _compare_in_spark(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str, 
                                                                r[f"c{ncols}"]))
     sqlite_target = fmt == "applier_sqlite"
     for b in differing:
-        fix, src_at, tgt_at = _counted(b, [(k, h, _loc(x, sqlite_target)) for k, h, x in by[0].get(b, [])],
-                                       [(k, h, _loc(x, sqlite_target)) for k, h, x in by[1].get(b, [])],
-                                       bool(key_idx))
-        fix.source_where = _where_places(src_at, src_plan)
-        locs = tgt_at
-        fix.target_where = (f"rowid IN ({', '.join(str(int(x)) for x in locs)})" if locs else "false") \
-            if sqlite_target else _where_places(locs, tgt_plan)
-        res.ranges.append(fix)
+        res.ranges.append(_counted(b, [(k, h, _loc(x, sqlite_target)) for k, h, x in by[0].get(b, [])],
+                                   [(k, h, _loc(x, sqlite_target)) for k, h, x in by[1].get(b, [])], bool(key_idx)))
 
 
 def _loc(v: Any, canonical: bool) -> str:
@@ -663,7 +680,7 @@ def rewrite_groups(ranges: list[RangeRepair]) -> Iterator[list[RangeRepair]]:
     group: list[RangeRepair] = []
     rows = 0
     for fix in ranges:
-        n = fix.inserted + fix.updated + fix.deleted
+        n = fix.rows
         if group and (len(group) >= REWRITE_RANGES or rows + n > REWRITE_ROWS):
             yield group
             group, rows = [], 0
@@ -700,8 +717,12 @@ def rewrite_ranges(cfg: Config, target: TargetDb, t: SourceTable, found: TableRe
             with contextlib.suppress(psycopg.Error):  # as the copy: no triggers, no foreign-key checks, if the role may
                 dst.execute("SET session_replication_role = replica")
         def rewrite(group: list[RangeRepair]) -> None:
-            source_where = " OR ".join(f"({fix.source_where})" for fix in group)
-            target_where = " OR ".join(f"({fix.target_where})" for fix in group)
+            source_where = _where_places([at for fix in group for at in fix.source_at], found.source_partitioned)
+            places = [at for fix in group for at in fix.target_at]
+            if dst is not None:
+                target_where = _where_places(places, found.target_partitioned)
+            else:  # a SQLite target: rowids
+                target_where = f"rowid IN ({', '.join(str(int(at)) for at in places)})" if places else "false"
             query = range_query({**plan, "where": f"({plan['where']}) AND ({source_where})" if plan.get("where")
                                  else source_where}, None, None)
             records = [[cfg.apply["name"], run, t.schema, t.name, at, fix.key_range, fix.inserted, fix.updated,
@@ -721,16 +742,17 @@ def rewrite_ranges(cfg: Config, target: TargetDb, t: SourceTable, found: TableRe
                 target.transaction([(delete + target_where, []), *[(insert, list(r)) for r in rows],
                                     *[(record, r) for r in records]])
 
-        groups = list(rewrite_groups(found.ranges))
-        while groups:
+        groups, first, span = list(rewrite_groups(found.ranges)), 0, 1
+        while first < len(groups):
             try:
-                rewrite(groups[0])
+                rewrite([fix for group in groups[first:first + span] for fix in group])
             except Exception as exc:
                 # a value of a unique column that moved to a row of a range rewritten later (two rows swapped it):
-                # the rest of the ranges together, in one transaction, their old rows deleted before any is copied
-                if len(groups) == 1 or not target.backend.failures.is_unique(exc):
+                # this group with the next one, then the next two, … in one transaction, all their old rows deleted
+                # before any is copied
+                if first + span >= len(groups) or not target.backend.failures.is_unique(exc):
                     raise
-                groups = [[fix for group in groups for fix in group]]
+                span *= 2
                 continue
-            groups.pop(0)
+            first, span = first + span, 1
     say(f"{t.qualified}: {len(found.ranges)} key ranges rewritten in target table {shown}")

@@ -16,7 +16,7 @@ After the clear stop on a missing or invalidated slot (``SlotLost``, exit 6), ``
    C's snapshot, one it rolled back is nowhere. So the target's are rolled back (the kept ones deleted with
    the progress row's move, step 4) before anything is rewritten, and the count said;
 3. repairs every published table against that snapshot (``applier.migrate.repair``: verify's key-range hashes,
-   each differing range rewritten in one target transaction and recorded in ``applier_repairs``). No applier
+   each differing range rewritten whole in one target transaction and recorded in ``applier_repairs``). No applier
    runs, so nothing is held: each table is then the source at C. The changes the lost slot never delivered (those
    after the applied position and before C) are exactly differences at C, so exactly what is rewritten;
 4. in one durable transaction: the progress row moved to C on the new slot (``recopy_needed`` cleared), the lost

@@ -22,8 +22,9 @@ Invariants every target keeps, whatever the role:
   Protocols are read-only.
 - Nobody reaches past the contract to a target's connection or SQL: a need the contract does not name is a
   method added here first.
-- ``Failures`` (``applier.targets.opener.failures``): a target kind names what its driver raises and which of it
-  passes by itself; the runner asks it instead of sorting a session's driver errors by type or text itself.
+- ``Failures`` (``applier.targets.opener.failures``): a target kind names what its driver raises, which of it
+  passes by itself and which is a unique violation; the runner (and ``applier repair``) asks it instead of sorting
+  a session's driver errors by type or text itself.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Repairs of replicated tables (``applier repair``, ``applier.migrate.repair``).
 
 ``applier_repairs``: per ``apply.name``, one row per key range that a repair rewrote, written in the target
-transaction that rewrote it (the range's rows deleted, the source's rows of the range at the repair's snapshot
-inserted): the repair run, the source table, the snapshot's consistent point, the key range (0-1023, or -1: the
+transaction that rewrote it (the range's differing rows deleted, the source's rows of them at the repair's
+snapshot inserted; several ranges may share a transaction): the repair run, the source table, the snapshot's consistent point, the key range (0-1023, or -1: the
 whole table), and the rows inserted (keys only on the source), updated (keys on both sides, rows different) and
 deleted (keys only on the target). A repair killed half-way leaves the ranges it finished recorded, and only those.
 

@@ -338,25 +338,27 @@ def test_daemon_holds_a_table_the_repair_answered_for(src: ScratchDb, dst: Scrat
     assert code == 0, log.read_text()
 
 
-def test_a_unique_value_swapped_between_rows_of_far_ranges(src: ScratchDb, dst: ScratchDb, spark: Any,
-                                                          tmp_path: Path) -> None:
-    """Two target rows whose key ranges are rewritten in different transactions hold each other's unique value:
-    the first rewrite cannot copy its row back; the repair still ends with the source's rows."""
+def test_unique_values_moved_between_rows_of_far_ranges(src: ScratchDb, target_url: str, spark: Any,
+                                                        tmp_path: Path) -> None:
+    """Every target row holds the next row's unique value: a rewrite of one group of ranges cannot copy its rows
+    back while rows of later groups hold their values; the repair still ends with the source's rows, each range
+    recorded once, and rows whose key the target holds twice (no primary key there) rewritten."""
     src.cluster.execute("CREATE TABLE u (id int PRIMARY KEY, code int NOT NULL UNIQUE, v int NOT NULL);"
                         "INSERT INTO u SELECT g, g, 0 FROM generate_series(1, 5000) g;"
                         "CREATE PUBLICATION pub FOR TABLE u", src.dbname)
-    target_exec(dst.url, "CREATE TABLE u (id int PRIMARY KEY, code int NOT NULL UNIQUE, v int NOT NULL)")
-    cfg = make_config(src, dst.url, tmp_path / "work")
+    target_exec(target_url, "CREATE TABLE u (id int NOT NULL, code int NOT NULL UNIQUE, v int NOT NULL)")
+    cfg = make_config(src, target_url, tmp_path / "work")
     sync(cfg, spark=spark)
-    by_range = src.cluster.execute(f"SELECT id FROM u ORDER BY {bucket_of(['id'])}, id", src.dbname)
-    a, b = by_range[0][0], by_range[-1][0]  # the first and the last key range: 64 ranges rewritten at a time
-    target_exec(dst.url, f"UPDATE u SET v = -1 WHERE id % 2 = 0 AND id NOT IN ({a}, {b})")  # nearly every range
-    target_exec(dst.url, f"UPDATE u SET code = -code WHERE id IN ({a}, {b})")
-    target_exec(dst.url, f"UPDATE u SET code = CASE id WHEN {a} THEN {b} ELSE {a} END WHERE id IN ({a}, {b})")
+    target_exec(target_url, "UPDATE u SET code = -code")
+    target_exec(target_url, "UPDATE u SET code = -code % 5000 + 1")  # each row the next one's value
+    target_exec(target_url, "INSERT INTO u VALUES (7, -7, 0), (8, -8, 0)")  # keys held twice
     report = repair(cfg, spark=spark)
-    assert len(report.tables[0].ranges) > 64  # more than one transaction's worth
     want = src.cluster.execute("SELECT id, code, v FROM u ORDER BY id", src.dbname)
-    assert target_exec(dst.url, "SELECT id, code, v FROM u ORDER BY id") == [tuple(r) for r in want]
+    assert target_exec(target_url, "SELECT id, code, v FROM u ORDER BY id") == [tuple(r) for r in want]
+    (found,) = report.tables
+    assert len(found.ranges) > 64  # more than one transaction's worth
+    assert found.counts == (0, 5000, 2)
+    assert recorded(target_url)["u"] == (len(found.ranges), *found.counts)
 
 
 def test_repair_answered_while_the_daemon_waits_for_a_table(src: ScratchDb, dst: ScratchDb, spark: Any,

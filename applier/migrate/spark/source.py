@@ -1,4 +1,4 @@
-"""PySpark Python Data Sources that read one table in parallel ranges.
+"""PySpark Python Data Sources that read a table in parallel ranges (or several small ones in one scan).
 
 ``applier_pg`` reads a PostgreSQL table (the source, or a PostgreSQL target,
 for ``verify``; its partitions' queries and snapshot are also those of the copy
