@@ -13,8 +13,8 @@ test library) are skipped, and so are those that leave nothing in the database
 placeholders filled, with a results directory the server may write.
 
 Invariant: when ``build_regression_db`` returns, no prepared transaction of the
-database is left (``prepared_xacts`` may leave some, and a logical slot could
-not be created while one is open).
+database is left (a script may leave one, and a logical slot could not be created
+while one is open).
 
 ``load_schema`` gives a target the source's schema as an operator does before a
 logical-replication copy: ``pg_dump --schema-only`` of the source database,
