@@ -2,7 +2,9 @@
 
 A source database with table ``t`` in publication ``pub``, a target (a SQLite file or a scratch PostgreSQL
 database) with ``t`` created, a config file, and the installed ``applier`` script run against it in a
-subprocess: what a user types, what a user reads.
+subprocess: what a user types, what a user reads. A step of a test's set-up (``init`` before what is tested)
+runs in this process (``prepare``): there the command's own process is not the point, and a Python start each
+would be most of the test's CPU.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from applier.decoder.messages import Begin, Commit
 from applier.decoder.pgoutput import decode_message
 from applier.lsn import LSN
-from tests.plugins.cli import applier_script, clean_env, write_toml
+from tests.plugins.cli import applier_script, clean_env, invoke, write_toml
 from tests.plugins.clusters import ScratchDb
 from tests.plugins.target_side import TargetSide
 
@@ -49,9 +51,14 @@ class Rig(TargetSide):
     def initialized(cls, source: ScratchDb, tmp: Path) -> Rig:
         """``make`` with a SQLite target, then ``applier init`` (asserted to succeed)."""
         rig = cls.make(source, None, tmp)
-        r = rig.applier("init")
-        assert r.returncode == 0, r.stderr
+        rig.prepare("init")
         return rig
+
+    def prepare(self, *args: str) -> None:
+        """``applier ARGS -c CONFIG`` in this process (``tests.plugins.cli.invoke``), asserted to succeed: a step of
+        the set-up."""
+        r = invoke(*args, "-c", str(self.config))
+        assert r.returncode == 0, r.stderr
 
     def applier(self, *args: str, config: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """``applier ARGS -c CONFIG`` (this rig's config, or ``config``), run to its end."""

@@ -46,7 +46,7 @@ def test_until_and_a_streamed_transaction(source_db: ScratchDb, tmp_path: Path) 
     # the walsender streams a transaction larger than logical_decoding_work_mem (64kB on the test servers) before
     # it commits
     rig = Rig.make(source_db, None, tmp_path, streaming=True)
-    assert rig.applier("init").returncode == 0
+    rig.prepare("init")
     rig.src("INSERT INTO t SELECT g, repeat('x', 100) FROM generate_series(1, 3000) g")
     rig.src("INSERT INTO t VALUES (0, 'after')")
     (big_commit, big_end), _ = rig.pending()
@@ -62,7 +62,7 @@ def test_until_and_a_streamed_transaction(source_db: ScratchDb, tmp_path: Path) 
 
 def test_until_between_prepare_and_commit_prepared(source_db: ScratchDb, tmp_path: Path) -> None:
     rig = Rig.make(source_db, None, tmp_path, two_phase=True)
-    assert rig.applier("init").returncode == 0
+    rig.prepare("init")
     rig.src("BEGIN; INSERT INTO t VALUES (10, 'prepared'); PREPARE TRANSACTION 'g1'")
     rig.src("CREATE TABLE unpublished (id int); INSERT INTO unpublished VALUES (1)")  # WAL after the PREPARE's end
     between = LSN.parse(rig.src("SELECT pg_current_wal_insert_lsn()::text")[0][0])

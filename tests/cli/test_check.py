@@ -38,8 +38,7 @@ def failed(r: subprocess.CompletedProcess[str]) -> set[str]:
 @pytest.fixture(params=["postgresql", "sqlite"])
 def rig(request: pytest.FixtureRequest, source_db: ScratchDb, target_db: ScratchDb, tmp_path: Path) -> Iterator[Rig]:
     rig = Rig.make(source_db, target_db if request.param == "postgresql" else None, tmp_path)
-    r = rig.applier("init")
-    assert r.returncode == 0, r.stderr
+    rig.prepare("init")
     yield rig
 
 
@@ -82,7 +81,7 @@ def test_names_each_failing_check(rig: Rig) -> None:
 def test_a_target_role_that_cannot_change_a_table_fails(source_db: ScratchDb, target_db: ScratchDb,
                                                           tmp_path: Path) -> None:
     rig = Rig.make(source_db, target_db, tmp_path)
-    assert rig.applier("init").returncode == 0
+    rig.prepare("init")
     role = f"ops_{target_db.dbname}"
     rig.tgt(f"CREATE ROLE {role} LOGIN")
     try:
@@ -135,7 +134,7 @@ def small_wal_keep_source(pg_clusters: ClusterPool, pg_install: PgInstall) -> It
 
 def test_an_invalidated_slot_fails_slot_state(small_wal_keep_source: ScratchDb, tmp_path: Path) -> None:
     rig = Rig.make(small_wal_keep_source, None, tmp_path)
-    assert rig.applier("init").returncode == 0
+    rig.prepare("init")
     for _ in range(4):  # past max_slot_wal_keep_size: the next checkpoint removes the WAL the slot holds
         rig.src("INSERT INTO t SELECT g, repeat('x', 200) FROM generate_series(1, 5000) g; DELETE FROM t")
         rig.src("SELECT pg_switch_wal()")

@@ -45,7 +45,7 @@ def test_a_non_superuser_installer_gets_one_line(rig: Rig) -> None:
 
 
 def test_catchup_applies_the_dml_around_captured_ddl_as_before(rig: Rig) -> None:
-    assert rig.applier("ddl", "install").returncode == 0
+    rig.prepare("ddl", "install")
     rig.source.cluster.execute("BEGIN; INSERT INTO t VALUES (1, 'a'); CREATE INDEX t_v ON t (v);"
                                " ALTER TABLE t ALTER COLUMN v SET DEFAULT 'x'; INSERT INTO t VALUES (2, 'b'); COMMIT",
                                rig.source.dbname)
@@ -65,7 +65,7 @@ def test_check_and_status_say_whether_capture_is_installed(rig: Rig) -> None:
                 [line for line in status.stdout.splitlines() if line.startswith("ddl_capture")])
 
     assert lines() == (["ok    DDL capture: not installed"], ["ddl_capture: not installed"])
-    assert rig.applier("ddl", "install").returncode == 0
+    rig.prepare("ddl", "install")
     assert lines() == (["ok    DDL capture: installed, version 1"], ["ddl_capture: installed, version 1"])
 
 
@@ -74,7 +74,7 @@ def test_init_after_install_keeps_the_shapes_so_the_first_rename_is_followed(sou
     # capture installed before `applier init`: its BASELINE is before the new slot, never in the stream; init keeps
     # each published table's shape at the slot's start, so the first captured RENAME COLUMN is told from a new column
     rig = Rig.make(source_db, None, tmp_path)
-    assert rig.applier("ddl", "install").returncode == 0
+    rig.prepare("ddl", "install")
     r = rig.applier("init")
     assert r.returncode == 0, r.stderr
     assert "DDL capture: 1 published table shape(s) kept at" in r.stdout

@@ -25,8 +25,7 @@ ORIGIN = "applier_applier"
 def rig(request: pytest.FixtureRequest, source_db: ScratchDb, target_db: ScratchDb, tmp_path: Path) -> Iterator[Rig]:
     rig = Rig.make(source_db, target_db if request.param == "postgresql" else None, tmp_path)
     for args in (("init",), ("catchup",)):  # a catchup makes the origin on a PostgreSQL target
-        r = rig.applier(*args)
-        assert r.returncode == 0, r.stderr
+        rig.prepare(*args)
     yield rig
 
 

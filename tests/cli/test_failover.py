@@ -29,7 +29,7 @@ import pytest
 
 from applier.lsn import LSN
 from applier.sandbox.clusters import Cluster, PgInstall, find_install, find_installs
-from tests.plugins.cli import applier_script, clean_env, write_toml
+from tests.plugins.cli import applier_script, clean_env, invoke, write_toml
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 from tests.plugins.target_side import TargetSide
 
@@ -212,7 +212,7 @@ def test_run_follows_promoted_standbys_by_itself_each_row_once(pair: Pair, targe
     operator lists it in the DSN and restarts the daemon), then mid-stream the primary stopped and the standby
     promoted; the daemon continues on it by itself. The target ends equal to the last primary, each row once."""
     rep = make_replica(pair.primary.dsn(DB), target, tmp_path, failover=True)
-    r = rep.applier("init")
+    r = invoke("init", "-c", str(rep.config))  # set-up: in this process (its own process is not the point here)
     assert r.returncode == 0, r.stderr
     assert pair.primary.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = %s", DB,
                                 [SLOT]) == [(True,)]
@@ -288,7 +288,7 @@ def test_check_status_and_run_name_what_a_failover_slot_lacks(pg_clusters: Clust
         src.cluster.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE PUBLICATION pub FOR TABLE t",
                             src.dbname)
         rep = make_replica(src.dsn, None, tmp_path)
-        assert rep.applier("init").returncode == 0
+        assert invoke("init", "-c", str(rep.config)).returncode == 0  # set-up, in this process
         on = tmp_path / "on.toml"
         on.write_text(rep.config.read_text().replace("[source]\n", "[source]\nfailover = true\n"))
         rep.config = on
@@ -349,7 +349,7 @@ def test_hosts_of_different_clusters_stop_before_anything_is_applied(tmp_path: P
         dsn = (f"host=127.0.0.1,127.0.0.1 port={a.port},{b.port} dbname={DB} user=postgres "
                f"target_session_attrs=read-write connect_timeout=2")
         rep = make_replica(dsn, None, tmp_path, failover=True)
-        assert rep.applier("init").returncode == 0
+        assert invoke("init", "-c", str(rep.config)).returncode == 0  # set-up, in this process
         a.execute("INSERT INTO t VALUES (1, 'on a')", DB)
         system_a = a.execute("SELECT system_identifier::text FROM pg_control_system()")[0][0]
         assert rep.applier("catchup").returncode == 0

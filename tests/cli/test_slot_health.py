@@ -83,9 +83,9 @@ def test_a_stopped_replica_s_slot_near_and_past_max_slot_wal_keep_size(kept: Scr
                                                                         tmp_path: Path) -> None:
     kept.cluster.execute("SELECT pg_switch_wal()")  # the slot starts near the start of a WAL segment
     rig = Rig.make(kept, None, tmp_path)
-    assert rig.applier("init").returncode == 0
+    rig.prepare("init")
     rig.src("INSERT INTO t VALUES (1, 'a')")
-    assert rig.applier("catchup").returncode == 0
+    rig.prepare("catchup")
 
     info = _status(rig)
     assert info["slot_wal_status"] == "reserved" and info["max_slot_wal_keep_size"] == KEEP, info
@@ -136,7 +136,7 @@ def test_an_idle_slot_against_idle_replication_slot_timeout(tmp_path: Path) -> N
     pg18 = find_install(max(_installs()))
     with _own(pg18, "sh-idle", idle_replication_slot_timeout="5s") as db:
         rig = Rig.make(db, None, tmp_path)
-        assert rig.applier("init").returncode == 0
+        rig.prepare("init")
         info = _status(rig)
         assert info["idle_replication_slot_timeout"] == 5 and info["max_slot_wal_keep_size"] == -1, info
         assert "max_slot_wal_keep_size: -1 (unlimited)" in rig.applier("status").stdout
@@ -159,7 +159,7 @@ def test_an_idle_slot_against_idle_replication_slot_timeout(tmp_path: Path) -> N
 def test_the_daemon_warns_once_when_its_slot_crosses_into_unreserved(kept: ScratchDb, tmp_path: Path) -> None:
     rig = Rig.make(kept, None, tmp_path)
     rig.src("CREATE TABLE hold (id int)")  # not published
-    assert rig.applier("init").returncode == 0
+    rig.prepare("init")
     port = free_port()
     daemon = rig.start("run", "--metrics", f"127.0.0.1:{port}")
     # an open source transaction holds the slot's restart_lsn back while the daemon applies everything after it

@@ -1,12 +1,18 @@
-"""What tests need to run the installed ``applier`` script: its path, a clean environment, TOML values."""
+"""What tests need to run the installed ``applier`` script: its path, a clean environment, TOML values; and
+``invoke``, the same command in this process (where the command's own process is not the point: no Python start)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from typer.testing import CliRunner
+
+from applier.cli.app import app
 
 
 def applier_script() -> str:
@@ -21,6 +27,15 @@ def clean_env() -> dict[str, str]:
     """The environment for an applier subprocess, without APPLIER_* variables that would override the file
     (APPLIER_PURE_PYTHON, which picks the row path and is no config value, is kept)."""
     return {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_") or k == "APPLIER_PURE_PYTHON"}
+
+
+def invoke(*args: str) -> subprocess.CompletedProcess[str]:
+    """``applier ARGS`` run in this process (typer's runner): its exit code, stdout and stderr, as the installed
+    script's would be; an exception that is not an exit (what the script would print as a traceback) is raised."""
+    result = CliRunner().invoke(app, list(args))
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(["applier", *args], result.exit_code, result.stdout, result.stderr)
 
 
 def toml_value(v: Any) -> str:

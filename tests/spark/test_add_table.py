@@ -39,7 +39,7 @@ from applier.sandbox.clusters import find_install
 from applier.targets.claim import copy_claim_name
 from applier.targets.postgres.claim import pg_claim
 from applier.targets.postgres.target import libpq_dsn
-from tests.plugins.cli import applier_script, clean_env, write_toml
+from tests.plugins.cli import applier_script, clean_env, invoke, write_toml
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 from tests.spark.conftest import make_config, target_exec
 
@@ -291,16 +291,19 @@ def test_refusals(spark: Any, src: ScratchDb, dst: ScratchDb, tmp_path: Path) ->
                         "CREATE TABLE part1 PARTITION OF parent FOR VALUES FROM (0) TO (10);"
                         "INSERT INTO parent VALUES (1, 1);", src.dbname)
     cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
-    assert cli("init", "-c", str(cfg_file)).returncode == 0
+    assert invoke("init", "-c", str(cfg_file)).returncode == 0
 
-    def refused(*args: str, cfg: Path = cfg_file) -> str:
-        res = cli("sync", "-c", str(cfg), *args)
+    # the refusals run the command in this process (the same code to the one line and the exit code, without a
+    # Python start each); the first one, and the failed copy at the end, as the installed script
+    def refused(*args: str, cfg: Path = cfg_file, run: Any = invoke) -> str:
+        res = run("sync", "-c", str(cfg), *args)
         assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
-        return res.stderr.strip()
+        return str(res.stderr).strip()
 
     src.cluster.execute("ALTER PUBLICATION pub ADD TABLE n, parent", src.dbname)  # parent: through part1
     synced(spark, cfg_file)
-    line = refused("--table", "public.lone")
+    line = refused("--table", "public.lone", run=cli)
+    assert line.startswith("applier: error: ") and "\n" not in line, line  # one line, nothing else
     assert "source table public.lone is not published by pub" in line and "ALTER PUBLICATION" in line, line
     assert "source table public.nosuch does not exist" in refused("--table", "nosuch")
     line = refused("--table", "public.n")  # copied by the full sync: the daemon applies its changes

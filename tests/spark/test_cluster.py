@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from applier.migrate.spark.session import LOCAL_JVM_OPTS
 from tests.plugins.cli import applier_script, clean_env, toml_value
 from tests.plugins.clusters import ScratchDb
 
@@ -75,8 +76,10 @@ def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalone]
     node_bin.mkdir()
     _script(node_bin / "python3", "#!/bin/sh\necho \"this node's python3 is not applier's Python\" >&2\nexit 1\n")
     env = {k: v for k, v in clean_env().items() if k not in SPARK_PYTHON_VARS}
+    # the master and the worker JVMs (the cluster's, not applier's) with the JIT's C1 only and the serial collector,
+    # as applier's local driver: a quarter of the test's CPU less; the executors the worker starts are not given it
     env.update(SPARK_HOME=str(home), SPARK_LOCAL_IP="127.0.0.1", SPARK_NO_DAEMONIZE="1",
-               SPARK_MASTER_OPTS="-Dspark.master.rest.enabled=false")
+               SPARK_MASTER_OPTS="-Dspark.master.rest.enabled=false", SPARK_DAEMON_JAVA_OPTS=LOCAL_JVM_OPTS)
     node_env = {**env, "PATH": f"{node_bin}{os.pathsep}{env['PATH']}"}
     procs: list[subprocess.Popen[bytes]] = []
 

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from typer.testing import CliRunner
 
-from applier.cli.app import app
+from tests.plugins.cli import invoke
 from tests.plugins.clusters import ScratchDb
 
 pytest.importorskip("pyspark")
@@ -148,10 +147,8 @@ partitions = {partitions}
 
 
 def _cli(*args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, list(args))
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
+    result = invoke(*args)
+    return result.returncode, result.stdout, result.stderr
 
 
 def _tamper(target_url: str) -> None:

@@ -25,7 +25,7 @@ import psycopg
 import pytest
 
 from applier.sandbox.clusters import find_install
-from tests.plugins.cli import write_toml
+from tests.plugins.cli import invoke, write_toml
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 from tests.spark.conftest import target_exec
 from tests.spark.test_add_table import (
@@ -104,7 +104,7 @@ def test_error_names_the_table_the_lsn_and_the_ways_out(src: ScratchDb, dst: Scr
     src.cluster.execute(SOURCE, src.dbname)
     cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work", "error")
     dst.cluster.execute("CREATE TABLE a (id int PRIMARY KEY, v int NOT NULL)", dst.dbname)  # no copy needed: init
-    first = cli("init", "-c", str(cfg_file))
+    first = invoke("init", "-c", str(cfg_file))  # set-up: in this process
     assert first.returncode == 0, first.stderr
     src.cluster.execute("ALTER PUBLICATION pub ADD TABLE n; UPDATE n SET v = 1 WHERE id = 1", src.dbname)
     res: subprocess.CompletedProcess[Any] = cli("catchup", "-c", str(cfg_file))
@@ -212,7 +212,7 @@ def test_other_tables_keep_flowing_while_a_100k_row_table_joins(
                                else f"CREATE PUBLICATION pub {how};"), src.dbname)
         cfg_file = config_file(tmp_path / "applier.toml", src, target_url, tmp_path / "work", "sync")
         target_exec(target_url, "CREATE TABLE tick (id int PRIMARY KEY, at float8 NOT NULL)")  # as pg_dump makes it
-        first = cli("init", "-c", str(cfg_file))
+        first = invoke("init", "-c", str(cfg_file))  # set-up: in this process
         assert first.returncode == 0, first.stderr
         log = tmp_path / "daemon.log"
         daemon = start_daemon(cfg_file, log)
