@@ -61,8 +61,8 @@ def sync(
         from applier.targets.backends import backend_of  # start-up time of the other commands (~0.1 s)
 
         # a PostgreSQL target is copied by Spark tasks (a SQLite one by the driver alone): for the full sync its
-        # SparkContext starts now, while the rest of the command loads and reads the catalogs (`sync --table`, whose
-        # refusals are the common way out, starts it when it copies)
+        # SparkContext starts once the source and target checks pass, while the rest of the command reads the
+        # catalogs (`sync --table`, whose refusals are the common way out, starts it when it copies)
         spark = SparkStart(cfg, sql=False) if backend_of(cfg).copies_by_spark and not table else None
         # here, not at the top: start-up time (only sync/verify load alembic/SQLAlchemy and pyspark)
         from applier.migrate.add_table import sync_tables
@@ -116,7 +116,7 @@ def verify(
     def go() -> Any:
         cfg = _config(config, dsn, slot, publication, target, master, partitions)
         check_spark_target(cfg)  # before Spark starts: a refusal is one line, no JVM started
-        spark = SparkStart(cfg, sql=True)  # starts now, while the rest loads and the target catches up
+        spark = SparkStart(cfg, sql=True)  # starts once the checks pass, while the target catches up
         # here, not at the top: start-up time (only sync/verify load alembic/SQLAlchemy and pyspark)
         from applier.migrate.spark.verify import verify as do_verify
 

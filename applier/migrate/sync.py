@@ -85,7 +85,7 @@ from applier.migrate.schema import (
     target_table_name,
 )
 from applier.migrate.spark.progress import Reporter
-from applier.migrate.spark.session import spark_context, spark_of
+from applier.migrate.spark.session import begin, spark_context, spark_of
 from applier.progress.migrate import migrate, said
 from applier.progress.store import shape_row
 from applier.rows import one_row
@@ -427,6 +427,7 @@ def _sync(cfg: Config, force: bool, spark: Any, reporter: Any, say: Any, partiti
     name, slot = cfg.apply["name"], cfg.source["slot"]
     check_source(cfg, need_slot=False)
     check_target(cfg, need_init=False)
+    begin(spark)  # a background start of Spark: the checks passed
     if line := said(*migrate(cfg.target["url"])):
         say(line)
     target = TargetDb(cfg)

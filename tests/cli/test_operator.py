@@ -98,6 +98,16 @@ COMMANDS = [["init"], ["catchup"], ["run"], ["status"], ["status", "--json"], ["
             ["resync"]]
 
 
+def test_sync_and_verify_refused_by_their_checks_start_no_spark(world: World) -> None:
+    """A source that cannot be reached: the one line and nothing before it (a JVM started meanwhile would print its
+    own start-up lines, and cost its start)."""
+    dsn = f"host=127.0.0.1 port={closed_port()} dbname=app user=app connect_timeout=2"
+    for command, target in (("verify", None), ("sync", world.target.url)):
+        done = run(command, "-c", str(world.config(f"nospark-{command}", {"dsn": dsn}, target=target)))
+        assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, (command, done.stderr)
+        assert "cannot" in done.stderr or "could not" in done.stderr or "refused" in done.stderr, done.stderr
+
+
 def test_no_password_is_printed_by_any_command_in_any_dsn_form(world: World) -> None:
     port = closed_port()
     forms = {

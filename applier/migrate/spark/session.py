@@ -299,9 +299,10 @@ def context_of(spark: Any) -> Any:
 
 class SparkStart:
     """Spark started in a background thread: ``spark_session`` (``sql``) or ``spark_context`` for a Config's
-    ``spark.master``, while the caller does its other work; ``get()`` waits for it (and raises what starting it
-    raised). The thread is a daemon: a command that fails before it needs Spark exits without waiting (the JVM
-    exits once its gateway sees this process gone)."""
+    ``spark.master``, from ``begin()`` on (the command's own checks passed: a command refused by them starts no
+    JVM), while the caller does its other work; ``get()`` waits for it (starting it if nothing did) and raises what
+    starting it raised. The thread is a daemon: a command that fails before it needs Spark exits without waiting
+    (the JVM exits once its gateway sees this process gone)."""
 
     def __init__(self, cfg: Any, sql: bool) -> None:
         self.master: str = cfg.spark["master"]
@@ -310,7 +311,11 @@ class SparkStart:
         self._error: BaseException | None = None
         self._interrupts = False  # the SIGINT handler of get() installed
         self._thread = threading.Thread(target=self._start, name="applier-spark-start", daemon=True)
-        self._thread.start()
+
+    def begin(self) -> None:
+        """Start Spark in the background now (once)."""
+        if self._thread.ident is None:
+            self._thread.start()
 
     def _start(self) -> None:
         try:
@@ -321,11 +326,13 @@ class SparkStart:
     def settle(self) -> None:
         """Wait until the start ended, well or not: what its JVM prints as it starts comes before what the caller
         prints next (a command that fails says its one line last)."""
-        self._thread.join()
+        if self._thread.ident is not None:
+            self._thread.join()
 
     def get(self) -> Any:
         """The SparkSession (``sql``) or SparkContext, once started; in the main thread, an interrupt from then on
         cancels its jobs first (as PySpark does for a context started in the main thread)."""
+        self.begin()
         self._thread.join()
         if self._error is not None:
             raise self._error
@@ -341,6 +348,13 @@ class SparkStart:
             signal.signal(signal.SIGINT, interrupted)
             self._interrupts = True
         return self._spark
+
+
+def begin(spark: Any) -> None:
+    """The caller's checks passed: a ``SparkStart`` starts Spark now, while the caller goes on (anything else:
+    nothing to do)."""
+    if isinstance(spark, SparkStart):
+        spark.begin()
 
 
 def spark_of(spark: Any) -> Any:

@@ -85,7 +85,7 @@ from applier.config import Config, ConfigError
 from applier.decoder.messages import CLOSED_BY, Keepalive, XLogData, decision_position, kind_of
 from applier.engine.runner import Runner
 from applier.lsn import LSN
-from applier.migrate.spark.session import check_spark_target, spark_for, spark_of, task_slots
+from applier.migrate.spark.session import begin, check_spark_target, spark_for, spark_of, task_slots
 from applier.migrate.sync import TargetDb, count_in_snapshot, read_tables_in_snapshot, slot_row
 from applier.source.base import Source, SourceError
 from applier.source.walsender import WalSender
@@ -540,10 +540,8 @@ class _Batch:
 def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = None,
            partitions: int | None = None) -> VerifyReport:
     """Compare every published table at one consistent moment (see the module header). ``spark``: a SparkSession
-    or a ``SparkStart`` of one (waited for once the target is caught up), else one is started then."""
-    from applier.migrate.spark.rangehash import same_types, server_encoding, target_types  # start-up: pyspark
-    from applier.migrate.spark.source import pg_plan  # start-up time: pyspark
-
+    or a ``SparkStart`` of one (begun once the checks pass, waited for once the target is caught up), else one is
+    started then."""
     say = say or (lambda line: None)
     nparts = partitions or cfg.spark["partitions"]
     check_spark_target(cfg)
@@ -562,6 +560,10 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
     except SourceError as exc:
         raise ConfigError(f"{cfg.where('source', 'dsn')}: {exc}") from None
     try:
+        begin(spark)  # a background start of Spark: the checks passed
+        from applier.migrate.spark.rangehash import same_types, server_encoding, target_types  # start-up: pyspark
+        from applier.migrate.spark.source import pg_plan  # start-up time: pyspark
+
         temp = f"applier_verify_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         info = ws.create_slot(temp, snapshot="export", temporary=True)
         point = info.consistent_point
