@@ -26,6 +26,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,16 +185,22 @@ def equal_soon(src: ScratchDb, target_url: str, seconds: float = 90) -> None:
     assert got_n == want_n
 
 
-def equal_then_stop(src: ScratchDb, target_url: str, daemon: subprocess.Popen[bytes], log: Path) -> str:
-    """Wait until the target equals the source, then SIGTERM the daemon, which must exit 0; its log."""
+def stop_once(equal: Callable[[], None], daemon: subprocess.Popen[Any], log: Path) -> str:
+    """``equal()`` (it waits until the target equals the source), then SIGTERM the daemon, which must exit 0; its
+    log."""
     try:
-        equal_soon(src, target_url)
+        equal()
     finally:
         daemon.send_signal(signal.SIGTERM)
         code = daemon.wait(60)
     text = log.read_text()
     assert code == 0, text
     return text
+
+
+def equal_then_stop(src: ScratchDb, target_url: str, daemon: subprocess.Popen[bytes], log: Path) -> str:
+    """Wait until the target equals the source, then SIGTERM the daemon, which must exit 0; its log."""
+    return stop_once(lambda: equal_soon(src, target_url), daemon, log)
 
 
 def sync_state(target_url: str, table: str = "n") -> str | None:

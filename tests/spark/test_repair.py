@@ -35,7 +35,7 @@ from applier.targets.postgres.target import libpq_dsn
 from tests.plugins.cli import applier_script, clean_env
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 from tests.spark.conftest import make_config, target_exec
-from tests.spark.test_add_table import cli, config_file, start_daemon
+from tests.spark.test_add_table import cli, config_file, start_daemon, stop_once
 
 pytest.importorskip("pyspark")
 
@@ -123,6 +123,22 @@ def equal_soon(src: ScratchDb, target_url: str, seconds: float = 90) -> None:
         assert got.get(t) == want[t], t
 
 
+def equal_then_stopped(src: ScratchDb, target_url: str, daemon: subprocess.Popen[str], log: Path) -> str:
+    """Wait until the target equals the source, then stop the daemon (SIGTERM): it must exit 0. Its log."""
+    return stop_once(lambda: equal_soon(src, target_url), daemon, log)
+
+
+def synced_and_following(src: ScratchDb, target_url: str, spark: Any, tmp_path: Path
+                         ) -> tuple[Any, Path, Path, subprocess.Popen[str]]:
+    """SOURCE synced to the target, `applier run` started on it: (config, its file, the daemon's log, the daemon)."""
+    src.cluster.execute(SOURCE, src.dbname)
+    cfg = make_config(src, target_url, tmp_path / "work")
+    cfg_file = config_file(tmp_path / "applier.toml", src, target_url, tmp_path / "work")
+    sync(cfg, spark=spark)
+    log = tmp_path / "daemon.log"
+    return cfg, cfg_file, log, start_daemon(cfg_file, log)
+
+
 def recorded(target_url: str) -> dict[str, tuple[int, int, int, int]]:
     """Per table: (ranges, inserted, updated, deleted) recorded in applier_repairs."""
     rows = target_exec(target_url, "SELECT table_name, count(*), sum(rows_inserted), sum(rows_updated), "
@@ -157,13 +173,8 @@ def test_repair_under_a_running_daemon(version: int, target_kind: str, pg_cluste
             writer.pause(1.0)
         finally:
             writer.stop()
-        try:
-            equal_soon(src, target_url)
-        finally:
-            daemon.send_signal(signal.SIGTERM)
-            code = daemon.wait(60)
-        text = log.read_text()
-        assert code == 0 and "ERROR" not in text, text
+        text = equal_then_stopped(src, target_url, daemon, log)
+        assert "ERROR" not in text, text
         assert "`applier repair` asks for its changes to be held" in text
         got = recorded(target_url)
         # the damage, and the writer's changes held between the daemon's answer and the snapshot (a few seconds on a
@@ -365,12 +376,7 @@ def test_repair_answered_while_the_daemon_waits_for_a_table(src: ScratchDb, dst:
                                                             tmp_path: Path) -> None:
     """The daemon waits for another table (published, no target table: apply.new_tables = "wait"): it answers the
     repair while it waits, and the repaired table's changes around the snapshot land once the wait is over."""
-    src.cluster.execute(SOURCE, src.dbname)
-    cfg = make_config(src, dst.url, tmp_path / "work")
-    cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
-    sync(cfg, spark=spark)
-    log = tmp_path / "daemon.log"
-    daemon = start_daemon(cfg_file, log)
+    cfg, cfg_file, log, daemon = synced_and_following(src, dst.url, spark, tmp_path)
     done: list[Any] = []
     repairing = threading.Thread(target=lambda: done.append(_repaired(cfg, spark)), daemon=True)
     try:
@@ -452,12 +458,7 @@ def test_daemon_killed_during_a_repair(src: ScratchDb, dst: ScratchDb, spark: An
     """The daemon SIGKILLed while the repair rewrites (it holds t1's changes, some written to applier_held, others
     in its open transaction): the repair finishes, the daemon started again drains and follows; the target equals
     the source, the writer's changes once each (an insert applied twice stops the daemon: on_error = stop)."""
-    src.cluster.execute(SOURCE, src.dbname)
-    cfg = make_config(src, dst.url, tmp_path / "work")
-    cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
-    sync(cfg, spark=spark)
-    log = tmp_path / "daemon.log"
-    daemon = start_daemon(cfg_file, log)
+    cfg, cfg_file, log, daemon = synced_and_following(src, dst.url, spark, tmp_path)
     soon(lambda: "applier run: source" in log.read_text(), "the daemon running")
     target_exec(dst.url, "UPDATE t1 SET v = -1 WHERE id % 3 = 0")  # most ranges differ: the rewrite takes a while
     writer = Writer(src.dsn)
@@ -477,12 +478,7 @@ def test_daemon_killed_during_a_repair(src: ScratchDb, dst: ScratchDb, spark: An
         writer.pause(1.0)
     finally:
         writer.stop()
-    try:
-        equal_soon(src, dst.url)
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        code = daemon.wait(60)
-    assert code == 0, log.read_text()
+    equal_then_stopped(src, dst.url, daemon, log)
     assert target_exec(dst.url, "SELECT count(*) FROM applier_held") == [(0,)]
 
 

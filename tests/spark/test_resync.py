@@ -10,7 +10,6 @@ updates add 1: one applied twice, or lost, leaves a value that differs; an inser
 from __future__ import annotations
 
 import contextlib
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from applier.sandbox.clusters import Cluster
 from tests.plugins.clusters import ScratchDb, scratch_db
 from tests.spark.conftest import make_config, target_exec
 from tests.spark.test_add_table import cli, config_file, start_daemon
-from tests.spark.test_repair import SOURCE, Writer, equal_soon, recorded
+from tests.spark.test_repair import SOURCE, Writer, equal_soon, equal_then_stopped, recorded
 
 pytest.importorskip("pyspark")
 
@@ -66,12 +65,7 @@ def test_slot_dropped_under_a_running_replica(src: ScratchDb, dst: ScratchDb, sp
         writer.pause(1.0)  # and after the new slot's start
     finally:
         writer.stop()
-    try:
-        equal_soon(src, dst.url)
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        code = daemon.wait(60)
-    assert code == 0, log.read_text()
+    equal_then_stopped(src, dst.url, daemon, log)
     got = recorded(dst.url)
     assert got["t1"][1] > 0 and got["t1"][3] == 0, got  # the gap's rows inserted, nothing extra on the target
     assert any(t.ranges for t in report.tables)
