@@ -461,7 +461,12 @@ class Runner:
             wait = exc
             raise
         finally:
-            self._end_session(target, engine, source, failure, close_target=wait is None)
+            try:
+                self._end_session(target, engine, source, failure, close_target=wait is None)
+            except BaseException:
+                if wait is not None:  # not closed by it: the wait does not happen
+                    target.close()
+                raise
             if wait is not None:
                 try:
                     self._wait_for_table(wait, target)
@@ -507,15 +512,17 @@ class Runner:
                 self.waiting = dead
                 log.warning("%s", dead)
 
-    @staticmethod
-    def _answer_repairs(target: Target) -> None:
+    def _answer_repairs(self, target: Target) -> None:
         """While a change waits (``TableWait``): each table a repair asks to be held is answered at once, its row set
         to 'repairing' in a transaction of its own. No session runs, so nothing is bound and nothing open: everything
         applied is committed at the recorded position, and the next session binds the table anew, reads the row and
-        holds its changes (as an applier starting after the answer does), exactly as between two transactions."""
+        holds its changes (as an applier starting after the answer does), exactly as between two transactions. The
+        claim is held again first: an applier that lost it during a long wait (its connection ended) must not answer
+        for the one that took it over (InUseError ends this run, as at the start of a session)."""
         for schema, table, state in target.repair_requests():
             if state != "repair":
                 continue
+            self.claim.hold()
             target.begin()
             try:
                 target.hold_for_repair(schema, table)

@@ -61,7 +61,7 @@ as verify compares it; a row whose number of copies differs is rewritten with al
 rewritten holds the source's rows of that hash range, duplicates included.
 
 ``dry_run``: nothing is written, no row changes state, the control tables are not upgraded (read as they are, at
-any revision: no applier_repairs needed): a snapshot is taken and each table compared with the target as it is,
+revision 0003 or later: no applier_repairs needed): a snapshot is taken and each table compared with the target as it is,
 the differing ranges and counts reported. While an applier applies, the changes not yet applied
 at that moment show up as differences too (the report says so).
 
@@ -256,7 +256,7 @@ def _repair(cfg: Config, names: list[str] | None, dry_run: bool, spark: Any,
                 now = in_snapshot.get(t.qualified)
                 if now is None:
                     raise RepairError(f"source table {t.qualified} is no longer published at the repair's snapshot")
-                if changed := _changed_shape(target, now, extra[t.qualified], str(at)):
+                if changed := _changed_shape(target, now, extra[t.qualified], t, str(at)):
                     refused.append(changed + _released(target, name, run, t, dry_run, held_before))
                     continue
                 say(f"comparing {t.qualified}")
@@ -286,17 +286,27 @@ def _shapes(target: TargetDb, t: SourceTable) -> tuple[list[str], set[str]]:
     return [c.name for c in t.columns if c.name not in held], held - source
 
 
-def _changed_shape(target: TargetDb, t: SourceTable, extra_before: set[str], at: str) -> str | None:
-    """Why ``t`` (its columns at the repair's snapshot ``at``) cannot be repaired: a column added, renamed or dropped
-    on the source after the applier held the table's changes and before the snapshot. That change is held with
-    them and, being before the snapshot, would be skipped at the drain (the rewrite does not change the target
-    table's shape), so the table would stay in its old shape: refused instead. None: the shapes fit."""
+def _columns_of(t: SourceTable) -> dict[str, tuple[int, int, bool]]:
+    """Each source column's (type, type modifier, NOT NULL): what a schema change of a column alters."""
+    return {c.name: (c.type_oid, c.type_mod, c.not_null) for c in [*t.columns, *t.generated]}
+
+
+def _changed_shape(target: TargetDb, t: SourceTable, extra_before: set[str], before: SourceTable,
+                   at: str) -> str | None:
+    """Why ``t`` (its columns at the repair's snapshot ``at``) cannot be repaired: a column added, renamed, dropped
+    or altered (its type, NOT NULL) on the source after the applier held the table's changes and before the
+    snapshot (``before``: the table as read before the hold). That change is held with them and, being before the
+    snapshot, would be skipped at the drain (the rewrite does not change the target table's shape), so the table
+    would stay in its old shape: refused instead. None: the shapes fit."""
     missing, extra = _shapes(target, t)
     dropped = sorted(extra - extra_before)
-    if not missing and not dropped:
+    was, now = _columns_of(before), _columns_of(t)
+    altered = sorted(c for c in now.keys() & was.keys() if now[c] != was[c])
+    if not missing and not dropped and not altered:
         return None
     what = "; ".join(([f"column(s) {', '.join(missing)} added or renamed"] if missing else [])
-                     + ([f"column(s) {', '.join(dropped)} dropped or renamed"] if dropped else []))
+                     + ([f"column(s) {', '.join(dropped)} dropped or renamed"] if dropped else [])
+                     + ([f"column(s) {', '.join(altered)} altered"] if altered else []))
     return (f"source table {t.qualified} changed shape at the repair's snapshot {at} ({what} on the source) and "
             f"target table {target.name_of(t)[0]} does not have that shape yet")
 

@@ -159,7 +159,7 @@ class Backend(ABC):
 
     def roll_back_prepared(self, conn: Any, name: str) -> int:
         """ROLLBACK PREPARED every transaction the applier ``name`` holds prepared on the target (its
-        ``prepared_gid``s; ``applier resync``: they came from a lost slot), outside any transaction; how many. None
+        ``prepared_gid``s; ``applier resync``: they came from a lost slot), outside any transaction; how many. 0
         where this kind cannot prepare (``can_prepare``)."""
         return 0
 

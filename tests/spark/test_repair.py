@@ -414,7 +414,7 @@ def _repaired(cfg: Any, spark: Any, tables: tuple[str, ...] | list[str] = ("publ
 
 def test_a_schema_change_between_the_hold_and_the_snapshot(src: ScratchDb, dst: ScratchDb, spark: Any,
                                                            tmp_path: Path) -> None:
-    """Columns added (t2) and dropped (t1) on tables under repair after their changes are held and before the
+    """Columns added (t2), dropped and altered (t1) on tables under repair after their changes are held and before the
     snapshot: the repair of each stops with one line, rewriting nothing in it (a drop was silently skipped before,
     the target table left in its old shape), and releases it; the applier then applies the held changes (the
     column added: schema_changes = "add_columns"), and a rerun repairs them. The other table named (k) is
@@ -433,14 +433,16 @@ def test_a_schema_change_between_the_hold_and_the_snapshot(src: ScratchDb, dst: 
         soon(lambda: target_exec(dst.url, "SELECT count(*) FROM applier_sync_tables WHERE state = 'repairing'")
              == [(3,)], "the tables held")
         src.cluster.execute("BEGIN; ALTER TABLE t2 ADD COLUMN w int; UPDATE t2 SET v = 3, w = 7 WHERE id = 1; "
-                            "ALTER TABLE t1 DROP COLUMN note; UPDATE t1 SET v = 4 WHERE id = 1000; COMMIT",
+                            "ALTER TABLE t1 DROP COLUMN note, ALTER COLUMN v DROP NOT NULL; UPDATE t1 SET v = 4 WHERE id = 1000; "
+                            "COMMIT",
                             src.dbname)  # after the hold, before the snapshot
         running.commit()
     repairing.join(120)
     assert done and isinstance(done[0], RepairError), done
     line = str(done[0])
     assert "\n" not in line and line.startswith("source table public.t1 changed shape at the repair's snapshot "), line
-    assert "(column(s) note dropped or renamed on the source) and target table public.t1 does not have that shape " \
+    assert "(column(s) note dropped or renamed; column(s) v altered on the source) and target table public.t1 does " \
+           "not have that shape " \
            "yet; nothing rewritten in it: `applier run` now applies its held changes" in line, line
     assert "(column(s) w added or renamed on the source) and target table public.t2" in line, line
     assert set(recorded(dst.url)) == {"k"}  # t1, t2: nothing rewritten
