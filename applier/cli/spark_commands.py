@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 
 from applier.cli.root import ConfigOpt, DsnOpt, PubOpt, SlotOpt, TargetOpt, app, fail, run_guarded
 from applier.config import Config, load_config
 from applier.migrate.spark.session import SparkStart, check_spark_target
+
+T = TypeVar("T")
 
 MasterOpt = Annotated[str | None, typer.Option("--master", help="Spark master (spark.master), e.g. local[4] or "
                                                "spark://host:7077.")]
@@ -70,15 +73,12 @@ def sync(
         from applier.migrate.sync import sync as do_sync
 
         reporter = open_reporter("copy", quiet)
-        try:
-            if table:
-                res = sync_tables(cfg, table, force=force, spark=spark, reporter=reporter, say=reporter.say)
-            else:
-                res = do_sync(cfg, force=force, spark=spark, reporter=reporter, say=reporter.say)
-        except BaseException:
-            if spark is not None:
-                spark.settle()  # its JVM's start-up lines before the error's one line
-            raise
+        if table:
+            res = _settled(spark, lambda: sync_tables(cfg, table, force=force, spark=spark, reporter=reporter,
+                                                      say=reporter.say))
+        else:
+            res = _settled(spark, lambda: do_sync(cfg, force=force, spark=spark, reporter=reporter,
+                                                  say=reporter.say))
         for t in res.tables:
             rate = t.rows / t.seconds if t.seconds else 0.0
             typer.echo(f"{t.table}: {t.rows:,} rows, {t.nbytes / 1e6:,.1f} MB in {t.seconds:.1f}s "
@@ -120,11 +120,7 @@ def verify(
         # here, not at the top: start-up time (only sync/verify load alembic/SQLAlchemy and pyspark)
         from applier.migrate.spark.verify import verify as do_verify
 
-        try:
-            return do_verify(cfg, spark=spark, max_keys=keys, say=_say)
-        except BaseException:
-            spark.settle()  # its JVM's start-up lines before the error's one line
-            raise
+        return _settled(spark, lambda: do_verify(cfg, spark=spark, max_keys=keys, say=_say))
 
     _report(run_guarded(go), "verify", as_json)
 
@@ -162,6 +158,17 @@ def repair(
         return do_repair(cfg, table or None, dry_run=dry_run, say=_say)
 
     _print(run_guarded(go), "repair", as_json)
+
+
+def _settled(spark: SparkStart | None, run: Callable[[], T]) -> T:
+    """``run()``; when it fails, the Spark start it began ends first, so that its JVM's start-up lines come before
+    the error's one line."""
+    try:
+        return run()
+    except BaseException:
+        if spark is not None:
+            spark.settle()
+        raise
 
 
 def _print(report: Any, command: str, as_json: bool) -> None:

@@ -513,6 +513,20 @@ def split_bits(rows: int, parts: int) -> int:
     return min(extra, 10) if extra >= MIN_SPLIT_BITS else 0
 
 
+def split(table: str, counts: dict[int, int], bits: int,
+          parts_of: Callable[[list[int], int, int], dict[int, int]]) -> tuple[list[int], int]:
+    """The differing key ranges (``counts``: range -> rows on both sides, ranges of ``bits`` bits) split while
+    ``split_bits`` says so: ``parts_of(parts, bits, finer)`` gives the differing parts of ``finer`` bits within
+    ``parts`` and their rows. (The differing parts, their bits.)"""
+    while extra := split_bits(sum(counts.values()), len(counts)):
+        finer = min(MAX_BITS, bits + extra)
+        if finer == bits:
+            break
+        log.debug("%s: %d differing parts of %d bits split into parts of %d bits", table, len(counts), bits, finer)
+        counts, bits = parts_of(sorted(counts), bits, finer), finer
+    return sorted(counts), bits
+
+
 def _compare_on_servers(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str, Any], key: list[str],
                         res: TableRepair) -> None:
     """PostgreSQL on both sides, same types: the ranges' sums on the servers; while the differing ones hold more
@@ -521,6 +535,7 @@ def _compare_on_servers(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str
     (key text and row text md5s) read to count."""
     from applier.migrate.spark.rangehash import (  # start-up time: pyspark
         KEY_BITS,
+        Sums,
         bucket_filter,
         bucket_of,
         hash_plan,
@@ -535,20 +550,19 @@ def _compare_on_servers(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str
     differing = sorted(r for r in a.keys() | b.keys() if a.get(r) != b.get(r))
     if not differing:
         return
-    ranges, bits = differing, KEY_BITS
-
     def narrowed(p: dict[str, Any], parts: list[int], bits: int) -> dict[str, Any]:
         where = bucket_filter(key or p["columns"], parts, bits)
         return {**p, "where": f"({p['where']}) AND {where}" if p.get("where") else where}
 
-    while extra := split_bits(sum(a.get(r, (0,))[0] + b.get(r, (0,))[0] for r in differing), len(differing)):
-        finer = min(MAX_BITS, bits + extra)
-        if finer == bits:
-            break
-        log.debug("%s: %d differing parts of %d bits split into parts of %d bits", res.table, len(differing), bits,
-                  finer)
-        a, b = range_sums(spark, *[hash_plan(narrowed(p, differing, bits), p["columns"], key, finer) for p in plans])
-        differing, bits = sorted(r for r in a.keys() | b.keys() if a.get(r) != b.get(r)), finer
+    def differing_parts(a: dict[int, Sums], b: dict[int, Sums]) -> dict[int, int]:
+        return {r: a.get(r, (0,))[0] + b.get(r, (0,))[0] for r in a.keys() | b.keys() if a.get(r) != b.get(r)}
+
+    def parts_of(parts: list[int], bits: int, finer: int) -> dict[int, int]:
+        return differing_parts(*range_sums(spark, *[hash_plan(narrowed(p, parts, bits), p["columns"], key, finer)
+                                                    for p in plans]))
+
+    ranges = differing
+    differing, bits = split(res.table, differing_parts(a, b), KEY_BITS, parts_of)
     hashed: list[dict[int, list[tuple[str, str, str]]]] = []
     for p in plans:
         keyed = key or p["columns"]
@@ -622,7 +636,7 @@ def _compare_in_spark(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str, 
     from pyspark.sql import functions as F
 
     from applier.migrate.spark.source import read_table  # start-up time: pyspark, pyarrow
-    from applier.migrate.spark.verify import KEY_BITS, hash_sums, prepared  # start-up time: pyspark
+    from applier.migrate.spark.verify import KEY_BITS, SUMS, hash_sums, prepared  # start-up time: pyspark
 
     located = []
     for p, where in ((src_plan, _place(src_plan)), (tgt_plan, "rowid" if fmt == "applier_sqlite" else _place(tgt_plan))):
@@ -638,25 +652,24 @@ def _compare_in_spark(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str, 
     differing = sorted(r for r in sums[0].keys() | sums[1].keys() if sums[0].get(r) != sums[1].get(r))
     if not differing:
         return
-    # the differing ranges split into parts (as on the servers: ``split_bits``) while they hold many rows; the
-    # parts' sums are joined in Spark, only the differing parts (and their row counts) come to the driver
-    within, bits = F.col("bucket").isin(differing), KEY_BITS
-    counts = {r: sums[0].get(r, (0,))[0] + sums[1].get(r, (0,))[0] for r in differing}
-    while extra := split_bits(sum(counts.values()), len(counts)):
-        finer = min(MAX_BITS, bits + extra)
-        if finer == bits:
-            break
-        log.debug("%s: %d differing parts of %d bits split into parts of %d bits", res.table, len(counts), bits,
-                  finer)
+    # the differing ranges split into parts (as on the servers) while they hold many rows; the parts' sums are
+    # joined in Spark, only the differing parts (and their row counts) come to the driver
+    def within(parts: list[int], bits: int) -> Any:
+        return (F.col("bucket") if bits == KEY_BITS
+                else F.shiftrightunsigned(F.xxhash64("key"), 64 - bits)).isin(parts)
+
+    def parts_of(parts: list[int], bits: int, finer: int) -> dict[int, int]:
         part = F.shiftrightunsigned(F.xxhash64("key"), 64 - finer).alias("p")
-        a, b = [df.where(within).groupBy(part).agg(*hash_sums(F)).select(
-            "p", *[F.col(c).alias(f"{x}{c}") for c in ("n", "s1", "s2", "s3")]) for df, x in zip(located, "ab")]
-        same = reduce(lambda u, v: u & v, [F.col(f"a{c}").eqNullSafe(F.col(f"b{c}")) for c in ("n", "s1", "s2", "s3")])
-        counts = {int(r["p"]): (r["an"] or 0) + (r["bn"] or 0)
-                  for r in a.join(b, "p", "full_outer").where(~same).select("p", "an", "bn").collect()}
-        within = F.shiftrightunsigned(F.xxhash64("key"), 64 - finer).isin(sorted(counts))
-        bits = finer
-    rows = [df.where(within).select("bucket", "key", "h", "m", f"c{ncols}").collect() for df in located]
+        a, b = [df.where(within(parts, bits)).groupBy(part).agg(*hash_sums(F)).select(
+            "p", *[F.col(c).alias(f"{x}{c}") for c in SUMS]) for df, x in zip(located, "ab", strict=True)]
+        same = reduce(lambda u, v: u & v, [F.col(f"a{c}").eqNullSafe(F.col(f"b{c}")) for c in SUMS])
+        return {int(r["p"]): (r["an"] or 0) + (r["bn"] or 0)
+                for r in a.join(b, "p", "full_outer").where(~same).select("p", "an", "bn").collect()}
+
+    parts, bits = split(res.table, {r: sums[0].get(r, (0,))[0] + sums[1].get(r, (0,))[0] for r in differing},
+                        KEY_BITS, parts_of)
+    rows = [df.where(within(parts, bits)).select("bucket", "key", "h", "m", f"c{ncols}").collect()
+            for df in located]
     by: list[dict[int, list[tuple[Any, ...]]]] = [{}, {}]
     for side, got in enumerate(rows):
         for r in got:

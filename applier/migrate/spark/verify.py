@@ -283,14 +283,22 @@ def _row(r: dict[str, Any] | None) -> str:
 
 # -- the Spark part ----------------------------------------------------------------------------
 
+def tagged_values(ncols: int) -> list[Any]:
+    """Columns ``c0``… as compared: NULL as the byte 0, a value as the byte 1 and the value (so that no value
+    equals NULL, and an empty value is not one)."""
+    from pyspark.sql import functions as F  # start-up time: pyspark
+
+    null, val = F.unhex(F.lit("00")), F.unhex(F.lit("01"))
+    return [F.when(F.col(f"c{i}").isNull(), null).otherwise(F.concat(val, F.col(f"c{i}"))) for i in range(ncols)]
+
+
 def prepared(df: Any, ncols: int, key_idx: list[int], keep: tuple[str, ...] = ()) -> Any:
     """A side's rows (``c0``…) as compared: key range ("bucket"), tagged key, the two row hashes, the values, and the
     columns ``keep`` (not compared: ``applier repair`` keeps each row's place)."""
     from pyspark.sql import functions as F
 
     names = [f"c{i}" for i in range(ncols)]
-    null, val = F.unhex(F.lit("00")), F.unhex(F.lit("01"))
-    tagged = [F.when(F.col(n).isNull(), null).otherwise(F.concat(val, F.col(n))) for n in names]
+    tagged = tagged_values(ncols)
     key = F.array(*[tagged[i] for i in key_idx]) if key_idx else F.array(*tagged)
     row = F.array(*tagged)
     return df.select(F.shiftrightunsigned(F.xxhash64(key), 64 - KEY_BITS).cast("int").alias("bucket"),
@@ -305,7 +313,7 @@ def hash_sums(F: Any) -> list[Any]:  # noqa: N803 - the usual alias of pyspark.s
             F.sum(F.col("m").cast("long").bitwiseAND(F.lit(0xFFFFFFFF))).alias("s3")]
 
 
-_SUMS = ("n", "s1", "s2", "s3")
+SUMS = ("n", "s1", "s2", "s3")
 
 
 @dataclass(frozen=True)
@@ -337,8 +345,7 @@ def placed(spark: Any, tables: list[Compared]) -> tuple[Any, Any]:
     from applier.migrate.spark.source import read_tables  # start-up time: pyspark, pyarrow
 
     width = max(len(t.columns) for t in tables)
-    null, val = F.unhex(F.lit("00")), F.unhex(F.lit("01"))
-    tagged = [F.when(F.col(f"c{i}").isNull(), null).otherwise(F.concat(val, F.col(f"c{i}"))) for i in range(width)]
+    tagged = tagged_values(width)
     key = None
     for n, t in enumerate(tables):
         cols = [tagged[t.columns.index(k)] for k in t.key] if t.key else tagged[:len(t.columns)]
@@ -367,14 +374,13 @@ def compare(spark: Any, tables: list[Compared], kind: Kind, max_keys: int) -> li
     log.debug("comparing %d table(s): %s", len(tables), names)
     try:
         # not cached: caching slows down job 1 (the common case: all agree) more than a second read costs job 2
-        if len(tables) == 1:
-            rows = [s.select(F.lit(0).alias("t"), "bucket", "h", "m") for s in tables[0].sides(spark)]
-        else:
-            rows = list(placed(spark, tables))
+        alone = tables[0].sides(spark) if len(tables) == 1 else None  # read again by job 2 if it differs
+        rows = ([s.select(F.lit(0).alias("t"), "bucket", "h", "m") for s in alone] if alone is not None
+                else list(placed(spark, tables)))
 
         def side(i: int, p: str) -> Any:
             agg = rows[i].groupBy("t", "bucket").agg(*hash_sums(F))
-            return agg.select("t", "bucket", *[F.col(c).alias(f"{p}{c}") for c in _SUMS])
+            return agg.select("t", "bucket", *[F.col(c).alias(f"{p}{c}") for c in SUMS])
 
         t0 = time.monotonic()
         try:
@@ -391,12 +397,12 @@ def compare(spark: Any, tables: list[Compared], kind: Kind, max_keys: int) -> li
             res = results[r["t"]]
             res.source_rows += r["a_n"] or 0
             res.target_rows += r["b_n"] or 0
-            if any(r[f"a_{c}"] != r[f"b_{c}"] for c in _SUMS):
+            if any(r[f"a_{c}"] != r[f"b_{c}"] for c in SUMS):
                 differing[r["t"]].append(int(r["bucket"]))
         for t, res, buckets in zip(tables, results, differing, strict=True):
             res.differing_ranges = len(buckets)
             if buckets:
-                src, tgt = t.sides(spark)
+                src, tgt = alone if alone is not None else t.sides(spark)
                 differing_keys(src.where(F.col("bucket").isin(buckets)), tgt.where(F.col("bucket").isin(buckets)),
                                t.columns, t.key, kind, max_keys, res)
                 log.debug("%s: differing keys found in %.1fs", t.label, time.monotonic() - t0)
@@ -418,12 +424,12 @@ def differing_keys(src: Any, tgt: Any, columns: list[str], key: list[str], targe
     def by_key(df: Any, p: str) -> Any:
         agg = df.groupBy("key").agg(
             *hash_sums(F), F.first(F.struct(*[f"c{i}" for i in range(ncols)])).alias("row"))
-        return agg.select("key", "row", *[F.col(c) for c in _SUMS]).select(
-            "key", *[F.col(c).alias(p + c) for c in ("row", *_SUMS)])
+        return agg.select("key", "row", *[F.col(c) for c in SUMS]).select(
+            "key", *[F.col(c).alias(p + c) for c in ("row", *SUMS)])
 
     joined = by_key(src, "a_").join(by_key(tgt, "b_"), on="key", how="full_outer")
     same = None
-    for c in _SUMS:
+    for c in SUMS:
         cond = F.col(f"a_{c}").eqNullSafe(F.col(f"b_{c}"))
         same = cond if same is None else same & cond
     kind = (F.when(F.col("b_n").isNull(), F.lit("missing")).when(F.col("a_n").isNull(), F.lit("extra"))
