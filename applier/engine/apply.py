@@ -430,12 +430,14 @@ class ApplyEngine:
         batches = self.batches
         bt = batches.get(b)
         if bt is not None:
-            if len(bt.rows) < self.batch_rows and bt.add(op, row):
+            if len(bt.rows) < bt.limit and bt.add(op, row):
+                return
+            if bt.sized(self.batch_rows) and bt.add(op, row):  # its first rows measured: may it hold more?
                 return
             self._apply_batch(bt)
         if batches and not self.target.reorder_tables:
             self.flush_batch()  # changes to different tables must reach the target in source order
-        bt = batches[b] = Batch(b, op, txn, row)
+        bt = batches[b] = Batch(b, op, txn, row, self.batch_rows)
         if bt.alone or self.batch_rows <= 1:
             self._apply_batch(bt)
 

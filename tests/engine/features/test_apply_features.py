@@ -142,6 +142,25 @@ def test_large_transactions_locate_rows_the_same_way(rig: Rig) -> None:
     assert rows_sorted(rig.tgt("SELECT a, b FROM f")) == rows_sorted([(1, "same")] * 13 + [(2, None), (2, "one")])
 
 
+def test_a_transaction_of_large_rows_comes_out_as_on_the_source(rig: Rig) -> None:
+    """Rows of ~10 kB go to the target about a megabyte a batch (``applier.engine.batch``), not 2,000 rows: one
+    transaction inserts 300 of them, updates some (their text unchanged or not) and deletes some, with the
+    batches' boundaries falling between a row's insert and its later changes."""
+    rig.both("CREATE TABLE w (id int PRIMARY KEY, body text, n int)")
+    rig.src("ALTER TABLE w ALTER COLUMN body SET STORAGE EXTERNAL")
+    rig.publish("w")
+    rig.init()
+    body = "(SELECT string_agg(md5(random()::text || i || g), '') FROM generate_series(1, 320) i)"
+    rig.src(f"BEGIN; INSERT INTO w SELECT g, {body}, 0 FROM generate_series(1, 300) g; "
+            "UPDATE w SET n = 1 WHERE id % 7 = 0; DELETE FROM w WHERE id % 11 = 0; "
+            f"UPDATE w SET body = {body.replace('g)', 'id)')} WHERE id % 13 = 0; "
+            f"INSERT INTO w SELECT g, {body}, 2 FROM generate_series(301, 350) g; "
+            "UPDATE w SET n = n + 5 WHERE id % 3 = 0; COMMIT")
+    rig.catchup()
+    rows = assert_same(rig, "SELECT id, body, n FROM w")
+    assert len(rows) == 350 - 27 and min(len(r[1]) for r in rows) == 10_240
+
+
 def test_rows_missing_on_the_target_are_logged_and_skipped(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
     """As the native subscriber's update_missing/delete_missing: the other rows apply, each missing one is named
     and recorded in applier_conflicts (the batch that missed them is applied again row by row)."""
