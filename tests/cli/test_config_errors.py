@@ -12,12 +12,9 @@ script costs about a second); each case is then its own test.
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
 import sqlite3
 import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,22 +24,14 @@ from typing import Any
 import pytest
 
 from applier.sandbox.clusters import find_install
+from tests.plugins.cli import run_cli
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 
 SECRET = "sekret"
 
 
-def applier_argv() -> list[str]:
-    beside = Path(sys.executable).parent / "applier"
-    script = str(beside) if beside.exists() else shutil.which("applier")
-    assert script, "the applier script is not installed"
-    return [script]
-
-
 def run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_")}
-    return subprocess.run([*applier_argv(), *args], capture_output=True, text=True, timeout=120,
-                          env={**base, **(env or {})}, stdin=subprocess.DEVNULL)
+    return run_cli(*args, env=env)
 
 
 def toml(sections: dict[str, dict[str, Any]]) -> str:

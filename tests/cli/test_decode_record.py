@@ -10,31 +10,19 @@ lists both commands and shows examples.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.plugins.cli import run_cli
 
 LSN_RE = re.compile(r"\A[0-9A-F]{1,8}/[0-9A-F]{1,8}\Z")
 LSN_FIELDS = ("lsn", "wal_end", "final_lsn", "commit_lsn", "end_lsn")
 
 
-def applier_argv() -> list[str]:
-    """The installed ``applier`` script of this interpreter (there is no ``python -m applier``)."""
-    beside = Path(sys.executable).parent / "applier"
-    script = str(beside) if beside.exists() else shutil.which("applier")
-    assert script, "the applier script is not installed"
-    return [script]
-
-
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_")}
-    return subprocess.run([*applier_argv(), *args], capture_output=True, text=True, timeout=timeout, env=env,
-                          stdin=subprocess.DEVNULL)
+    return run_cli(*args, timeout=timeout)
 
 
 def json_lines(text: str) -> list[dict]:

@@ -10,10 +10,6 @@ Nothing is mocked: the servers, the slot and the SQLite file are real.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,35 +27,9 @@ from applier.inspect import decode_stream, open_peek_source
 from applier.lsn import LSN
 from applier.sandbox.clusters import find_install
 from applier.targets import opener
-from tests.plugins.cli import toml_value
+from tests.plugins.cli import write_toml
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 from tests.plugins.target_side import TargetSide
-
-
-def applier_argv() -> list[str]:
-    """The installed ``applier`` script of this interpreter."""
-    beside = Path(sys.executable).parent / "applier"
-    script = str(beside) if beside.exists() else shutil.which("applier")
-    assert script, "the applier script is not installed"
-    return [script]
-
-
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run the real ``applier`` script; APPLIER_* variables of the test run are not passed on."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_")}
-    return subprocess.run([*applier_argv(), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**base, **(env or {})}, stdin=subprocess.DEVNULL)
-
-
-def write_toml(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
-    """Write a config file from {section: {key: value}}."""
-    lines = []
-    for section, body in sections.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {toml_value(v)}" for k, v in body.items()]
-        lines.append("")
-    path.write_text("\n".join(lines))
-    return path
 
 
 class Rig(TargetSide):

@@ -23,9 +23,10 @@ from applier.engine.runner import Runner
 from applier.errors import ApplyError
 from applier.lsn import LSN
 from applier.sandbox.clusters import Cluster
+from tests.plugins.cli import run_cli
 from tests.plugins.clusters import scratch_db
 
-from .conftest import Rig, run_cli
+from .conftest import Rig
 
 LSN_IN_TEXT = re.compile(r"\b([0-9A-F]{1,8}/[0-9A-F]{1,8})\b")
 

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Rig, run_cli
+from tests.plugins.cli import run_cli
+
+from .conftest import Rig
 from .test_conflicts import recorded, src_txn, ts_rig  # noqa: F401 - ts_rig: a fixture
 from .test_observability import by_label, daemon, free_port, scrape, scrape_until
 

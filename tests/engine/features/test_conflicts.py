@@ -30,9 +30,10 @@ from applier.errors import ApplyError
 from applier.lsn import LSN
 from tests.engine import test_crash as crash
 from tests.engine.conftest import NEWEST_PG, Target
+from tests.plugins.cli import run_cli
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 
-from .conftest import Rig, run_cli
+from .conftest import Rig
 from .test_observability import by_label, daemon, free_port, scrape_until
 
 PRUNED_2 = re.compile(r"\bpruned\b\D*\b2\b", re.IGNORECASE)  # how many, said by `applier conflicts --prune`

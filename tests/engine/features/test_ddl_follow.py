@@ -29,9 +29,9 @@ from applier.admin import skip, status
 from applier.errors import ApplyError, FinalError
 from applier.lsn import LSN
 from applier.source import capture
-from tests.plugins.cli import clean_env
+from tests.plugins.cli import clean_env, run_cli
 
-from .conftest import Rig, run_cli
+from .conftest import Rig
 from .test_observability import by_label, daemon, free_port, scrape_until
 
 FOLLOW = {"apply_schema_changes": "follow"}

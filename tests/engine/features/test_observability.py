@@ -29,9 +29,9 @@ from applier import __version__
 from applier._cmodule import IMPLEMENTATION
 from applier.metrics import Metrics
 from tests.engine.test_crash import slot_state
-from tests.plugins.cli import applier_script, clean_env
+from tests.plugins.cli import applier_script, clean_env, run_cli
 
-from .conftest import Rig, run_cli
+from .conftest import Rig
 
 SECRET = "sekret"
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -22,9 +22,9 @@ import pytest
 
 from applier.lsn import LSN
 from tests.engine.test_crash import Daemon, wait_streaming
-from tests.plugins.cli import applier_script, clean_env
+from tests.plugins.cli import applier_script, clean_env, run_cli
 
-from .conftest import Rig, run_cli
+from .conftest import Rig
 
 pytestmark = pytest.mark.parametrize("target_kind", ["postgresql"])
 

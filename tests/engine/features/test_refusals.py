@@ -17,8 +17,9 @@ import pytest
 from applier.engine.runner import Runner
 from applier.errors import ApplyError
 from applier.lsn import LSN
+from tests.plugins.cli import run_cli
 
-from .conftest import Rig, run_cli
+from .conftest import Rig
 from .test_skip_and_errors import FINISHED_AT, error_line
 
 pytestmark = pytest.mark.parametrize("target_kind", ["postgresql"])

@@ -18,8 +18,9 @@ from applier import admin
 from applier.decoder.messages import Begin, Commit, Insert, Relation
 from applier.errors import ApplyError, FinalError
 from applier.lsn import LSN
+from tests.plugins.cli import run_cli
 
-from .conftest import Rig, run_cli
+from .conftest import Rig
 
 FINISHED_AT = re.compile(r"finished at ([0-9A-F]{1,8}/[0-9A-F]{1,8})\b")
 LSN_IN_TEXT = re.compile(r"\b([0-9A-F]{1,8}/[0-9A-F]{1,8})\b")

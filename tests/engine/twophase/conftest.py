@@ -17,7 +17,6 @@ from being dropped and holds one of the cluster's ``max_prepared_transactions``.
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -38,7 +37,7 @@ from applier.lsn import LSN
 from applier.source.base import stream_options
 from applier.source.sql import SqlSlotSource
 from applier.targets.base import prepared_gid, prepared_xid
-from tests.plugins.cli import applier_script, clean_env, toml_value
+from tests.plugins.cli import toml_value
 from tests.plugins.clusters import ScratchDb
 from tests.plugins.target_side import TargetSide
 
@@ -447,9 +446,3 @@ def tps(request: pytest.FixtureRequest, source_db: ScratchDb, tp_target: str, tm
         streaming_mode: bool | str) -> Iterator[TpRig]:
     """A rig per streaming mode (true; "parallel" on 16+)."""
     yield from _make_rig(request, source_db, tp_target, tmp_path, streaming_mode)
-
-
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run the real ``applier`` script."""
-    return subprocess.run([applier_script(), *args], capture_output=True, text=True, timeout=timeout,
-                          env=clean_env(), stdin=subprocess.DEVNULL)

@@ -34,8 +34,9 @@ import psycopg
 import pytest
 
 from applier.sandbox.clusters import find_installs
+from tests.plugins.cli import applier_script, clean_env, run_cli
 
-from .conftest import TpRig, applier_script, clean_env, run_cli
+from .conftest import TpRig
 
 NEWEST = max(i.version for i in find_installs())
 KILLS_EACH = 10          # kills required per kind of moment
