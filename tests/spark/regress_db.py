@@ -16,6 +16,10 @@ Invariant: when ``build_regression_db`` returns, no prepared transaction of the
 database is left (a script may leave one, and a logical slot could not be created
 while one is open).
 
+``trim`` cuts every table of more than ``KEEP`` rows down to ``KEEP`` (its first rows): what the database
+brings is its types and shapes, which every table keeps, not the volume of its ten thousand rows generated
+alike (which cost the copy, the content checks and ``verify`` most of their time).
+
 ``load_schema`` gives a target the source's schema as an operator does before a
 logical-replication copy: ``pg_dump --schema-only`` of the source database,
 restored with ``psql -v ON_ERROR_STOP=0`` (both of the source's install), so
@@ -105,6 +109,32 @@ def build_regression_db(cluster: Cluster, dbname: str) -> None:
                            timeout=300, check=False, cwd=tmp)
     for (gid,) in cluster.execute("SELECT gid FROM pg_prepared_xacts WHERE database = %s", dbname, [dbname]):
         cluster.execute(f"ROLLBACK PREPARED '{gid}'", dbname)
+
+
+KEEP = 1000  # rows a table keeps (``trim``)
+
+TRIM = """
+DO $$
+DECLARE t regclass;
+BEGIN
+  SET LOCAL session_replication_role = replica;  -- no trigger, rule or foreign key acts on the deletes
+  FOR t IN SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+           WHERE c.relkind = 'r' AND c.relpersistence = 'p' AND n.nspname <> 'information_schema'
+             AND n.nspname NOT LIKE 'pg\\_%%'
+             AND NOT EXISTS (SELECT 1 FROM pg_constraint f WHERE f.contype = 'f' AND f.confrelid = c.oid)
+  LOOP
+    EXECUTE format('DELETE FROM ONLY %%s WHERE ctid >= (SELECT ctid FROM ONLY %%s ORDER BY ctid '
+                   'OFFSET %(keep)s LIMIT 1)', t, t);
+  END LOOP;
+END $$
+"""
+
+
+def trim(cluster: Cluster, dbname: str) -> None:
+    """Cut each table of ``dbname`` to its first ``KEEP`` rows (a table a foreign key references keeps all of
+    them); then ``VACUUM ANALYZE``, so that the row counts the catalog holds (``reltuples``) are the tables'."""
+    cluster.execute(TRIM % {"keep": KEEP}, dbname)
+    cluster.execute("VACUUM ANALYZE", dbname)
 
 
 def load_schema(source: Cluster, source_db: str, target: Cluster, target_db: str, workdir: Path) -> list[str]:

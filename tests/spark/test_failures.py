@@ -7,7 +7,9 @@ WAL); ``verify`` says it could not compare that table (one line naming it and th
 and never says the two sides differ; with ``-v`` the traceback and Spark's warnings are logged.
 A table that differs beside one that could not be compared is a verdict: ``verify`` exits 1 and its
 last line names both; a target table that does not exist differs (that verdict is checked on the report
-in this process: the command prints its lines and exits with its status).
+in this process: the command prints its lines and exits with its status). Small tables are compared together
+(on the servers, or read into Spark for a SQLite target): when one fails, each is compared alone, so that the
+failure names its own table.
 """
 
 from __future__ import annotations
@@ -150,3 +152,21 @@ def test_verify_names_a_difference_beside_a_table_it_could_not_compare(spark, sr
     assert (tables["public.a"]["ok"], tables["public.a"]["target_missing"], tables["public.a"]["error"]) == \
         (False, True, None)
     assert (tables["public.b"]["ok"], tables["public.b"]["error"]) == (False, DENIED)
+
+
+def test_a_table_failing_among_small_ones_read_into_spark_is_named_alone(spark, src: ScratchDb, limited_role: str,
+                                                                           tmp_path: Path) -> None:
+    """A SQLite target: the rows of a and b are read into Spark in one job (small tables together); b's read fails,
+    so each is compared alone: a agrees, b is named with the cause (no verdict), as on the servers above."""
+    dsn = src.cluster.dsn(src.dbname, user=limited_role)
+    cfg = make_config(src, f"sqlite:///{tmp_path / 'replica.db'}", tmp_path / "work", **{"source.dsn": dsn})
+    src.cluster.execute(f"GRANT SELECT ON b TO {limited_role}", src.dbname)
+    assert sync(cfg, spark=spark).rows == 5000
+    src.cluster.execute(f"REVOKE SELECT ON b FROM {limited_role}", src.dbname)
+
+    report = verify(cfg, spark=spark)
+    out = report.lines()
+    assert report.status == 2, out
+    assert "public.a: OK, 3,000 rows, 1024 key ranges agree" in out, out
+    assert f"public.b: could not compare: {DENIED}" in out, out
+    assert out[-1] == "verify: could not compare public.b (of 2 tables): no verdict"

@@ -4,7 +4,8 @@ What a user relies on, and can check in Spark's status (the input records of eve
 its event log show them): verifying a large table reads into Spark only the rows of the key ranges that
 differ, yet the report names every differing key (a changed value, a missing row, an extra row) with both
 sides' values, as before. A table whose target column is declared otherwise is compared by reading its rows
-(the canonical text of a value may depend on its type), and still agrees.
+(the canonical text of a value may depend on its type), and still agrees. Small tables are hashed together, in
+one Spark job (a job per table would cost a schema of many small tables more than their rows).
 
 verify runs in this process on the shared session (``spark``): the report's lines and status are what
 ``applier verify`` prints and exits with (tests/spark/test_failures.py runs the command); the records read
@@ -43,8 +44,8 @@ CREATE PUBLICATION pub FOR TABLE big, declared;
 """
 
 
-def _verify(spark: Any, cfg: Config) -> tuple[VerifyReport, int]:
-    """verify on the shared session: (its report, the input records of all tasks of its jobs)."""
+def _verify(spark: Any, cfg: Config) -> tuple[VerifyReport, int, int]:
+    """verify on the shared session: (its report, the input records of all tasks of its jobs, its jobs)."""
     group = f"verify-{uuid.uuid4().hex}"
     sc = spark.sparkContext
     sc.setJobGroup(group, "test_verify_on_servers")
@@ -55,8 +56,9 @@ def _verify(spark: Any, cfg: Config) -> tuple[VerifyReport, int]:
     sc._jsc.sc().listenerBus().waitUntilEmpty()  # the status store has every task's end
     store = sc._jsc.sc().statusStore()
     tracker = sc.statusTracker()
-    stages = {s for job in tracker.getJobIdsForGroup(group) for s in tracker.getJobInfo(job).stageIds}
-    return report, sum(store.lastStageAttempt(s).inputRecords() for s in stages)
+    jobs = tracker.getJobIdsForGroup(group)
+    stages = {s for job in jobs for s in tracker.getJobInfo(job).stageIds}
+    return report, sum(store.lastStageAttempt(s).inputRecords() for s in stages), len(jobs)
 
 
 def test_verify_hashes_key_ranges_on_the_servers_and_names_the_differing_keys(
@@ -67,7 +69,7 @@ def test_verify_hashes_key_ranges_on_the_servers_and_names_the_differing_keys(
     # the target declares a column otherwise: that table's rows are read (and agree)
     dst.cluster.execute("ALTER TABLE declared ALTER COLUMN v TYPE text", dst.dbname)
 
-    report, read = _verify(spark, cfg)
+    report, read, _ = _verify(spark, cfg)
     assert report.status == 0, report.lines()
     assert report.lines()[-3:] == [f"public.big: OK, {ROWS:,} rows, 1024 key ranges agree",
                                    f"public.declared: OK, {DECLARED:,} rows, 1024 key ranges agree",
@@ -76,7 +78,7 @@ def test_verify_hashes_key_ranges_on_the_servers_and_names_the_differing_keys(
 
     dst.cluster.execute("UPDATE big SET f = 0.5 WHERE id = 1234; DELETE FROM big WHERE id = 5678; "
                         "INSERT INTO big (id, v) VALUES (9999999, 'extra')", dst.dbname)
-    report, read = _verify(spark, cfg)
+    report, read, _ = _verify(spark, cfg)
     assert report.status == 1, report.lines()
     out = report.lines()
     assert f"public.big: DIFFERENT: source {ROWS:,} rows, target {ROWS:,} rows; 3 of 1024 key ranges differ; " \
@@ -89,3 +91,27 @@ def test_verify_hashes_key_ranges_on_the_servers_and_names_the_differing_keys(
     assert out[-1] == "verify: the source and the target DIFFER in public.big (1 of 2 tables)"
     # Spark read the rows of the three differing key ranges of big (about 3/1024 of each side), and declared's
     assert 2 * DECLARED < read < 2 * DECLARED + 6 * ROWS // 100, read
+
+
+SMALL = "".join(f"CREATE TABLE s{i} (id int PRIMARY KEY, v text); "
+                f"INSERT INTO s{i} SELECT g, 's' || g FROM generate_series(1, 100) g;\n" for i in range(5)) \
+    + "CREATE PUBLICATION pub FOR TABLE s0, s1, s2, s3, s4;"
+
+
+def test_small_tables_are_hashed_on_the_servers_in_one_job(spark, src: ScratchDb, dst: ScratchDb,
+                                                          tmp_path: Path) -> None:
+    src.cluster.execute(SMALL, src.dbname)
+    cfg = make_config(src, dst.url, tmp_path / "work")
+    assert sync(cfg, spark=spark).rows == 500
+
+    report, read, jobs = _verify(spark, cfg)
+    assert report.status == 0 and len(report.tables) == 5, report.lines()
+    assert (read, jobs) == (0, 1)  # no row read into Spark; one job for the five tables
+
+    dst.cluster.execute("UPDATE s3 SET v = 'changed' WHERE id = 42", dst.dbname)
+    report, read, jobs = _verify(spark, cfg)
+    out = report.lines()
+    assert "public.s2: OK, 100 rows, 1024 key ranges agree" in out, out
+    assert "  (id)=('42'): v: source 's42', target 'changed'" in out, out
+    assert out[-1] == "verify: the source and the target DIFFER in public.s3 (1 of 5 tables)"
+    assert 0 < read <= 2 * 100 and jobs > 1  # then s3's differing range, read by its job 2

@@ -20,7 +20,8 @@ server's version or byte order.
 - row hash: ``md5(row text)`` as two signed 64-bit halves, summed per range (``sum(bigint)`` is
   ``numeric``: no overflow; a sum, not a XOR, so duplicate rows count).
 
-Scheduling: one Spark job per table; the items are the ctid page ranges of both sides
+Scheduling: one Spark job per table, or per batch of small tables (``tables_range_sums``: a Spark job
+costs more than a small table's sums); the items are the ctid page ranges of both sides of each table
 (``applier.migrate.spark.source.ctid_ranges``), a task runs every k-th item (k: the session's task
 slots), each in its own connection (the source's in the exported snapshot, ``pg_in_snapshot``) and
 returns the partial sums of its page range; the driver adds them up. Spark sees only those sums.
@@ -83,32 +84,41 @@ def hash_plan(plan: dict[str, Any], columns: list[str], key: list[str], bits: in
     return {**plan, "columns": exprs, "keyed": bool(key), "bits": bits}
 
 
-def _sums_of(plans: list[dict[str, Any]], items: list[tuple[int, int]]) -> list[tuple[int, int, Sums]]:
-    """(side, bucket, sums) of page ranges ``items`` ((side, range index)): a Spark task's work."""
+def _sums_of(tables: list[list[dict[str, Any]]], items: list[tuple[int, int, int]]
+             ) -> list[tuple[int, int, int, Sums]]:
+    """(table, side, bucket, sums) of page ranges ``items`` ((table, side, range index)): a Spark task's work."""
     out = []
-    for side, index in items:
-        plan = plans[side]
+    for table, side, index in items:
+        plan = tables[table][side]
         lo, hi = plan["ranges"][index]
         with pg_in_snapshot(plan, index) as conn:
             for b, n, s1, s2 in conn.execute(sums_query(plan, lo, hi)):
-                out.append((side, int(b), (int(n), int(s1), int(s2))))
+                out.append((table, side, int(b), (int(n), int(s1), int(s2))))
     return out
 
 
 def range_sums(spark: Any, source: dict[str, Any], target: dict[str, Any]) -> tuple[dict[int, Sums], dict[int, Sums]]:
     """Per-range sums of both sides (``hash_plan``s), computed on the servers in one Spark job (see the module
     header); a failure raises Spark's exception (the caller reports its cause)."""
-    plans = [source, target]
-    items = [(side, i) for side in (0, 1) for i in range(len(plans[side]["ranges"]))]
+    return tables_range_sums(spark, [(source, target)])[0]
+
+
+def tables_range_sums(spark: Any, tables: Sequence[tuple[dict[str, Any], dict[str, Any]]]
+                      ) -> list[tuple[dict[int, Sums], dict[int, Sums]]]:
+    """``range_sums`` of several tables (each its source and target ``hash_plan``) in one Spark job, in their
+    order; a failure of any raises Spark's exception."""
+    plans = [[source, target] for source, target in tables]
+    items = [(t, side, i) for t, pair in enumerate(plans) for side in (0, 1) for i in range(len(pair[side]["ranges"]))]
     tasks = max(1, min(len(items), task_slots(spark)))
     sc = spark.sparkContext
     parts = sc.parallelize([items[i::tasks] for i in range(tasks)], tasks).flatMap(
         functools.partial(_sums_of, plans)).collect()
-    sides: tuple[dict[int, Sums], dict[int, Sums]] = ({}, {})
-    for side, b, (n, s1, s2) in parts:
-        n0, a0, b0 = sides[side].get(b, (0, 0, 0))
-        sides[side][b] = (n0 + n, a0 + s1, b0 + s2)
-    return sides
+    out: list[tuple[dict[int, Sums], dict[int, Sums]]] = [({}, {}) for _ in plans]
+    for t, side, b, (n, s1, s2) in parts:
+        sums = out[t][side]
+        n0, a0, b0 = sums.get(b, (0, 0, 0))
+        sums[b] = (n0 + n, a0 + s1, b0 + s2)
+    return out
 
 
 def server_encoding(conn: psycopg.Connection[Any]) -> str:

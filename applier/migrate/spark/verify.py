@@ -42,8 +42,8 @@ its partitions'; the target's own rows likewise), in Spark:
 
 Small tables (``BATCH_PAGES``) are compared together, up to ``BATCH_TABLES`` in one job 1 (a Spark job
 costs a second or two whatever its size: one per table would cost a schema of many small tables more than
-its rows), told apart by their place in the batch; when that job fails, each of its tables is compared
-alone, so that a failure names its own table.
+its rows), told apart by their place in the batch, on either path below (those of each path together);
+when that job fails, each of its tables is compared alone, so that a failure names its own table.
 
 PostgreSQL target (``compare_on_servers``): when every compared column has the same type on both
 sides and the two servers share an encoding, job 1 runs on the servers instead
@@ -77,6 +77,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -364,8 +365,8 @@ def placed(spark: Any, tables: list[Compared]) -> tuple[Any, Any]:
 def compare(spark: Any, tables: list[Compared], kind: Kind, max_keys: int) -> list[TableResult]:
     """Compare tables (see the module header): job 1 of all of them at once (one Spark job, one scan a side, the
     tables told apart by their place in ``tables``: a job per small table would cost more than its rows), then
-    job 2 of each that differs. TableResults in the order of ``tables`` (table names left to the caller). When the
-    job of several fails, each is compared alone, so that a failure names its own table; the job of one raises."""
+    job 2 of each that differs. TableResults in the order of ``tables`` (table names left to the caller); a failure
+    raises (``_Batch`` then compares each alone)."""
     from pyspark.sql import functions as F
 
     sc = spark.sparkContext
@@ -383,13 +384,7 @@ def compare(spark: Any, tables: list[Compared], kind: Kind, max_keys: int) -> li
             return agg.select("t", "bucket", *[F.col(c).alias(f"{p}{c}") for c in SUMS])
 
         t0 = time.monotonic()
-        try:
-            ranges = side(0, "a_").join(side(1, "b_"), on=["t", "bucket"], how="full_outer").collect()
-        except Exception:
-            if len(tables) == 1:
-                raise
-            log.debug("comparing %s together failed: each alone", names)
-            return [r for t in tables for r in compare(spark, [t], kind, max_keys)]
+        ranges = side(0, "a_").join(side(1, "b_"), on=["t", "bucket"], how="full_outer").collect()
         log.debug("%s: key ranges compared in %.1fs", names, time.monotonic() - t0)
         results = [TableResult("", "", t.key, ranges=1 << KEY_BITS) for t in tables]
         differing: list[list[int]] = [[] for _ in tables]
@@ -458,37 +453,42 @@ def differing_keys(src: Any, tgt: Any, columns: list[str], key: list[str], targe
                           "source_count": r["a_n"] or 0, "target_count": r["b_n"] or 0})
 
 
-def compare_on_servers(spark: Any, source_plan: str, target_plan: str, columns: list[str], key: list[str],
-                       kind: Kind, max_keys: int, label: str) -> TableResult:
-    """Compare one table of a target of ``kind`` that keeps the source's types (PostgreSQL) with the per-range sums
-    computed on the servers (``applier.migrate.spark.rangehash``); only the rows of the differing ranges are read, by
-    job 2."""
-    from applier.migrate.spark.rangehash import RANGES, bucket_filter, hash_plan, range_sums  # start-up: pyspark
+def compare_on_servers(spark: Any, tables: list[Compared], kind: Kind, max_keys: int) -> list[TableResult]:
+    """Compare tables of a target of ``kind`` that keeps the source's types (PostgreSQL) with the per-range sums
+    computed on the servers (``applier.migrate.spark.rangehash``), all of them in one Spark job; only the rows of
+    the differing ranges are read, by job 2 of each table that differs. TableResults in the order of ``tables``;
+    a failure raises (as ``compare``)."""
+    from applier.migrate.spark.rangehash import RANGES, bucket_filter, hash_plan, tables_range_sums  # start-up
     from applier.migrate.spark.source import read_table  # start-up time: pyspark, pyarrow
 
-    plans = [json.loads(source_plan), json.loads(target_plan)]
-    qkey = [quote_ident(k) for k in key]
-    res = TableResult("", "", key, ranges=RANGES)
+    plans = [[json.loads(t.source_plan), json.loads(t.target_plan)] for t in tables]
+    names = ", ".join(t.label for t in tables)
     sc = spark.sparkContext
-    sc.setJobDescription(f"applier verify: {label} (key ranges hashed on the servers)")
+    sc.setJobDescription(f"applier verify: {names} (key ranges hashed on the servers)")
     try:
         t0 = time.monotonic()
-        a, b = range_sums(spark, *[hash_plan(p, p["columns"], qkey) for p in plans])
-        log.debug("%s: key ranges compared on the servers in %.1fs", label, time.monotonic() - t0)
-        res.source_rows, res.target_rows = sum(v[0] for v in a.values()), sum(v[0] for v in b.values())
-        differing = sorted(r for r in a.keys() | b.keys() if a.get(r) != b.get(r))
-        res.differing_ranges = len(differing)
-        if not differing:
-            return res
-        key_idx = [columns.index(k) for k in key]
-        sides = []
-        for p in plans:  # only the rows of the differing ranges (a table without a key: its row is its key)
-            only = bucket_filter(qkey or p["columns"], differing)
-            narrowed = json.dumps({**p, "where": f"({p['where']}) AND {only}" if p.get("where") else only})
-            sides.append(prepared(read_table(spark, "applier_pg", narrowed), len(columns), key_idx))
-        differing_keys(sides[0], sides[1], columns, key, kind, max_keys, res)
-        log.debug("%s: differing keys found in %.1fs", label, time.monotonic() - t0)
-        return res
+        hashed = [[hash_plan(p, p["columns"], [quote_ident(k) for k in t.key]) for p in pair]
+                  for t, pair in zip(tables, plans, strict=True)]
+        sums = tables_range_sums(spark, [(a, b) for a, b in hashed])
+        log.debug("%s: key ranges compared on the servers in %.1fs", names, time.monotonic() - t0)
+        results = []
+        for t, pair, (a, b) in zip(tables, plans, sums, strict=True):
+            res = TableResult("", "", t.key, ranges=RANGES)
+            results.append(res)
+            res.source_rows, res.target_rows = sum(v[0] for v in a.values()), sum(v[0] for v in b.values())
+            differing = sorted(r for r in a.keys() | b.keys() if a.get(r) != b.get(r))
+            res.differing_ranges = len(differing)
+            if not differing:
+                continue
+            key_idx = [t.columns.index(k) for k in t.key]
+            sides = []
+            for p in pair:  # only the rows of the differing ranges (a table without a key: its row is its key)
+                only = bucket_filter([quote_ident(k) for k in t.key] or p["columns"], differing)
+                narrowed = json.dumps({**p, "where": f"({p['where']}) AND {only}" if p.get("where") else only})
+                sides.append(prepared(read_table(spark, "applier_pg", narrowed), len(t.columns), key_idx))
+            differing_keys(sides[0], sides[1], t.columns, t.key, kind, max_keys, res)
+            log.debug("%s: differing keys found in %.1fs", t.label, time.monotonic() - t0)
+        return results
     finally:
         sc.setJobDescription(None)
 
@@ -499,15 +499,13 @@ BATCH_PAGES = 1024  # a table of at most this many pages (8 MB) is read by one t
 BATCH_TABLES = 64  # at most this many tables in one job
 
 
-def _on_servers(*args: Any) -> list[TableResult]:
-    return [compare_on_servers(*args)]
-
-
 class _Batch:
-    """The tables of ``report`` waiting to be compared together (``compare``), each by its place in the report,
-    whose result fills that place: a table's failure is its result (``TableResult.error``), the others go on."""
+    """The tables of ``report`` waiting to be compared together (``compare_many``: ``compare`` or
+    ``compare_on_servers``), each by its place in the report, whose result fills that place: when comparing
+    several together fails, each is compared alone, so that a failure names its own table; a table's failure is
+    its result (``TableResult.error``), the others go on."""
 
-    def __init__(self, report: VerifyReport, compare_many: Any) -> None:
+    def __init__(self, report: VerifyReport, compare_many: Callable[[list[Compared]], list[TableResult]]) -> None:
         self.report = report
         self.compare_many = compare_many
         self.waiting: list[tuple[int, Compared]] = []
@@ -515,7 +513,7 @@ class _Batch:
     def add(self, place: int, table: Compared, small: bool) -> None:
         """Compare ``table`` with the next ones (``small``), or now, alone."""
         if not small:
-            self.compare([place], self.compare_many, [table])
+            self.compare([place], [table])
             return
         self.waiting.append((place, table))
         if len(self.waiting) >= BATCH_TABLES:
@@ -525,15 +523,19 @@ class _Batch:
         """Compare the waiting tables."""
         waiting, self.waiting = self.waiting, []
         if waiting:
-            self.compare([place for place, _ in waiting], self.compare_many, [t for _, t in waiting])
+            self.compare([place for place, _ in waiting], [t for _, t in waiting])
 
-    def compare(self, places: list[int], run: Any, *args: Any) -> None:
-        """Fill ``places`` of the report with ``run(*args)``'s results (the error of its one table if it fails)."""
+    def compare(self, places: list[int], tables: list[Compared]) -> None:
+        """Fill ``places`` of the report with the results of comparing ``tables`` (see the class)."""
         try:
-            results = run(*args)
+            results = self.compare_many(tables)
         except Exception as exc:  # noqa: BLE001 - one table's failure is reported, the others go on
+            if len(tables) > 1:
+                log.debug("comparing %s together failed: each alone", ", ".join(t.label for t in tables))
+                for place, table in zip(places, tables, strict=True):
+                    self.compare([place], [table])
+                return
             from applier.migrate.spark.copy import spark_error_line  # start-up time: pyspark
-            assert len(places) == 1  # ``compare`` of several compares each alone when their job fails
             held = self.report.tables[places[0]]
             log.debug("comparing %s failed", held.table, exc_info=exc)
             results = [TableResult(held.table, held.target, held.key, error=spark_error_line(exc))]
@@ -583,7 +585,9 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
         spark = spark_of(spark) if spark is not None else spark_for(cfg)
         tables = read_tables_in_snapshot(cfg, info.snapshot_name)
         target = TargetDb(cfg)
-        batch = _Batch(report, lambda items: compare(spark, items, target.backend.kind, max_keys))
+        kind = target.backend.kind
+        batch = _Batch(report, lambda items: compare(spark, items, kind, max_keys))
+        servers = _Batch(report, lambda items: compare_on_servers(spark, items, kind, max_keys))
         try:
             same_encoding = False  # PostgreSQL on both sides: the key ranges can be hashed on the servers
             if target.backend.keeps_types:
@@ -607,7 +611,6 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                 # a column the column lists leave out holds what the copy and the stream leave in it: NULL
                 nulls = [c for c in target.columns_without_default(t) if c in t.unpublished]
                 qcols = [quote_ident(c) for c in cols]
-                kind = target.backend.kind
                 mapped = not target.backend.keeps_types  # compared as the kind's mapping of the source's values
                 small = t.pages <= BATCH_PAGES  # read whole by one task per side, compared with other small ones
                 parts = 1 if small else nparts
@@ -622,15 +625,12 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                 on_servers = not mapped and same_encoding and same_types(
                     [(c.name, c.type_schema, c.type_name, c.type_mod) for c in compared],
                     target_types(target.conn, qtarget))
-                if on_servers:
-                    report.tables.append(TableResult(res_name, shown, t.key_columns))
-                    batch.compare([len(report.tables) - 1], _on_servers, spark, src_plan, tgt_plan, cols + nulls,
-                                  t.key_columns, kind, max_keys, t.qualified)
-                    continue
                 report.tables.append(TableResult(res_name, shown, t.key_columns))
-                batch.add(len(report.tables) - 1, Compared(t.qualified, src_plan, tgt_plan, fmt, cols + nulls,
-                                                           t.key_columns), small)
+                (servers if on_servers else batch).add(
+                    len(report.tables) - 1, Compared(t.qualified, src_plan, tgt_plan, fmt, cols + nulls,
+                                                     t.key_columns), small)
             batch.flush()
+            servers.flush()
         finally:
             target.close()
         if read_progress(cfg).lsn != applied:
