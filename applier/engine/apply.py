@@ -430,9 +430,10 @@ class ApplyEngine:
         batches = self.batches
         bt = batches.get(b)
         if bt is not None:
-            if len(bt.rows) < bt.limit and bt.add(op, row):
-                return
-            if bt.sized(self.batch_rows) and bt.add(op, row):  # its first rows measured: may it hold more?
+            if len(bt.rows) < bt.limit:
+                if bt.add(op, row):
+                    return
+            elif bt.sized(self.batch_rows) and bt.add(op, row):  # its first rows measured: may it hold more?
                 return
             self._apply_batch(bt)
         if batches and not self.target.reorder_tables:

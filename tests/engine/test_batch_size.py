@@ -33,10 +33,13 @@ def _fill(op: str, size: int) -> Batch:
             Delete(1, REL.oid, "K", row)
     batch = Batch(_binding(), op, None, change(0), BATCH_ROWS)
     i = 1
-    while len(batch.rows) < batch.limit and batch.add(op, change(i)) or batch.sized(BATCH_ROWS) and \
-            batch.add(op, change(i)):
+    while True:
+        if len(batch.rows) < batch.limit:
+            if not batch.add(op, change(i)):
+                return batch
+        elif not (batch.sized(BATCH_ROWS) and batch.add(op, change(i))):
+            return batch
         i += 1
-    return batch
 
 
 def test_small_rows_fill_a_batch_to_the_row_limit() -> None:

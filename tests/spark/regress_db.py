@@ -111,7 +111,8 @@ def build_regression_db(cluster: Cluster, dbname: str) -> None:
         cluster.execute(f"ROLLBACK PREPARED '{gid}'", dbname)
 
 
-KEEP = 1000  # rows a table keeps (``trim``)
+KEEP = 1000  # rows a table keeps from its start (``trim``)
+TAIL = 50  # and from its end: the scripts add their edge values (empty and unbounded ranges, NULLs, infinities) last
 
 TRIM = """
 DO $$
@@ -124,16 +125,18 @@ BEGIN
              AND NOT EXISTS (SELECT 1 FROM pg_constraint f WHERE f.contype = 'f' AND f.confrelid = c.oid)
   LOOP
     EXECUTE format('DELETE FROM ONLY %%s WHERE ctid >= (SELECT ctid FROM ONLY %%s ORDER BY ctid '
-                   'OFFSET %(keep)s LIMIT 1)', t, t);
+                   'OFFSET %(keep)s LIMIT 1) AND ctid < (SELECT ctid FROM ONLY %%s ORDER BY ctid DESC '
+                   'OFFSET %(tail)s - 1 LIMIT 1)', t, t, t);
   END LOOP;
 END $$
 """
 
 
 def trim(cluster: Cluster, dbname: str) -> None:
-    """Cut each table of ``dbname`` to its first ``KEEP`` rows (a table a foreign key references keeps all of
-    them); then ``VACUUM ANALYZE``, so that the row counts the catalog holds (``reltuples``) are the tables'."""
-    cluster.execute(TRIM % {"keep": KEEP}, dbname)
+    """Cut each table of ``dbname`` to its first ``KEEP`` and last ``TAIL`` rows (a table a foreign key references
+    keeps all of them); then ``VACUUM ANALYZE``, so that the row counts the catalog holds (``reltuples``) are the
+    tables' (a large table's, ``KEEP + TAIL``, clear of the publication's ``reltuples >= 1000``)."""
+    cluster.execute(TRIM % {"keep": KEEP, "tail": TAIL}, dbname)
     cluster.execute("VACUUM ANALYZE", dbname)
 
 

@@ -458,7 +458,8 @@ def compare_on_servers(spark: Any, tables: list[Compared], kind: Kind, max_keys:
     computed on the servers (``applier.migrate.spark.rangehash``), all of them in one Spark job; only the rows of
     the differing ranges are read, by job 2 of each table that differs. TableResults in the order of ``tables``;
     a failure raises (as ``compare``)."""
-    from applier.migrate.spark.rangehash import RANGES, bucket_filter, hash_plan, tables_range_sums  # start-up
+    # start-up time: pyspark
+    from applier.migrate.spark.rangehash import RANGES, bucket_filter, hash_plan, tables_range_sums
     from applier.migrate.spark.source import read_table  # start-up time: pyspark, pyarrow
 
     plans = [[json.loads(t.source_plan), json.loads(t.target_plan)] for t in tables]
