@@ -14,32 +14,22 @@ Invariants:
   for a keepalive);
 - a chunk holds at most ``chunk`` frames and ends once it carries ``chunk_bytes``
   of payload, so wide rows cannot fill memory: at most one chunk is in hand;
-- ``read_chunk`` waits at most ``timeout`` seconds for a chunk's first frame; for
-  the rest only while what has arrived ends inside a transaction, and then until
-  the next frame arrives, at most ``SETTLE`` seconds a chunk: a walsender sends a
-  transaction's messages one by one, back to back, once its commit is decoded, so
-  its rest is read in this chunk, not one loop turn of the caller per message. No
-  frame is held back longer than it takes the next to arrive;
-- ``drained`` says whether the chunk ended because nothing more had arrived
-  (rather than at its size limits).
+- ``read_chunk`` waits at most ``timeout`` seconds for a chunk's first frame,
+  never for the rest; ``drained`` says whether the chunk ended because nothing
+  more had arrived (rather than at its size limits).
 """
 
 from __future__ import annotations
 
-from time import monotonic
 from typing import Any
 
 from applier.decoder.framing import Frame
-from applier.decoder.messages import CHECKPOINTS, XLogData
+from applier.decoder.messages import XLogData
 from applier.decoder.pgoutput import Decoder
 from applier.lsn import LSN
 from applier.source.base import FULL, Source
 
 Item = tuple[Frame, Any]
-
-# seconds a chunk that has arrived up to the middle of a transaction waits, in all, for the rest of it (a walsender
-# sends it within microseconds; a longer gap, a transaction decoded from disk, ends the chunk as before)
-SETTLE = 0.001
 
 
 class ChunkReader:
@@ -75,7 +65,6 @@ class ChunkReader:
         buf: list[Item] = []
         size = 0
         limit, most = self.chunk_bytes, self.chunk
-        settle = -1.0  # when the wait for the rest of a transaction ends (set when first needed)
         self.drained = False
         while frame is not None:
             if type(frame) is XLogData:
@@ -90,19 +79,11 @@ class ChunkReader:
                 break
             if many is None:
                 frame = read(0.0)
-            else:
-                size, after = many(buf, most, limit, size, decoder)  # the changes that follow, in one call
-                if after is FULL:
-                    break
-                frame = after
-            if frame is None:  # all that has arrived is taken: if it ends inside a transaction, its rest is coming
-                last = buf[-1][0]
-                if type(last) is XLogData and last.payload[0] not in CHECKPOINTS:
-                    now = monotonic()
-                    if settle < 0:
-                        settle = now + SETTLE
-                    if now < settle:
-                        frame = read(settle - now)
+                continue
+            size, after = many(buf, most, limit, size, decoder)  # the changes that follow, in one call
+            if after is FULL:
+                break
+            frame = after
         else:
             self.drained = True
         return buf

@@ -411,33 +411,3 @@ def test_a_chunk_read_in_one_call_carries_what_frame_by_frame_reading_does(db, w
     kinds = {type(m).__name__ for _, m in batched}
     assert {"Begin", "Commit", "Insert", "Update", "Delete", "Relation", "Truncate", "Message"} <= kinds
     assert batched_received >= end and one_by_one_received >= end
-
-
-def test_a_transaction_sent_message_by_message_is_read_in_one_chunk(db, ws):
-    """The walsender writes each message of a transaction as it decodes it, microseconds apart; a chunk that has
-    the transaction's Begin waits (at most ``SETTLE`` seconds) for its rest, so the apply loop takes a small
-    transaction in one turn, not a turn per message or two. Transactions committed 20 ms apart by the server."""
-    ws.create_slot("s_whole")
-    ws.start("s_whole", LSN(0), OPTS)
-    reader = ChunkReader(ws)
-    n = 40
-    load = threading.Thread(target=sql, args=(db, f"DO $$BEGIN FOR i IN 1..{n} LOOP INSERT INTO t SELECT g, 'v' "
-                                                  f"FROM generate_series(i * 10, i * 10 + 4) g; COMMIT; "
-                                                  f"PERFORM pg_sleep(0.02); END LOOP; END$$"))
-    load.start()
-    chunks: list[list[type]] = []
-    deadline = time.monotonic() + 60
-    try:
-        while sum(kinds.count(Commit) for kinds in chunks) < n:
-            assert time.monotonic() < deadline, chunks[-5:]
-            chunk = reader.read_chunk(1.0) or []
-            kinds = [type(m) for _, m in chunk if m is not None]
-            if kinds:
-                chunks.append(kinds)
-    finally:
-        load.join()
-    assert [k for kinds in chunks for k in kinds] == [Begin, Relation, *[Insert] * 5, Commit] + [
-        Begin, *[Insert] * 5, Commit] * (n - 1)
-    # a transaction whose Commit is not in the chunk of its Begin: rare (a walsender descheduled mid-transaction)
-    split = sum(1 for kinds in chunks if kinds[-1] is not Commit)
-    assert split <= n // 8, (split, chunks)
