@@ -83,13 +83,28 @@ def source_name(rel: Relation) -> str:
     return f"{rel.namespace or 'pg_catalog'}.{rel.name}"
 
 
+class FastPlan(NamedTuple):
+    """``Binding.fast_plan``: the key's columns, every column, whether updates take the fast shape and set only
+    some columns (``narrow``: ALWAYS key columns), the columns they set, whether deletes take it, the key columns'
+    converters, and the fast shape's statement."""
+
+    key: tuple[int, ...]
+    every: tuple[int, ...]
+    fast_update: bool
+    narrow: bool
+    fast_cols: tuple[int, ...]
+    fast_delete: bool
+    key_convert: list[Converter]
+    sql: str
+
+
 class Binding:
     """One source relation mapped onto one target table; builds and caches statements."""
 
     __slots__ = ("rel", "table", "qtable", "qonly", "names", "qnames", "convert", "key_idx", "dialect", "_sql",
                  "text_compare", "keyed", "foldable", "set_based", "pg_types", "pg_arrays", "plain_convert", "always",
                  "fast_set", "carry", "show", "key_values", "copy_binary", "join", "uniques", "guard", "since", "row_id",
-                 "row_match", "counted")
+                 "row_match", "counted", "_plans")
 
     def __init__(self, rel: Relation, table: str, qtable: str, convert: Sequence[Converter | None],
                  dialect: Dialect, text_compare: Sequence[bool] = ()) -> None:
@@ -113,6 +128,7 @@ class Binding:
         self.dialect = dialect
         self.text_compare = list(text_compare) or [False] * len(self.names)
         self._sql: dict[Any, str] = {}
+        self._plans: dict[tuple[str, str], FastPlan] = {}  # ``fast_plan``'s, by operation and guard
         # rows are found by key columns (not REPLICA IDENTITY FULL): changes to one row can be folded
         self.keyed = bool(self.key_idx) and rel.replica_identity in ("d", "i")
         # changes to one row may be folded together, out of order with other rows' changes: only when
@@ -258,6 +274,26 @@ class Binding:
                    else f"SELECT 1 FROM {self.qonly} WHERE {self.where(locate, nulls, full)}")
             self._sql[key] = sql
         return sql
+
+    def fast_plan(self, op: str) -> FastPlan:
+        """What ``TargetBase._locate_and_run`` needs for the common shapes of ``op`` ("UPDATE" or "DELETE"), made
+        once (per ``guard``) rather than at every batch: an update found by an unchanged key that sends every column,
+        and a delete found by its key tuple, both without NULLs in the key."""
+        plan = self._plans.get((op, self.guard))
+        if plan is None:
+            key = tuple(self.key_idx)
+            every = _ALL_COLUMNS[len(self.names)]
+            plain = (False,) * len(key)
+            fast = self.fast_set  # None: an ALWAYS column outside the key, whose value may change
+            fast_update = op == "UPDATE" and fast is not None and self.keyed
+            fast_cols = fast or ()
+            key_convert = [c for c in (self.convert[k] for k in key) if c is not None]
+            fast_delete = op == "DELETE" and self.keyed and len(key_convert) == len(key)
+            plan = self._plans[(op, self.guard)] = FastPlan(
+                key, every, fast_update, fast is not None and fast is not every, fast_cols, fast_delete, key_convert,
+                self.update_sql(fast_cols, key, plain, False) if fast_update
+                else self.delete_sql(key, plain, False) if fast_delete else "")
+        return plan
 
     def keeps_always(self, new: TupleData, t: TupleData, locate: tuple[int, ...]) -> bool:
         """Whether an update to ``new`` of the row found by ``locate`` of ``t`` leaves every ALWAYS column as is."""
@@ -486,9 +522,15 @@ class TargetBase:
     def settle(self) -> None:
         """Settle work in flight (see ``RowWriter``): none on a target that runs each statement at once."""
 
+    def as_sent(self, b: Binding) -> bool:
+        """Whether ``run_many`` takes the values of ``b`` as the source sent them (text bytes: nothing converted
+        and back again on the per-row path), not as ``b.convert`` makes them; none does here."""
+        return False
+
     def run_many(self, sql: str, params: list[list[Any]], op: str, b: Binding, lsn: LSN) -> int:
         """Execute one statement for many parameter rows (``op`` of rows of ``b``, of transactions from the one
-        finished at ``lsn``); total rows affected (a target may count them later: ``RowWriter.pipeline``)."""
+        finished at ``lsn``; the values as ``as_sent`` says); total rows affected (a target may count them later:
+        ``RowWriter.pipeline``)."""
         if len(params) == 1:
             self.cur.execute(sql, params[0])
         else:
@@ -508,23 +550,13 @@ class TargetBase:
         run_sql = ""
         params: list[list[Any]] = []
         missing = 0
-        key = tuple(b.key_idx)
-        every = _ALL_COLUMNS[len(b.names)]
-        plain = (False,) * len(key)
-        fast = b.fast_set  # None: an ALWAYS column outside the key, whose value may change
-        narrow = fast is not None and fast is not every  # ALWAYS key columns: found by them, not set
-        # the common shapes, their statements made once: an update found by an unchanged key that sends every
-        # column, and a delete found by its key tuple, both without NULLs in the key
-        fast_update = op == "UPDATE" and fast is not None and b.keyed
-        fast_cols = fast or ()
-        key_convert = [c for c in (b.convert[k] for k in key) if c is not None]
-        fast_delete = op == "DELETE" and b.keyed and len(key_convert) == len(key)
-        fast_sql = (b.update_sql(fast_cols, key, plain, False) if fast_update
-                    else b.delete_sql(key, plain, False) if fast_delete else "")
+        # the common shapes (``Binding.fast_plan``); ``narrow``: ALWAYS key columns, found by them, not set
+        key, every, fast_update, narrow, fast_cols, fast_delete, key_convert, fast_sql = b.fast_plan(op)
+        sent = self.as_sent(b)  # ``run_many`` takes the values as they came: the fast shapes convert nothing
         for m in rows:
             args = None
             if fast_update and m.old_kind is None and UNCHANGED_TOAST not in m.new.kinds:
-                args = b.values(m.new, every)
+                args = list(m.new.values) if sent else b.values(m.new, every)
                 where_args = [args[i] for i in key]
                 if None in where_args:
                     args = None
@@ -537,7 +569,7 @@ class TargetBase:
                 vals = m.old.values
                 where_args = [vals[k] for k in key]
                 if None not in where_args:
-                    args = [c(v) for c, v in zip(key_convert, where_args)]
+                    args = where_args if sent else [c(v) for c, v in zip(key_convert, where_args)]
                     sql = fast_sql
             if args is None:
                 t, idx, full = b.locator(op, m.old_kind, m.old, m.new if op == "UPDATE" else None, lsn)
@@ -561,6 +593,8 @@ class TargetBase:
                 else:
                     sql = b.delete_sql(idx, nulls, full)
                     args = where_args
+                if sent:  # (the shapes off the fast path: their text as it came)
+                    args = [None if v is None else v.encode() for v in args]
             if sql is not run_sql and params:
                 missing += len(params) - self.run_many(run_sql, params, op, b, lsn)
                 params = []

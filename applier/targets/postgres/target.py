@@ -926,9 +926,15 @@ class PostgresTarget(TargetBase):
                 self._copy[1].write(COPY_BINARY_HEADER)
         self._copy[1].write(data)
 
+    def as_sent(self, b: Binding) -> bool:
+        """Pipelined text mode on a UTF-8 target: ``run_many`` sends the values as the source sent them (the
+        bytes a str of them would be encoded back to), as ``insert`` sends its rows."""
+        return self.pipelined and self._utf8 and (not b.convert or b.convert[0] is bytes.decode)
+
     def run_many(self, sql: str, params: list[list[Any]], op: str, b: Binding, lsn: LSN) -> int:
-        """Each parameter row's statement into the pipeline when ``pipelined`` (text mode): the rows it does not
-        find raise Conflicted when the pipeline is read (``_sync``); else run now (``TargetBase.run_many``)."""
+        """Each parameter row's statement into the pipeline when ``pipelined`` (text mode; the values as the source
+        sent them on a UTF-8 target, ``as_sent``): the rows it does not find raise Conflicted when the pipeline is
+        read (``_sync``); else run now (``TargetBase.run_many``)."""
         if not self.pipelined or (b.convert and b.convert[0] is not bytes.decode):
             return super().run_many(sql, params, op, b, lsn)
         # a row count the server checks (``_counted``), unless the statement is a WITH query already (``replace_sql``)
@@ -938,9 +944,13 @@ class PostgresTarget(TargetBase):
         if q is None:
             q = self._counted_sql[sql] = self._dollars(_counted(sql, 1))
         rows = BY_SERVER if by_server else 1
-        enc = self._encoding
-        for args in params:
-            self._send(q, [None if v is None else v.encode(enc) for v in args], op, b, rows, lsn, flush=False)
+        if self._utf8:  # as sent (``as_sent``)
+            for args in params:
+                self._send(q, args, op, b, rows, lsn, flush=False)
+        else:
+            enc = self._encoding
+            for args in params:
+                self._send(q, [None if v is None else v.encode(enc) for v in args], op, b, rows, lsn, flush=False)
         self._push()
         return len(params)
 
