@@ -37,7 +37,7 @@ from applier.migrate.schema import check_table, read_source_tables
 from applier.rows import one_row
 from applier.source import capture, failover, slothealth
 from applier.source.base import SourceError
-from applier.source.walsender import SLOT_STATE, WalSender, session_dsn, slot_state
+from applier.source.walsender import SLOT_STATE, WalSender, slot_state
 from applier.targets import opener
 from applier.targets.backends import backend_of
 from applier.targets.claim import refusal
@@ -112,7 +112,7 @@ def run_checks(cfg: Config) -> list[Result]:
             return f"{redact_dsn(s['dsn'])} (PostgreSQL {version // 10000}.{version % 10000})"
 
         def replication() -> str:
-            ws = WalSender(session_dsn(s["dsn"]), connect_timeout=s["connect_timeout"])
+            ws = WalSender(s["dsn"], connect_timeout=s["connect_timeout"])
             try:
                 c.system = ws.identify_system()["systemid"]
             finally:

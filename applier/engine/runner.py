@@ -89,7 +89,7 @@ from applier.source.base import is_transient as source_transient
 from applier.source.chunks import ChunkReader
 from applier.source.slothealth import SlotWatch
 from applier.source.sql import SqlSlotSource
-from applier.source.walsender import SLOT_STATE, WalSender, session_dsn, slot_state
+from applier.source.walsender import SLOT_STATE, WalSender, slot_state
 from applier.targets import opener
 from applier.targets.backends import backend_of
 from applier.targets.claim import ProcessClaim
@@ -159,7 +159,7 @@ def open_source(cfg: Config, progress: Progress, wrap: Callable[[Source], Source
             sql.close()
             raise
     else:
-        src = ws = WalSender(session_dsn(s["dsn"]), status_interval=s["status_interval"],
+        src = ws = WalSender(s["dsn"], status_interval=s["status_interval"],
                              connect_timeout=s["connect_timeout"])
         try:
             ident = ws.identify_system()

@@ -27,6 +27,7 @@ from applier.decoder.framing import Frame
 from applier.decoder.messages import AT_RECORD_END, CLOSES_BLOCK, OPENS_BLOCK, XLogData, kind_of
 from applier.lsn import LSN
 from applier.source.base import SourceError, SourceUnreachable, StreamOptions, slot_in_use
+from applier.source.walsender import session_dsn
 from applier.text import one_line
 
 
@@ -36,7 +37,7 @@ class SqlSlotSource:
     def __init__(self, dsn: str, slot: str, options: StreamOptions, *, batch_changes: int = 10000,
                  once: bool = False, poll_interval: float = 0.5) -> None:
         try:
-            self.conn = psycopg.connect(dsn, autocommit=True)
+            self.conn = psycopg.connect(session_dsn(dsn), autocommit=True)  # the values' text as a walsender's
         except psycopg.Error as exc:
             raise SourceUnreachable(f"cannot connect to the source: {one_line(exc)}") from None
         self.slot = slot

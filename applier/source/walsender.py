@@ -73,11 +73,14 @@ read_decoded = twin("read_decoded", read_decoded_pure)  # compiled or pure (appl
 
 
 def session_dsn(dsn: str) -> str:
-    """The source DSN with the output settings of the applying walsender session pinned (ISO dates, UTC):
-    the text values it sends, and those read beside it (``applier.migrate.spark.source``), look the same."""
+    """The source DSN with the output settings of a decoding session pinned (UTF-8, ISO dates, UTC), whatever the
+    source database's or role's defaults: pgoutput writes each value with its type's output function in the
+    session's settings and converts it to the session's client encoding, so the text values it sends, and those
+    read beside it (``applier.migrate.spark.source``), look the same on every source. Every replication
+    connection (``WalSender``) and the SQL-interface source (``applier.source.sql``) open their session so."""
     opts = conninfo_to_dict(dsn).get("options") or ""
     pinned = "-c datestyle=ISO -c intervalstyle=postgres -c timezone=UTC -c extra_float_digits=3"
-    return make_conninfo(dsn, options=f"{opts} {pinned}".strip())
+    return make_conninfo(dsn, options=f"{opts} {pinned}".strip(), client_encoding="UTF8")
 
 
 class WalSender:
@@ -87,7 +90,8 @@ class WalSender:
 
     def __init__(self, dsn: str, *, status_interval: float = 10.0, connect_timeout: int = 10) -> None:
         try:
-            self.conn = psycopg.connect(dsn, replication="database", autocommit=True, connect_timeout=connect_timeout)
+            self.conn = psycopg.connect(session_dsn(dsn), replication="database", autocommit=True,
+                                        connect_timeout=connect_timeout)
         except psycopg.Error as exc:
             raise SourceUnreachable(f"cannot open a replication connection to the source: {one_line(exc)}") from None
         self.pgconn = self.conn.pgconn
