@@ -94,7 +94,7 @@ class FastPlan(NamedTuple):
     narrow: bool
     fast_cols: tuple[int, ...]
     fast_delete: bool
-    key_convert: list[Converter]
+    key_convert: tuple[Converter, ...]
     sql: str
 
 
@@ -186,6 +186,7 @@ class Binding:
         every = _ALL_COLUMNS[len(self.names)]
         self.fast_set = (every if not always else tuple([i for i in every if i not in always])
                          if always.issubset(self.key_idx) else None)
+        self._plans.clear()  # ``fast_plan`` reads ``fast_set``
 
     def set_unique_indexes(self, indexes: Sequence[frozenset[str] | None], partial: Sequence[bool] = ()) -> None:
         """Tell the target table's unique indexes (column names; None: an expression index) and which are partial
@@ -287,7 +288,7 @@ class Binding:
             fast = self.fast_set  # None: an ALWAYS column outside the key, whose value may change
             fast_update = op == "UPDATE" and fast is not None and self.keyed
             fast_cols = fast or ()
-            key_convert = [c for c in (self.convert[k] for k in key) if c is not None]
+            key_convert = tuple([c for c in (self.convert[k] for k in key) if c is not None])
             fast_delete = op == "DELETE" and self.keyed and len(key_convert) == len(key)
             plan = self._plans[(op, self.guard)] = FastPlan(
                 key, every, fast_update, fast is not None and fast is not every, fast_cols, fast_delete, key_convert,
@@ -593,7 +594,7 @@ class TargetBase:
                 else:
                     sql = b.delete_sql(idx, nulls, full)
                     args = where_args
-                if sent:  # (the shapes off the fast path: their text as it came)
+                if sent:  # (the shapes off the fast path: their values encoded once, to the text they came as)
                     args = [None if v is None else v.encode() for v in args]
             if sql is not run_sql and params:
                 missing += len(params) - self.run_many(run_sql, params, op, b, lsn)
