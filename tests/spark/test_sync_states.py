@@ -35,7 +35,7 @@ from applier.lsn import LSN
 from applier.migrate.schema import SchemaError, read_source_tables
 from applier.migrate.spark import copy as spark_copy
 from applier.migrate.spark.copy import SQLITE_PART_PAGES, copy_partitions
-from applier.migrate.spark.pgcopy import CopyError, CopyPlan, copy_pg_partitions
+from applier.migrate.spark.pgcopy import COPY_CHUNK, CopyError, CopyPlan, copy_pg_partitions, relay
 from applier.migrate.spark.source import pg_plan
 from applier.migrate.spark.verify import verify
 from applier.migrate.sync import SyncError, _drop_incomplete_slot, sync
@@ -110,6 +110,24 @@ def _plan(src: ScratchDb, target: str, table: str, partitions: int) -> CopyPlan:
     return CopyPlan(json.loads(pg_plan(src.dsn, t.qname, cols, pages=t.pages, partitions=partitions)),
                     "sqlite" if sqlite else "postgresql", target, f'"{table}"', cols,
                     [c.type_oid for c in t.columns], "n", "r", t.qualified)
+
+
+def test_the_relay_hands_on_whole_rows_in_chunks_and_raises_the_sources_error(src: ScratchDb) -> None:
+    """What a copy task reads from the source's COPY reaches the target whole, in chunks of whole rows; a COPY that
+    fails half-way raises the server's error, and the connection stays usable."""
+    query = "COPY (SELECT g, repeat('x', 1000) FROM generate_series(1, 3000) g) TO STDOUT"
+    with psycopg.connect(src.dsn, autocommit=True) as conn:
+        chunks: list[bytes] = []
+        rows, nbytes = relay(conn, query, lambda b: chunks.append(bytes(b)))
+        want = b"".join(f"{g}\t{'x' * 1000}\n".encode() for g in range(1, 3001))
+        assert (rows, nbytes, b"".join(chunks)) == (3000, len(want), want)
+        assert len(chunks) > 1 and all(len(c) >= COPY_CHUNK for c in chunks[:-1])
+        assert all(c.endswith(b"\n") for c in chunks)
+        with pytest.raises(psycopg.errors.DivisionByZero, match="division by zero"):
+            relay(conn, "COPY (SELECT 1 / (g - 2000) FROM generate_series(1, 3000) g) TO STDOUT", chunks.append)
+        with pytest.raises(psycopg.errors.UndefinedTable):
+            relay(conn, "COPY nosuchtable TO STDOUT", chunks.append)
+        assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
 @pytest.mark.parametrize("binary", [False, True])

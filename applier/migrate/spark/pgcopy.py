@@ -12,10 +12,12 @@ module, and loads psycopg and this only (bench/README.md, sync: the first job's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from psycopg import pq
 
 from applier.errors import ApplyError
 from applier.migrate.spark.pgread import pg_in_snapshot, pinned_dsn, range_query
@@ -127,21 +129,48 @@ def _stream_pg(plan: CopyPlan, run: list[int], src: psycopg.Connection[Any],
     lo, hi = plan.source["ranges"][run[0]][0], plan.source["ranges"][run[-1]][1]
     # the name the driver follows the copy's progress by (pg_stat_progress_copy): the run's first partition
     src.execute("SELECT set_config('application_name', %s, false)", [f"{plan.source['app']} p{run[0]}"])
-    nbytes = 0
-    cur = src.cursor()
-    with cur.copy(f"COPY ({range_query(plan.source, lo, hi)}) TO STDOUT (FORMAT {fmt})") as cin, \
-            dst.cursor().copy(f"COPY {plan.table} ({', '.join(plan.columns)}) FROM STDIN (FORMAT {fmt})") as cout:
-        buf = bytearray()
-        for data in cin:  # one row each (libpq): handed on in chunks
-            buf += data
-            if len(buf) >= COPY_CHUNK:
-                cout.write(buf)
+    with dst.cursor().copy(f"COPY {plan.table} ({', '.join(plan.columns)}) FROM STDIN (FORMAT {fmt})") as cout:
+        return relay(src, f"COPY ({range_query(plan.source, lo, hi)}) TO STDOUT (FORMAT {fmt})", cout.write)
+
+
+def relay(src: psycopg.Connection[Any], copy_to: str, write: Callable[[bytearray], Any]) -> tuple[int, int]:
+    """Run ``copy_to`` (a ``COPY … TO STDOUT``) on ``src`` and hand its data to ``write`` in chunks of about
+    ``COPY_CHUNK`` bytes of whole rows; (rows, bytes). The rows are read straight from libpq (``PQgetCopyData``, a
+    row a call): psycopg's COPY iteration costs more than twice the CPU per row (bench/README.md, sync), and the
+    task relaying the rows shares the machine with both servers. The error of a failed COPY is raised as psycopg
+    raises it."""
+    pg = src.pgconn
+    with src.lock:
+        pg.send_query(copy_to.encode())
+        results = []
+        nbytes = 0
+        first = pg.get_result()
+        if first is not None and first.status == pq.ExecStatus.COPY_OUT:
+            get = pg.get_copy_data
+            buf = bytearray()
+            while True:
+                n, data = get(0)  # blocks until a row comes: -1 at the end, -2 on an error
+                if n <= 0:
+                    break
+                buf += data
+                if len(buf) >= COPY_CHUNK:
+                    write(buf)
+                    nbytes += len(buf)
+                    buf = bytearray()
+            if n == -2:
+                raise psycopg.OperationalError(f"reading the source's COPY failed: {pg.get_error_message()}")
+            if buf:
+                write(buf)
                 nbytes += len(buf)
-                buf = bytearray()
-        if buf:
-            cout.write(buf)
-            nbytes += len(buf)
-    return cur.rowcount, nbytes
+        elif first is not None:
+            results.append(first)
+        while (res := pg.get_result()) is not None:
+            results.append(res)
+    end = results[-1] if results else None
+    if end is None or end.status != pq.ExecStatus.COMMAND_OK:
+        raise psycopg.errors.error_from_result(end, "utf-8") if end is not None else psycopg.OperationalError(
+            f"the source's COPY ended without a result: {pg.get_error_message()}")
+    return int(end.command_status.split()[-1]) if end.command_status else 0, nbytes
 
 
 def check_run(plan: CopyPlan, conn: Any, ph: str, lock: bool) -> None:
