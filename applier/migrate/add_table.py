@@ -16,8 +16,10 @@ double, while ``applier run`` keeps running or not:
    source transactions committed before S. The rows get state 'copying' and S
    (durable);
 3. each table copied in that snapshot by the full sync's copy
-   (``applier.migrate.sync._copy_table``: partitions recorded in
-   ``applier_sync_parts`` with their rows);
+   (``applier.migrate.sync.copy_tables``: partitions recorded in
+   ``applier_sync_parts`` with their rows), then the keys its creation left
+   for after the copy built (the engine applies its changes only once it is
+   'ready', step 4, and binds it again then: with its keys);
 4. each copied table's row set to 'ready' (durable: the copy's commits are
    flushed with it), with, when DDL capture is installed in the snapshot, its
    shape at S kept in ``applier_ddl_tables``. The temporary slot ends with its

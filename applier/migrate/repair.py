@@ -101,6 +101,8 @@ from applier.errors import InUseError
 from applier.lsn import LSN
 from applier.migrate.add_table import claim_copy, need_replica, published_tables, temporary_slot_name
 from applier.migrate.schema import SourceTable
+from applier.migrate.spark.pgread import pg_in_snapshot, pinned_dsn, range_query
+from applier.migrate.spark.plans import pg_plan
 from applier.migrate.spark.session import spark_for
 from applier.migrate.sync import SyncError, TargetDb, _now, read_tables_in_snapshot
 from applier.progress.migrate import migrate, said
@@ -463,7 +465,6 @@ def source_files(conn: Any, t: SourceTable) -> str:
 def _compare_table(cfg: Config, target: TargetDb, spark: Any, t: SourceTable, snapshot: str) -> TableRepair:
     # start-up time: these load pyspark
     from applier.migrate.spark.rangehash import same_types, server_encoding, target_types
-    from applier.migrate.spark.source import pg_plan
 
     shown, qtarget = target.name_of(t)
     cols, nulls = _columns(target, t)
@@ -542,7 +543,6 @@ def _compare_on_servers(spark: Any, src_plan: dict[str, Any], tgt_plan: dict[str
         range_sums,
         row_text,
     )
-    from applier.migrate.spark.source import pg_in_snapshot, range_query  # start-up time: pyspark
 
     plans = [src_plan, tgt_plan]
     a, b = range_sums(spark, *[hash_plan(p, p["columns"], key) for p in plans])
@@ -719,7 +719,6 @@ def rewrite_ranges(cfg: Config, target: TargetDb, t: SourceTable, found: TableRe
     deleted, the source's rows in the snapshot inserted, each range recorded in applier_repairs."""
     # start-up time: these load pyspark / pyarrow
     from applier.migrate.spark.copy import sqlite_rows
-    from applier.migrate.spark.source import pg_in_snapshot, pg_plan, pinned_dsn, range_query
 
     shown, qtarget = target.name_of(t)
     cols = [quote_ident(c.name) for c in t.columns]

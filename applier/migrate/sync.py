@@ -10,7 +10,7 @@ the very next source transaction:
    ``applier.migrate.add_table``: cleared when a run starts);
 2. published tables read from the source catalog; the target's existing tables
    checked (every mismatch reported by table and column, nothing written) and
-   the missing ones created (``applier.migrate.schema``);
+   the missing ones created (``applier.migrate.schema``; on PostgreSQL without their keys, which step 5 builds);
 3. the sync row set to ``copying`` with a new run id;
 4. the slot created on a replication connection with ``SNAPSHOT 'export'``: its
    consistent point C and an exported snapshot that sees exactly the
@@ -20,9 +20,11 @@ the very next source transaction:
    (``applier.migrate.spark.copy``: Spark tasks streaming COPY from the source into a
    PostgreSQL target, binary where safe; the driver's readers and one writer for a
    SQLite target), with its column list and row filter, its own rows only
-   (``SourceTable.only``); a table without columns as its row count. A
-   table that cannot be copied does not stop the others: sync then fails
-   listing every failed table with its cause;
+   (``SourceTable.only``); a table without columns as its row count. Once a
+   table is copied, the keys its creation left out (``Backend.keys_after_copy``:
+   primary key, replica identity index) are built, while the next tables copy
+   (``KeyBuilder``). A table that cannot be copied (or keyed) does not stop the
+   others: sync then fails listing every failed table with its cause;
 6. in one durable target transaction: the progress row of ``apply.name`` set to
    C (and any pending skip cleared), the sync row set to ``done``, and, when DDL
    capture is installed in the snapshot, each copied table's shape at C
@@ -52,6 +54,9 @@ Interruptions (resume or restart):
   creates it again with a new snapshot, and copies everything.
 - A slot that exists when no copy has completed (made by ``applier init``, or
   left by a killed run) is dropped and created again, with a message.
+- A table created without its keys carries a mark until they are built
+  (``applier.targets.postgres.schema.KEYS_PENDING``): a rerun copies it again,
+  then builds them. A table that existed before sync keeps its indexes.
 - A completed sync is not repeated unless ``force``; a fresh sync refuses
   target tables that already hold rows unless ``force`` (which empties them).
 
@@ -67,6 +72,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,8 +90,10 @@ from applier.migrate.schema import (
     read_source_tables,
     target_table_name,
 )
+from applier.migrate.spark.pgcopy import CopyError, CopyPlan, parts_sql
+from applier.migrate.spark.plans import pg_plan
 from applier.migrate.spark.progress import Reporter
-from applier.migrate.spark.session import begin, spark_context, spark_of
+from applier.migrate.spark.session import begin, copy_streams, spark_context, spark_of
 from applier.progress.migrate import migrate, said
 from applier.progress.store import shape_row
 from applier.rows import one_row
@@ -188,6 +196,11 @@ class TargetDb:
         """Check existing target tables, create missing ones (SchemaError on a mismatch); on PostgreSQL with the
         user types and sequences they need, read from the source."""
         return prepare_tables(self.backend, self.conn, tables, self.table_map, lambda: source_connect(self.cfg))
+
+    def build_keys(self, table: SourceTable) -> bool:
+        """Build the keys table creation left for after the copy of the table, if it owes them
+        (``Backend.build_keys``); whether it did."""
+        return self.backend.build_keys(self.conn, table, *self.backend.target_table(table.relation(), self.table_map))
 
     def exists(self, table: SourceTable) -> bool:
         """Whether the target table exists."""
@@ -309,8 +322,6 @@ class TargetDb:
 
     def parts(self, name: str, run: str, tbl: str) -> dict[int, tuple[int, int]]:
         """Finished partitions of a table in this run: part -> (rows, bytes)."""
-        from applier.migrate.spark.copy import parts_sql  # start-up time: spark.copy loads pyspark
-
         return {int(p): (int(r), int(b)) for p, r, b in self.execute(parts_sql(self.ph)[2], [name, run, tbl])}
 
     def finish(self, name: str, lsn: LSN, source_system: str | None, slot: str,
@@ -544,46 +555,105 @@ def copy_tables(cfg: Config, target: TargetDb, tables: list[SourceTable], run: s
     """Copy each table in the snapshot (``_copy_table``; ``after(table)`` once one is copied) into ``result``
     (its ``tables`` and ``copy_seconds``, from the first table's copy on); the failures, one line each. A table
     that cannot be copied does not stop the others. ``result.mode`` 'table': the run is that of each table's
-    applier_sync_tables row, else that of the sync row (``applier.migrate.spark.copy.check_run``)."""
-    from applier.migrate.spark.copy import CopyError  # start-up time: spark.copy loads pyspark
-
+    applier_sync_tables row, else that of the sync row (``applier.migrate.spark.pgcopy.check_run``)."""
     if target.backend.copies_by_spark:  # else the driver alone copies (a SQLite target)
         spark = spark_of(spark) if spark is not None else spark_context(cfg.spark["master"])
     started = time.monotonic()
     failed: list[str] = []
-    with source_connect(cfg) as poll:
-        for i, table in enumerate(tables):
-            try:
-                result.tables.append(_copy_table(cfg, target, table, i, run, snapshot, nparts, spark, reporter, say,
-                                                 poll, result.mode == "table"))
-            except CopyError as exc:
-                failed.append(str(exc))
-                say(f"{exc}; going on with the other tables")
-                continue
-            if after is not None:
-                after(table)
+    keys = KeyBuilder(cfg, copy_streams(spark) if spark is not None else 1) if target.backend.keys_after_copy else None
+
+    def copied(table: SourceTable, error: str | None, built: str | None = None) -> None:
+        if error is not None:
+            failed.append(error)
+            say(f"{error}; going on with the other tables")
+            return
+        if built is not None:
+            say(built)
+        if after is not None:
+            after(table)
+
+    try:
+        with source_connect(cfg) as poll:
+            for i, table in enumerate(tables):
+                try:
+                    result.tables.append(_copy_table(cfg, target, table, i, run, snapshot, nparts, spark, reporter,
+                                                     say, poll, result.mode == "table"))
+                except CopyError as exc:
+                    copied(table, str(exc))
+                    continue
+                if keys is None:
+                    copied(table, None)
+                    continue
+                keys.submit(table, _label(target, table))
+                for done in keys.ended(wait=False):
+                    copied(*done)
+        for done in keys.ended(wait=True) if keys is not None else ():
+            copied(*done)
+    finally:
+        if keys is not None:
+            keys.close()
     result.copy_seconds = time.monotonic() - started
     return failed
+
+
+class KeyBuilder:
+    """Builds the keys that table creation left for after the copy (``Backend.keys_after_copy``, as pg_dump and
+    pgcopydb build indexes after the data): each table's as soon as its copy is over, while the next tables copy,
+    up to ``jobs`` tables at once, each on a target connection of its own (``TargetDb.build_keys``)."""
+
+    def __init__(self, cfg: Config, jobs: int) -> None:
+        self.cfg = cfg
+        self.pool = ThreadPoolExecutor(max(1, jobs), thread_name_prefix="applier-sync-keys")
+        self.running: list[tuple[SourceTable, Future[tuple[str | None, str | None]]]] = []
+
+    def submit(self, table: SourceTable, label: str) -> None:
+        """Build the table's keys (if it owes them) in the background."""
+        self.running.append((table, self.pool.submit(self._build, table, label)))
+
+    def _build(self, table: SourceTable, label: str) -> tuple[str | None, str | None]:
+        """The table's keys built (or none owed): (the failure's line, the line saying they were built)."""
+        started = time.monotonic()
+        try:
+            target = TargetDb(self.cfg)
+            try:
+                built = target.build_keys(table)
+            finally:
+                target.close()
+        except ConfigError as exc:  # SchemaError: names the table and the statement
+            return str(exc), None
+        except psycopg.Error as exc:
+            return f"building the keys of {label} after its copy failed: {one_line(exc)}", None
+        return None, f"{label}: keys built after the copy ({time.monotonic() - started:.1f} s)" if built else None
+
+    def ended(self, wait: bool) -> list[tuple[SourceTable, str | None, str | None]]:
+        """The tables whose build is over (``wait``: every one, waited for), each once, in the order submitted:
+        (table, the failure's line, the line saying the keys were built)."""
+        out = []
+        while self.running and (wait or self.running[0][1].done()):
+            table, future = self.running.pop(0)
+            out.append((table, *future.result()))
+        return out
+
+    def close(self) -> None:
+        """Stop: builds not started are not (a running one ends by itself, its transaction whole or not at all)."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _label(target: TargetDb, table: SourceTable) -> str:
+    """A table as the copy's lines name it: the source table, and its target table if named otherwise."""
+    shown = target.name_of(table)[0]
+    return table.qualified if shown in (table.qualified, table.name) else f"{table.qualified} -> {shown}"
 
 
 def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, run: str, snapshot: str | None,
                 nparts: int, spark: Any, reporter: Any, say: Any, poll: psycopg.Connection[Any],
                 joining: bool) -> TableCopy:
-    # start-up time: spark.copy and spark.source load pyspark
-    from applier.migrate.spark.copy import (
-        CopyError,
-        CopyPlan,
-        CopyWatcher,
-        binary_safe,
-        copy_partitions,
-        partitions_for,
-        running_copies,
-    )
-    from applier.migrate.spark.source import pg_plan
+    # start-up time: spark.copy loads pyarrow
+    from applier.migrate.spark.copy import CopyWatcher, binary_safe, copy_partitions, partitions_for, running_copies
 
     name = cfg.apply["name"]
     shown, qtarget = target.name_of(table)
-    label = table.qualified if shown in (table.qualified, table.name) else f"{table.qualified} -> {shown}"
+    label = _label(target, table)
     cols = [quote_ident(c.name) for c in table.columns]
     app = f"applier-sync {run[:8]} t{index}"
     src = pg_plan(cfg.source["dsn"], table.qname, cols, pages=table.pages,
@@ -624,8 +694,6 @@ def _copy_rowless(cfg: Config, target: TargetDb, table: SourceTable, run: str, s
                   label: str) -> None:
     """Copy a table that publishes no columns (a PostgreSQL target; SQLite refuses it): as many rows as the
     source has in the snapshot, recorded as its partition 0 in the same transaction (written once)."""
-    from applier.migrate.spark.copy import CopyError, parts_sql  # start-up time: spark.copy loads pyspark
-
     name = cfg.apply["name"]
     if target.parts(name, run, table.qualified):
         return

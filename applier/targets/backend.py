@@ -54,6 +54,8 @@ class Backend(ABC):
     # ``applier sync`` copies through Spark, partitions in parallel with COPY (text or binary: ``binary_safe``); else
     # the driver alone writes the rows, one writer
     copies_by_spark: ClassVar[bool]
+    # ``prepare_tables`` creates a table without its keys, built once its copy is over (``build_keys``); else with them
+    keys_after_copy: ClassVar[bool] = False
     # the target is a file on this machine (Spark workers that read it need a local master)
     local_file: ClassVar[bool]
     # the target keeps the source's types: its values compare as PostgreSQL's text output; else it holds the kind's
@@ -181,6 +183,12 @@ class Backend(ABC):
         """Check every existing target table of ``tables``, then create the missing ones (what they need from the
         source read through a connection from ``source``) in one transaction; the ``Prepared`` outcome. SchemaError
         naming every mismatch before anything is created, or the statement that failed (then nothing is)."""
+
+    def build_keys(self, conn: Any, table: Any, schema: str | None, name: str) -> bool:
+        """Build the keys ``prepare_tables`` left for after the copy of target table ``name`` (``schema``), if it
+        owes them (``keys_after_copy``), in one transaction on autocommit plain connection ``conn``; whether it did.
+        SchemaError naming the table and the statement that failed (then nothing changed)."""
+        return False
 
     @abstractmethod
     def set_sequences(self, conn: Any, seqs: list[Any], tables: dict[tuple[str, str], Any], table_map: dict[str, str],

@@ -22,7 +22,8 @@ from applier.decoder.messages import Keepalive, XLogData, decision_position  # n
 from applier.lsn import LSN  # noqa: E402
 from applier.migrate.schema import SourceColumn, SourceTable, default_is_constant  # noqa: E402
 from applier.migrate.spark.canonical import canon, canonical_rows_batch, display, sqlite_source_canonicalizer  # noqa: E402
-from applier.migrate.spark.copy import GROUP_PAGES, CopyPlan, spark_error_line, task_groups  # noqa: E402
+from applier.migrate.spark.copy import GROUP_PAGES, spark_error_line, task_groups  # noqa: E402
+from applier.migrate.spark.pgcopy import CopyPlan  # noqa: E402
 from applier.migrate.spark.session import copy_streams, task_slots  # noqa: E402
 from applier.migrate.spark.source import csv_batches, ctid_ranges  # noqa: E402
 from applier.migrate.spark.verify import StopBefore  # noqa: E402

@@ -2,7 +2,8 @@
 
 What a user relies on: on PostgreSQL the created table has the source's column
 types, NOT NULL, constant defaults and ``nextval`` of its sequences (not
-``now()``), primary key and replica identity index; only published columns
+``now()``), primary key and replica identity index (built once the copy is
+over, the table marked until then); only published columns
 (column lists) are created and row filters are read; on SQLite the declared
 types follow the engine's mapping. On PostgreSQL (15 and 18) the user-defined
 types, sequences, identity and generated columns are created with the source's
@@ -19,7 +20,7 @@ import psycopg
 import pytest
 
 from applier.migrate.schema import SchemaError, read_source_tables
-from applier.targets.postgres.schema import prepare_pg_tables
+from applier.targets.postgres.schema import KEYS_PENDING, build_pg_keys, prepare_pg_tables
 from applier.targets.sqlite.schema import prepare_sqlite_tables
 from tests.plugins.clusters import ScratchDb
 
@@ -71,6 +72,14 @@ def test_postgres_target_tables_copy_the_source_definition(src: ScratchDb, dst: 
         done = prepare_pg_tables(conn, tables, {}, source)
         assert done.created == ["app.byindex", "app.items"]
         assert prepare_pg_tables(conn, tables, {}, source).existing == ["app.byindex", "app.items"]  # checked, fine
+        for t in tables:  # no keys before the copy, and marked so: then built once, the mark gone
+            assert dst.cluster.execute(INDEXES, dst.dbname, [t.qualified]) == []
+            assert dst.cluster.execute("SELECT obj_description(%s::regclass, 'pg_class')", dst.dbname,
+                                       [t.qualified]) == [(KEYS_PENDING,)]
+            assert build_pg_keys(conn, t, t.schema, t.name)
+            assert not build_pg_keys(conn, t, t.schema, t.name)
+            assert dst.cluster.execute("SELECT obj_description(%s::regclass, 'pg_class')", dst.dbname,
+                                       [t.qualified]) == [(None,)]
     for table in ("app.items", "app.byindex"):
         want = src.cluster.execute(DESCRIBE, src.dbname, [table])
         got = dst.cluster.execute(DESCRIBE, dst.dbname, [table])

@@ -8,14 +8,20 @@ is dropped and created again, with a message; a completed sync is not repeated
 by accident, and not into tables that hold rows; an incompatible target table
 is reported by table and column before anything is written. The slot of a
 failed copy is dropped once its walsender has exited (that takes a moment after
-the connection closes), and said to be kept only if it stays in use.
+the connection closes), and said to be kept only if it stays in use. A sync
+killed after a table's copy, while its keys are built, leaves it marked as
+owing them; the rerun copies it again and builds them (a table the user made
+keeps its own indexes).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import sqlite3
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -24,18 +30,23 @@ import psycopg
 import pytest
 
 from applier.admin import init, read_progress
+from applier.config import load_config
 from applier.lsn import LSN
 from applier.migrate.schema import SchemaError, read_source_tables
 from applier.migrate.spark import copy as spark_copy
-from applier.migrate.spark.copy import SQLITE_PART_PAGES, CopyError, CopyPlan, copy_partitions, copy_pg_partitions
+from applier.migrate.spark.copy import SQLITE_PART_PAGES, copy_partitions
+from applier.migrate.spark.pgcopy import COPY_CHUNK, CopyError, CopyPlan, copy_pg_partitions, relay
 from applier.migrate.spark.source import pg_plan
 from applier.migrate.spark.verify import verify
 from applier.migrate.sync import SyncError, _drop_incomplete_slot, sync
 from applier.progress.migrate import migrate
 from applier.source.base import StreamOptions
 from applier.source.walsender import WalSender
+from tests.plugins.cli import applier_script, clean_env
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config, target_exec
+from tests.spark.test_add_table import config_file, wait_for
+from tests.spark.test_schema import INDEXES
 
 pytest.importorskip("pyspark")
 
@@ -99,6 +110,24 @@ def _plan(src: ScratchDb, target: str, table: str, partitions: int) -> CopyPlan:
     return CopyPlan(json.loads(pg_plan(src.dsn, t.qname, cols, pages=t.pages, partitions=partitions)),
                     "sqlite" if sqlite else "postgresql", target, f'"{table}"', cols,
                     [c.type_oid for c in t.columns], "n", "r", t.qualified)
+
+
+def test_the_relay_hands_on_whole_rows_in_chunks_and_raises_the_sources_error(src: ScratchDb) -> None:
+    """What a copy task reads from the source's COPY reaches the target whole, in chunks of whole rows; a COPY that
+    fails half-way raises the server's error, and the connection stays usable."""
+    query = "COPY (SELECT g, repeat('x', 1000) FROM generate_series(1, 3000) g) TO STDOUT"
+    with psycopg.connect(src.dsn, autocommit=True) as conn:
+        chunks: list[bytes] = []
+        rows, nbytes = relay(conn, query, lambda b: chunks.append(bytes(b)))
+        want = b"".join(f"{g}\t{'x' * 1000}\n".encode() for g in range(1, 3001))
+        assert (rows, nbytes, b"".join(chunks)) == (3000, len(want), want)
+        assert len(chunks) > 1 and all(len(c) >= COPY_CHUNK for c in chunks[:-1])
+        assert all(c.endswith(b"\n") for c in chunks)
+        with pytest.raises(psycopg.errors.DivisionByZero, match="division by zero"):
+            relay(conn, "COPY (SELECT 1 / (g - 2000) FROM generate_series(1, 3000) g) TO STDOUT", chunks.append)
+        with pytest.raises(psycopg.errors.UndefinedTable):
+            relay(conn, "COPY nosuchtable TO STDOUT", chunks.append)
+        assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
 @pytest.mark.parametrize("binary", [False, True])
@@ -382,3 +411,54 @@ def test_a_failed_syncs_slot_is_dropped_once_it_is_no_longer_active(src: Scratch
         holder.close()
         src.cluster.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
                             "WHERE database = current_database()", src.dbname)
+
+
+def test_a_sync_killed_while_it_builds_the_keys_is_rerun_and_ends_with_them(spark, src: ScratchDb, dst: ScratchDb,
+                                                                           tmp_path: Path) -> None:
+    """`applier sync` SIGKILLed once a's rows are copied, while a's primary key is built (held up by a reader of
+    a): the sync is not complete and a is left marked as owing its keys; the next sync restarts, copies a again and
+    builds them, ending equal to the source. b, made by the user beforehand (as `pg_dump --schema-only` makes it),
+    keeps its own index and gets nothing built."""
+    src.cluster.execute(SOURCE, src.dbname)
+    dst.cluster.execute("CREATE TABLE b (id integer PRIMARY KEY, n integer NOT NULL); CREATE INDEX b_by_n ON b (n)",
+                        dst.dbname)
+    cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
+    keyed = "SELECT obj_description('a'::regclass, 'pg_class')"
+    command = subprocess.Popen([applier_script(), "sync", "-c", str(cfg_file), "-q"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, env=clean_env(), stdin=subprocess.DEVNULL,
+                               start_new_session=True)
+    try:
+        with psycopg.connect(dst.dsn, autocommit=True) as reader:
+            wait_for("target table a created", lambda: command.poll() is not None or reader.execute(
+                "SELECT to_regclass('a')").fetchone() != (None,))
+            reader.execute("BEGIN")
+            reader.execute("SELECT FROM a LIMIT 0")  # its lock lets the copy write, not the keys be built
+            wait_for("a's keys to be built", lambda: command.poll() is not None or bool(target_exec(
+                dst.url, "SELECT 1 FROM pg_stat_activity WHERE query LIKE 'ALTER TABLE % ADD PRIMARY KEY%' "
+                         "AND wait_event_type = 'Lock'")))
+            assert command.poll() is None, "the sync ended without building a's keys after its copy"
+            # read on the reader's own lock: another session's would queue behind the key build
+            assert reader.execute("SELECT count(*) FROM a").fetchall() == [(20000,)]
+            os.killpg(command.pid, signal.SIGKILL)  # the command and its Spark JVM, as a service manager would
+            command.wait(30)
+            reader.execute("ROLLBACK")
+    finally:
+        if command.poll() is None:
+            os.killpg(command.pid, signal.SIGKILL)
+            command.wait(30)
+    assert dst.cluster.execute("SELECT state FROM applier_sync", dst.dbname) == [("copying",)]
+    assert dst.cluster.execute(INDEXES, dst.dbname, ["a"]) == []
+    assert dst.cluster.execute(keyed, dst.dbname)[0][0] is not None
+    wait_for("the killed sync's walsender to exit", lambda: not (_slot(src, "applier") or ("", False))[1])
+
+    said: list[str] = []
+    cfg = load_config(cfg_file, env={})
+    res = sync(cfg, spark=spark, say=said.append)
+    assert res.mode == "restart"
+    assert "public.a: keys built after the copy" in " ".join(said) and "public.b: keys" not in " ".join(said), said
+    assert dst.cluster.execute(INDEXES, dst.dbname, ["a"]) == src.cluster.execute(INDEXES, src.dbname, ["a"])
+    assert dst.cluster.execute(keyed, dst.dbname) == [(None,)]
+    assert [r[0] for r in dst.cluster.execute("SELECT indexname FROM pg_indexes WHERE tablename = 'b' ORDER BY 1",
+                                              dst.dbname)] == ["b_by_n", "b_pkey"]
+    assert dst.cluster.execute("SELECT count(*), count(DISTINCT id) FROM a", dst.dbname) == [(20000, 20000)]
+    assert verify(cfg, spark=spark).ok

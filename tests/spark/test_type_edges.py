@@ -25,7 +25,7 @@ import psycopg
 import pytest
 
 from applier.engine.runner import Runner
-from applier.migrate.spark.source import pinned_dsn
+from applier.migrate.spark.pgread import pinned_dsn
 from applier.migrate.sync import sync
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config

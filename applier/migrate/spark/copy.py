@@ -2,7 +2,7 @@
 
 A partition is one page range of the source table (``applier.migrate.spark.source.ctid_ranges``), read
 with ``COPY (SELECT cols FROM [ONLY] t WHERE ctid range [AND (row filter)]) TO STDOUT`` inside the
-exported snapshot (``applier.migrate.spark.source.pg_in_snapshot``: pinned output settings,
+exported snapshot (``applier.migrate.spark.pgread.pg_in_snapshot``: pinned output settings,
 ``application_name`` ``<app> p<n>``). Each partition is written in **one target transaction** (on PostgreSQL
 together with the other partitions of its group, below) that also inserts its row into ``applier_sync_parts``
 (name, run, table, partition). Before writing, the partition
@@ -52,6 +52,10 @@ format) or the values' bytes (SQLite).
 Progress: the driver polls ``applier_sync_parts`` (finished partitions, exact) and the source's
 ``pg_stat_progress_copy`` (running copies, by ``application_name``: a group's under its first partition) while
 the copy runs.
+
+The task side of a PostgreSQL target's copy (``copy_pg_partitions``), what travels to it (``CopyPlan``) and the
+records and run check every writer shares are in ``applier.migrate.spark.pgcopy``, which loads neither pyspark nor
+pyarrow; this module is the driver's side and the SQLite writer.
 """
 
 from __future__ import annotations
@@ -64,7 +68,6 @@ import sqlite3
 import threading
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -72,80 +75,31 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from applier.decoder.messages import Column, Relation
-from applier.errors import ApplyError
-from applier.migrate.spark.session import context_of, copy_streams
-from applier.migrate.spark.source import (
-    copy_chunks,
-    csv_batches,
-    pg_in_snapshot,
-    pinned_dsn,
-    range_query,
-    read_pg_range,
+from applier.migrate.spark.pgcopy import (
+    CopyError,
+    CopyPlan,
+    PartDone,
+    check_run,
+    consecutive,
+    copy_pg_partitions,
+    parts_sql,
 )
+from applier.migrate.spark.session import context_of, copy_streams
+from applier.migrate.spark.source import copy_chunks, csv_batches, read_pg_range
 from applier.targets.backend import Backend
 from applier.targets.backends import backend
 from applier.targets.binary import binary_copy_safe
 from applier.targets.sqlite.values import sqlite_text_converters
 from applier.text import one_line
-from applier.url import Kind
 
 SQLITE_LOCK_WAIT = 86400.0  # seconds the SQLite writer waits for the write lock
 SQLITE_READERS = 2  # partitions read (and held) at once for a SQLite target: the one being written, one ahead
 # heap pages (8 kB) of a SQLite target's partition at most: ~8 MB of rows, written in about a second
 SQLITE_PART_PAGES = 1024
-COPY_CHUNK = 1 << 20  # bytes of COPY data handed to the PostgreSQL target at a time
 # pages (8 kB, weighed by ``CopyPlan.weight``) of a PostgreSQL target's group of partitions at most (one source
 # COPY, one target transaction): 1 GiB, about 10 s of copying on the development machine; a failed group is copied
 # again whole
 GROUP_PAGES = 1 << 17
-
-class CopyError(ApplyError):
-    """A table could not be copied; the message names the table and the cause."""
-
-
-def parts_sql(ph: str) -> tuple[str, str, str]:
-    """(is the partition done?, record it, list a table's parts) for a parameter style."""
-    return (f"SELECT 1 FROM applier_sync_parts WHERE name = {ph} AND run = {ph} AND tbl = {ph} AND part = {ph}",
-            f"INSERT INTO applier_sync_parts (name, run, tbl, part, rows, bytes) VALUES ({ph}, {ph}, {ph}, {ph}, {ph}, {ph})",
-            f"SELECT part, rows, bytes FROM applier_sync_parts WHERE name = {ph} AND run = {ph} AND tbl = {ph}")
-
-
-@dataclass
-class CopyPlan:
-    """Everything the copy of a table's partitions needs (it travels to the Spark tasks, pickled)."""
-
-    source: dict[str, Any]  # applier.migrate.spark.source.pg_plan, parsed: dsn, table, columns, ranges, snapshot …
-    kind: Kind  # the target's
-    target: str  # libpq DSN, or the SQLite file
-    table: str  # quoted target table
-    columns: list[str]  # quoted target columns, in the source's order
-    types: list[int]  # the columns' source type OIDs
-    name: str  # apply.name
-    run: str  # the sync run
-    tbl: str  # the source table, schema.name (key of applier_sync_parts)
-    binary: bool = False  # PostgreSQL: COPY in binary format (see binary_safe)
-    # sync --table: the source table's (schema, name), whose applier_sync_tables row names the run; None: a full
-    # sync, whose applier_sync row does (check_run)
-    joining: tuple[str, str] | None = None
-    # what a ctid range's pages weigh: the whole table's pages (every leaf, TOAST included) per heap page the
-    # ranges are cut from (``SourceTable.size_pages / pages``, at least 1), for ``task_groups``
-    weight: float = 1.0
-
-    @property
-    def partitions(self) -> int:
-        """How many partitions the table has."""
-        return len(self.source["ranges"])
-
-
-@dataclass
-class PartDone:
-    """What one partition wrote (``skipped``: it had been written before)."""
-
-    part: int
-    rows: int
-    nbytes: int
-    skipped: bool
-
 
 def partitions_for(target: Backend, pages: int, partitions: int) -> int:
     """How many partitions to ask ``ctid_ranges`` for a table of ``pages`` heap pages: ``partitions``
@@ -166,96 +120,6 @@ def binary_safe(target: psycopg.Connection[Any], qtarget: str, columns: list[tup
         "SELECT attname, atttypid::int FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attnum > 0 "
         "AND NOT attisdropped", [qtarget]).fetchall())
     return all(on_target.get(name) == oid for name, oid in columns)
-
-
-def copy_pg_partitions(plan: CopyPlan, groups: list[list[int]]) -> list[PartDone]:
-    """Copy ``groups`` of partitions from the source straight into a PostgreSQL target, one group after the other (a
-    Spark task's work; see the module header): one connection to each end, the source's inside the snapshot
-    throughout, each group of consecutive partitions in one source COPY and one target transaction together with its
-    partitions' records (``_copy_pg_group``)."""
-    if not groups:
-        return []
-    with psycopg.connect(pinned_dsn(plan.target, f"{plan.source['app']} write"), autocommit=True) as dst, \
-            pg_in_snapshot(plan.source, groups[0][0]) as src:
-        dst.execute("SET synchronous_commit = off")
-        try:
-            dst.execute("SET session_replication_role = replica")
-        except psycopg.Error:
-            pass
-        return [done for group in groups for done in _copy_pg_group(plan, group, src, dst)]
-
-
-def _copy_pg_group(plan: CopyPlan, group: list[int], src: psycopg.Connection[Any],
-                   dst: psycopg.Connection[Any]) -> list[PartDone]:
-    """One target transaction: the group's partitions not yet recorded, each run of consecutive ones in one COPY
-    (its rows and bytes recorded on its first partition, 0 on the others), their records, then the run check
-    (``check_run``, the row locked) before the commit."""
-    done_q, record_q, _ = parts_sql("%s")
-    out: dict[int, PartDone] = {}
-    with dst.transaction():
-        todo = [p for p in group if not dst.execute(done_q, [plan.name, plan.run, plan.tbl, p]).fetchone()]
-        for run in _consecutive(todo):
-            rows, nbytes = _stream_pg(plan, run, src, dst)
-            out.update({p: PartDone(p, rows, nbytes, False) if p == run[0] else PartDone(p, 0, 0, False) for p in run})
-        if todo:  # the records first: a run starting anew deletes them before it waits for the run row's lock
-            dst.cursor().executemany(record_q, [[plan.name, plan.run, plan.tbl, p, out[p].rows, out[p].nbytes]
-                                                for p in todo])
-            check_run(plan, dst, "%s", lock=True)
-    return [out.get(p) or PartDone(p, 0, 0, True) for p in group]
-
-
-def _consecutive(parts: list[int]) -> list[list[int]]:
-    """``parts`` (ascending) in runs of consecutive partitions."""
-    runs: list[list[int]] = []
-    for p in parts:
-        if runs and runs[-1][-1] == p - 1:
-            runs[-1].append(p)
-        else:
-            runs.append([p])
-    return runs
-
-
-def _stream_pg(plan: CopyPlan, run: list[int], src: psycopg.Connection[Any],
-               dst: psycopg.Connection[Any]) -> tuple[int, int]:
-    """Stream consecutive partitions ``run`` (their pages as one range) from the source's COPY into the target's;
-    (rows, bytes)."""
-    fmt = "binary" if plan.binary else "text"
-    lo, hi = plan.source["ranges"][run[0]][0], plan.source["ranges"][run[-1]][1]
-    # the name the driver follows the copy's progress by (pg_stat_progress_copy): the run's first partition
-    src.execute("SELECT set_config('application_name', %s, false)", [f"{plan.source['app']} p{run[0]}"])
-    nbytes = 0
-    cur = src.cursor()
-    with cur.copy(f"COPY ({range_query(plan.source, lo, hi)}) TO STDOUT (FORMAT {fmt})") as cin, \
-            dst.cursor().copy(f"COPY {plan.table} ({', '.join(plan.columns)}) FROM STDIN (FORMAT {fmt})") as cout:
-        buf = bytearray()
-        for data in cin:  # one row each (libpq): handed on in chunks
-            buf += data
-            if len(buf) >= COPY_CHUNK:
-                cout.write(buf)
-                nbytes += len(buf)
-                buf = bytearray()
-        if buf:
-            cout.write(buf)
-            nbytes += len(buf)
-    return cur.rowcount, nbytes
-
-
-def check_run(plan: CopyPlan, conn: Any, ph: str, lock: bool) -> None:
-    """CopyError unless ``plan.run`` is still the copy under way (checked in the transaction that writes, before it
-    commits; ``lock``: the row locked ``FOR SHARE`` until then): the sync row of ``plan.name`` (a full sync) or the
-    ``applier_sync_tables`` row of ``plan.joining`` (``sync --table``) names this run and is 'copying'. A sync that
-    starts, or a table's copy that starts again, replaces that row (and so waits for a locked one): a partition of an
-    older run (a task of a killed run still running on a cluster, or a straggler of a failed attempt) either
-    commits before that, or rolls back here; never after the new run has emptied the table."""
-    if plan.joining is None:
-        sql, params = (f"SELECT 1 FROM applier_sync WHERE name = {ph} AND run = {ph} AND state = 'copying'",
-                       [plan.name, plan.run])
-    else:
-        sql, params = (f"SELECT 1 FROM applier_sync_tables WHERE name = {ph} AND schema_name = {ph} "
-                       f"AND table_name = {ph} AND run = {ph} AND state = 'copying'", [plan.name, *plan.joining, plan.run])
-    if conn.execute(sql + (" FOR SHARE" if lock else ""), params).fetchone() is None:
-        raise CopyError(f"sync run {plan.run[:8]} of {plan.name!r} is no longer the copy of {plan.tbl} under way "
-                        f"(a newer run replaced it, or it ended): its partitions are not written")
 
 
 def _data_bytes(batch: pa.RecordBatch) -> int:
@@ -513,7 +377,7 @@ def task_groups(plan: CopyPlan, parts: list[int], streams: int) -> list[list[lis
     out = []
     for i in range(tasks):
         mine = parts[i * len(parts) // tasks:(i + 1) * len(parts) // tasks]
-        out.append([g[k:k + size] for g in _consecutive(mine) for k in range(0, len(g), size)])
+        out.append([g[k:k + size] for g in consecutive(mine) for k in range(0, len(g), size)])
     return out
 
 

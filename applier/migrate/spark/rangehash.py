@@ -8,7 +8,7 @@ are read (``bucket_filter``) to name the differing keys.
 Canonical text, the same on both servers: a row is ``ROW(c1, …, cN)::text`` (the record output of its
 columns' text output: NULL is empty, an empty string ``""``, so the form is unambiguous), its key
 ``ROW(k1, …)::text`` (the whole row for a table without a key). Both sessions pin the output settings
-(``applier.migrate.spark.source.pinned_dsn``: ISO dates, UTC, ``intervalstyle = postgres``,
+(``applier.migrate.spark.pgread.pinned_dsn``: ISO dates, UTC, ``intervalstyle = postgres``,
 ``extra_float_digits = 3``, hex bytea), so the text is equal exactly when the values are, provided
 each column has the same type on both sides (``same_types``: schema, name and modifier) and the two
 servers share an encoding (``md5`` hashes the server-encoded bytes): otherwise verify reads the rows
@@ -35,8 +35,8 @@ from typing import Any
 
 import psycopg
 
+from applier.migrate.spark.pgread import pg_in_snapshot, range_query
 from applier.migrate.spark.session import task_slots
-from applier.migrate.spark.source import pg_in_snapshot, range_query
 
 KEY_BITS = 10  # 1024 key ranges, as the Spark path
 RANGES = 1 << KEY_BITS

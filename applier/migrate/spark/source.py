@@ -13,7 +13,8 @@ PostgreSQL's text output (the form pgoutput sends in text mode, so the copy
 goes through exactly the conversions the stream goes through), or with
 ``canonical`` set the canonical form of ``applier.migrate.spark.canonical``.
 
-PostgreSQL reading, per partition: a connection with the walsender's output
+PostgreSQL reading, per partition (the connection and query of
+``applier.migrate.spark.pgread``): a connection with the walsender's output
 settings pinned (ISO dates, UTC, ``extra_float_digits = 3``) plus hex bytea and
 UTF-8; ``BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY`` and, when the plan
 has one, ``SET TRANSACTION SNAPSHOT '<exported snapshot>'`` so that every
@@ -42,7 +43,6 @@ given, so that Spark does not ask a Python process for it.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import sqlite3
@@ -50,35 +50,22 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pyarrow as pa
 import pyarrow.csv as pacsv
-from psycopg import sql as psql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import BinaryType, IntegerType, StructField, StructType
 
 from applier.migrate.spark.canonical import canonical_rows_batch, sqlite_source_canonicalizer
+from applier.migrate.spark.pgread import pg_in_snapshot, range_query
 
 # the plans, made on the driver (re-exported: the copy and verify build them here)
 from applier.migrate.spark.plans import MIN_PAGES_PER_PARTITION as MIN_PAGES_PER_PARTITION
 from applier.migrate.spark.plans import ctid_ranges as ctid_ranges
 from applier.migrate.spark.plans import pg_plan as pg_plan
 from applier.migrate.spark.plans import sqlite_plan as sqlite_plan
-from applier.source.walsender import session_dsn
 
 CHUNK_BYTES = 4 << 20  # COPY data parsed at a time, per partition
 SQLITE_BATCH = 10000
-
-
-def pinned_dsn(dsn: str, application_name: str | None = None) -> str:
-    """``dsn`` with the output settings of the walsender session (runner) plus hex bytea and UTF-8."""
-    base = session_dsn(dsn)
-    opts = conninfo_to_dict(base).get("options") or ""
-    extra: dict[str, Any] = {"options": f"{opts} -c bytea_output=hex -c client_encoding=UTF8".strip()}
-    if application_name:
-        extra["application_name"] = application_name
-    return make_conninfo(base, **extra)
 
 
 def schema_of(ncols: int) -> StructType:
@@ -207,34 +194,6 @@ class SqliteRangeSource(DataSource):
 
 
 # -- the readers proper (plain functions: testable without Spark) -------------------------
-
-def range_query(plan: dict[str, Any], lo: int | None, hi: int | None) -> str:
-    """The SELECT of one partition."""
-    conds = []
-    if lo is not None:
-        conds.append(f"ctid >= '({int(lo)},0)'::tid")
-    if hi is not None:
-        conds.append(f"ctid < '({int(hi)},0)'::tid")
-    if plan.get("where"):
-        conds.append(f"({plan['where']})")
-    q = f"SELECT {', '.join(plan['columns'])} FROM {'ONLY ' if plan.get('only', True) else ''}{plan['table']}"
-    return q + (" WHERE " + " AND ".join(conds) if conds else "")
-
-
-@contextlib.contextmanager
-def pg_in_snapshot(plan: dict[str, Any], index: int) -> Iterator[psycopg.Connection[Any]]:
-    """A connection for partition ``index`` of a ``pg_plan`` (pinned settings, ``<app> p<index>``), inside a
-    read-only repeatable-read transaction that sees the plan's snapshot (if it has one); committed on success."""
-    conn = psycopg.connect(pinned_dsn(plan["dsn"], f"{plan['app']} p{index}"), autocommit=True)
-    try:
-        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-        if plan.get("snapshot"):
-            conn.execute(psql.SQL("SET TRANSACTION SNAPSHOT {}").format(psql.Literal(plan["snapshot"])))
-        yield conn
-        conn.execute("COMMIT")
-    finally:
-        conn.close()
-
 
 def read_pg_range(plan: dict[str, Any], index: int, lo: int | None,
                   hi: int | None) -> Generator[pa.RecordBatch, None, None]:

@@ -35,6 +35,7 @@ class PostgresBackend(Backend):
     has_inheritance = True
     can_prepare = True
     copies_by_spark = True
+    keys_after_copy = True
     local_file = False
     keeps_types = True
     table_exists_sql = "SELECT 1 WHERE to_regclass(%s) IS NOT NULL"
@@ -132,6 +133,11 @@ class PostgresBackend(Backend):
 
         with source() as src:
             return prepare_pg_tables(conn, tables, table_map, src)
+
+    def build_keys(self, conn: Any, table: Any, schema: str | None, name: str) -> bool:
+        from applier.targets.postgres.schema import build_pg_keys  # start-up time: as check_table
+
+        return build_pg_keys(conn, table, schema, name)
 
     def set_sequences(self, conn: Any, seqs: list[Any], tables: dict[tuple[str, str], Any], table_map: dict[str, str],
                       margin: int, location: str) -> list[Any]:

@@ -2,6 +2,13 @@
 of a published table, the check of an existing one, and the creation of the missing ones with their user types and
 sequences in one transaction.
 
+Keys after the data (as pg_dump and pgcopydb build them): a table created here has no primary key nor replica
+identity index yet, and carries the comment ``KEYS_PENDING``, written in the transaction that creates it; the copy
+fills it, then ``build_pg_keys`` builds them and removes the comment in one transaction. So the comment says, across
+a killed sync and its rerun, that the table is applier's and owes its keys (a rerun empties and copies it, then
+builds them); a table that was there before (a user's, ``pg_dump --schema-only``) never carries it, and keeps its
+indexes as they are.
+
 Invariant: nothing is created unless every existing table fits; a failed statement leaves nothing created.
 """
 
@@ -33,10 +40,14 @@ from applier.targets.naming import quoted_name, shown_name
 from applier.targets.postgres.naming import pg_target_table
 from applier.text import one_line, quote_ident
 
+# the comment of a target table created without its keys yet (see the module header)
+KEYS_PENDING = "applier sync: its primary key and replica identity index are built after the copy"
+
 
 def pg_create_statements(table: SourceTable, schema: str | None, name: str, sequences: list[SourceSequence],
                          table_map: dict[str, str], version: int) -> list[str]:
-    """CREATE TABLE (and index / replica identity) statements for a PostgreSQL target of server ``version``.
+    """CREATE TABLE (and replica identity) statements for a PostgreSQL target of server ``version``; its keys
+    (``pg_key_statements``) are left for after the copy, the table marked ``KEYS_PENDING`` if it has any.
 
     Columns in the source's order, the generated ones too; identity columns with their sequence (name and options
     from ``sequences``); a default ``nextval('…')`` of a sequence in ``sequences`` calls the target's sequence
@@ -64,21 +75,48 @@ def pg_create_statements(table: SourceTable, schema: str | None, name: str, sequ
             if default:
                 s += f" DEFAULT {default}"
         parts.append(s)
-    if table.primary_key and all(k in {c.name for c in table.columns} for k in table.primary_key):
-        parts.append("PRIMARY KEY (" + ", ".join(quote_ident(k) for k in table.primary_key) + ")")
     stmts = []
     if schema:
         stmts.append(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")
     stmts.append(f"CREATE TABLE {qt} (" + ", ".join(parts) + ")")
-    if table.replica_identity == "i" and table.identity_index and table.identity_index[1] != table.primary_key:
-        idx, cols = table.identity_index
-        stmts.append(f"CREATE UNIQUE INDEX {quote_ident(idx)} ON {qt} (" + ", ".join(map(quote_ident, cols)) + ")")
-        stmts.append(f"ALTER TABLE {qt} REPLICA IDENTITY USING INDEX {quote_ident(idx)}")
-    elif table.replica_identity == "f":
+    if pg_key_statements(table, qt):
+        stmts.append(f"COMMENT ON TABLE {qt} IS '{KEYS_PENDING}'")
+    if table.replica_identity == "f":
         stmts.append(f"ALTER TABLE {qt} REPLICA IDENTITY FULL")
     elif table.replica_identity == "n":
         stmts.append(f"ALTER TABLE {qt} REPLICA IDENTITY NOTHING")
     return stmts
+
+
+def pg_key_statements(table: SourceTable, qt: str) -> list[str]:
+    """The statements that give target table ``qt`` the source's keys: its primary key (when every column of it is
+    published) and the unique index it uses as replica identity (when that is not the primary key)."""
+    stmts = []
+    if table.primary_key and all(k in {c.name for c in table.columns} for k in table.primary_key):
+        stmts.append(f"ALTER TABLE {qt} ADD PRIMARY KEY (" + ", ".join(map(quote_ident, table.primary_key)) + ")")
+    if table.replica_identity == "i" and table.identity_index and table.identity_index[1] != table.primary_key:
+        idx, cols = table.identity_index
+        stmts.append(f"CREATE UNIQUE INDEX {quote_ident(idx)} ON {qt} (" + ", ".join(map(quote_ident, cols)) + ")")
+        stmts.append(f"ALTER TABLE {qt} REPLICA IDENTITY USING INDEX {quote_ident(idx)}")
+    return stmts
+
+
+def build_pg_keys(conn: psycopg.Connection[Any], table: SourceTable, schema: str | None, name: str) -> bool:
+    """Build the keys of target table ``name`` if it is marked ``KEYS_PENDING`` (its copy is over), and remove the
+    mark, in one transaction on autocommit connection ``conn``; whether it was marked. SchemaError naming the table
+    and the statement that failed (then nothing changed)."""
+    qt = quoted_name(schema, name)
+    if catalog_row(conn, "SELECT obj_description(to_regclass(%s), 'pg_class')", [qt])[0] != KEYS_PENDING:
+        return False
+    stmt = "BEGIN"
+    try:
+        with conn.transaction():
+            for stmt in [*pg_key_statements(table, qt), f"COMMENT ON TABLE {qt} IS NULL"]:
+                conn.execute(stmt)
+    except psycopg.Error as exc:
+        raise SchemaError(f"building the keys of target table {shown_name(schema, name)} after its copy failed: "
+                          f"{one_line(exc)} (in: {one_line(stmt)[:300]})") from None
+    return True
 
 
 def check_pg_table(conn: psycopg.Connection[Any], table: SourceTable, schema: str | None, name: str) -> list[str] | None:
