@@ -69,6 +69,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -448,9 +449,6 @@ def _sync(cfg: Config, force: bool, spark: Any, reporter: Any, say: Any, partiti
         if not tables:
             raise SyncError(f"{cfg.where('source', 'publications')}: the publications "
                             f"{', '.join(cfg.source['publications'])} publish no tables")
-        prepared = target.prepare(tables)
-        for t in prepared.created:
-            say(f"created target table {t}")
         state = target.sync_state(name)
         if state and state["state"] == "done" and not force:
             raise SyncError(f"a sync for {name!r} already completed at {state['consistent_point']} "
@@ -465,7 +463,7 @@ def _sync(cfg: Config, force: bool, spark: Any, reporter: Any, say: Any, partiti
             say("copying everything again (--force): the published target tables are emptied first")
         else:
             mode = "fresh"
-            full = [target.name_of(t)[0] for t in tables if target.has_rows(t)]
+            full = [target.name_of(t)[0] for t in tables if target.exists(t) and target.has_rows(t)]
             if full:
                 raise SyncError("target tables already hold rows: " + ", ".join(full)
                                 + "; sync copies into empty tables (use --force to empty them first)")
@@ -473,6 +471,11 @@ def _sync(cfg: Config, force: bool, spark: Any, reporter: Any, say: Any, partiti
         if slot_state is not None and slot_state[0]:
             raise SyncError(f"{cfg.where('source', 'slot')}: slot {slot!r} is in use (pid {slot_state[1]}); "
                             f"stop `applier run` first")
+        # after the refusals above: a refused sync creates no table (one left keyless, its keys owed to a copy
+        # that never comes, would be taken by a running daemon for a table made by hand)
+        prepared = target.prepare(tables)
+        for t in prepared.created:
+            say(f"created target table {t}")
         run = uuid.uuid4().hex
         target.start_run(name, run, slot)
         # after start_run: a `sync --table` that claims a table later reads the sync row 'copying' and stops
@@ -560,7 +563,10 @@ def copy_tables(cfg: Config, target: TargetDb, tables: list[SourceTable], run: s
         spark = spark_of(spark) if spark is not None else spark_context(cfg.spark["master"])
     started = time.monotonic()
     failed: list[str] = []
-    keys = KeyBuilder(cfg, copy_streams(spark) if spark is not None else 1) if target.backend.keys_after_copy else None
+    # key builds at once: as many as copy streams, at most KEY_JOBS (each holds a connection and the target's
+    # maintenance_work_mem; pgcopydb's --index-jobs defaults to 4 too)
+    keys = (KeyBuilder(cfg, min(KEY_JOBS, copy_streams(spark) if spark is not None else 1))
+            if target.backend.keys_after_copy else None)
 
     def copied(table: SourceTable, error: str | None, built: str | None = None) -> None:
         if error is not None:
@@ -596,6 +602,9 @@ def copy_tables(cfg: Config, target: TargetDb, tables: list[SourceTable], run: s
     return failed
 
 
+KEY_JOBS = 4  # tables whose keys are built at once, at most (``KeyBuilder``)
+
+
 class KeyBuilder:
     """Builds the keys that table creation left for after the copy (``Backend.keys_after_copy``, as pg_dump and
     pgcopydb build indexes after the data): each table's as soon as its copy is over, while the next tables copy,
@@ -605,6 +614,8 @@ class KeyBuilder:
         self.cfg = cfg
         self.pool = ThreadPoolExecutor(max(1, jobs), thread_name_prefix="applier-sync-keys")
         self.running: list[tuple[SourceTable, Future[tuple[str | None, str | None]]]] = []
+        self._building: set[TargetDb] = set()  # the connections of the builds under way (``close`` cancels them)
+        self._lock = threading.Lock()
 
     def submit(self, table: SourceTable, label: str) -> None:
         """Build the table's keys (if it owes them) in the background."""
@@ -615,9 +626,13 @@ class KeyBuilder:
         started = time.monotonic()
         try:
             target = TargetDb(self.cfg)
+            with self._lock:
+                self._building.add(target)
             try:
                 built = target.build_keys(table)
             finally:
+                with self._lock:
+                    self._building.discard(target)
                 target.close()
         except ConfigError as exc:  # SchemaError: names the table and the statement
             return str(exc), None
@@ -635,8 +650,15 @@ class KeyBuilder:
         return out
 
     def close(self) -> None:
-        """Stop: builds not started are not (a running one ends by itself, its transaction whole or not at all)."""
+        """Stop: builds not started are not, and those under way are cancelled (their transaction is rolled back:
+        the table still owes its keys, and a rerun copies it again), so a stop never waits for a build, nor for a
+        lock a build waits for. After the builds were waited for (``ended(True)``), nothing is under way."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            building = list(self._building)
+        for target in building:
+            with contextlib.suppress(Exception):  # ended meanwhile, or the server gone: nothing to cancel
+                target.conn.cancel_safe()
 
 
 def _label(target: TargetDb, table: SourceTable) -> str:
