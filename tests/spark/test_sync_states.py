@@ -468,3 +468,19 @@ def test_a_sync_stopped_while_it_builds_the_keys_is_rerun_and_ends_with_them(spa
                                               dst.dbname)] == ["b_by_n", "b_pkey"]
     assert dst.cluster.execute("SELECT count(*), count(DISTINCT id) FROM a", dst.dbname) == [(20000, 20000)]
     assert verify(cfg, spark=spark).ok
+
+
+def test_a_replica_identity_index_on_columns_not_published_is_not_built(spark, src: ScratchDb, dst: ScratchDb,
+                                                                        tmp_path: Path) -> None:
+    """An insert-only publication may leave the columns of the table's replica identity index out of its column
+    list: the target gets the primary key (published) and no such index, as it gets no primary key whose columns
+    are not published; the sync ends (the build failed after the copy, at every rerun, before)."""
+    src.cluster.execute("CREATE TABLE r (id int PRIMARY KEY, k int NOT NULL, v text); CREATE UNIQUE INDEX r_k ON r (k);"
+                        "ALTER TABLE r REPLICA IDENTITY USING INDEX r_k;"
+                        "INSERT INTO r SELECT g, g, 'v' || g FROM generate_series(1, 1000) g;"
+                        "CREATE PUBLICATION pub FOR TABLE r (id, v) WITH (publish = 'insert')", src.dbname)
+    res = sync(make_config(src, dst.url, tmp_path / "work"), spark=spark)
+    assert res.rows == 1000
+    assert [r[0] for r in dst.cluster.execute("SELECT indexname FROM pg_indexes WHERE tablename = 'r'",
+                                              dst.dbname)] == ["r_pkey"]
+    assert dst.cluster.execute("SELECT obj_description('r'::regclass, 'pg_class')", dst.dbname) == [(None,)]

@@ -89,12 +89,15 @@ def pg_create_statements(table: SourceTable, schema: str | None, name: str, sequ
 
 
 def pg_key_statements(table: SourceTable, qt: str) -> list[str]:
-    """The statements that give target table ``qt`` the source's keys: its primary key (when every column of it is
-    published) and the unique index it uses as replica identity (when that is not the primary key)."""
+    """The statements that give target table ``qt`` the source's keys: its primary key and the unique index it uses
+    as replica identity (when that is not the primary key), each when every column of it is published (an
+    insert-only publication may leave them out)."""
     stmts = []
-    if table.primary_key and all(k in {c.name for c in table.columns} for k in table.primary_key):
+    published = {c.name for c in table.columns}
+    if table.primary_key and all(k in published for k in table.primary_key):
         stmts.append(f"ALTER TABLE {qt} ADD PRIMARY KEY (" + ", ".join(map(quote_ident, table.primary_key)) + ")")
-    if table.replica_identity == "i" and table.identity_index and table.identity_index[1] != table.primary_key:
+    if (table.replica_identity == "i" and table.identity_index and table.identity_index[1] != table.primary_key
+            and all(k in published for k in table.identity_index[1])):
         idx, cols = table.identity_index
         stmts.append(f"CREATE UNIQUE INDEX {quote_ident(idx)} ON {qt} (" + ", ".join(map(quote_ident, cols)) + ")")
         stmts.append(f"ALTER TABLE {qt} REPLICA IDENTITY USING INDEX {quote_ident(idx)}")
