@@ -591,7 +591,9 @@ def copy_tables(cfg: Config, target: TargetDb, tables: list[SourceTable], run: s
                     copied(table, None)
                     continue
                 keys.submit(table, _label(target, table))
-                for done in keys.ended(wait=False):
+                # a table joining a running stream (`sync --table`) is ready once its keys exist, not after the
+                # next tables' copies: its changes are held until then
+                for done in keys.ended(wait=result.mode == "table"):
                     copied(*done)
         for done in keys.ended(wait=True) if keys is not None else ():
             copied(*done)
