@@ -27,7 +27,7 @@ from applier.decoder.framing import Frame
 from applier.decoder.messages import AT_RECORD_END, CLOSES_BLOCK, OPENS_BLOCK, XLogData, kind_of
 from applier.lsn import LSN
 from applier.source.base import SourceError, SourceUnreachable, StreamOptions, slot_in_use
-from applier.source.walsender import session_dsn
+from applier.source.session import session_dsn
 from applier.text import one_line
 
 

@@ -29,7 +29,6 @@ from typing import Any
 
 import psycopg
 from psycopg import pq
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from applier._cmodule import twin
 from applier.decoder.framing import Frame, encode_standby_status, read_frame
@@ -38,6 +37,7 @@ from applier.decoder.pgoutput import DecodeError, Decoder
 from applier.errors import SlotLost
 from applier.lsn import LSN
 from applier.source.base import FULL, Full, SlotInfo, SourceError, SourceUnreachable, StreamOptions, slot_in_use
+from applier.source.session import session_dsn
 from applier.text import one_line, quote_ident, quote_literal
 
 
@@ -70,17 +70,6 @@ def read_decoded_pure(get_copy_data: Callable[[int], tuple[int, Any]],
 
 
 read_decoded = twin("read_decoded", read_decoded_pure)  # compiled or pure (applier._cmodule)
-
-
-def session_dsn(dsn: str) -> str:
-    """The source DSN with the output settings of a decoding session pinned (UTF-8, ISO dates, UTC), whatever the
-    source database's or role's defaults: pgoutput writes each value with its type's output function in the
-    session's settings and converts it to the session's client encoding, so the text values it sends, and those
-    read beside it (``applier.migrate.spark.source``), look the same on every source. Every replication
-    connection (``WalSender``) and the SQL-interface source (``applier.source.sql``) open their session so."""
-    opts = conninfo_to_dict(dsn).get("options") or ""
-    pinned = "-c datestyle=ISO -c intervalstyle=postgres -c timezone=UTC -c extra_float_digits=3"
-    return make_conninfo(dsn, options=f"{opts} {pinned}".strip(), client_encoding="UTF8")
 
 
 class WalSender:

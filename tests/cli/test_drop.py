@@ -14,7 +14,8 @@ from applier.config import load_config
 from applier.lsn import LSN
 from applier.progress.store import CONTROL_TABLES
 from applier.source.base import stream_options
-from applier.source.walsender import WalSender, session_dsn
+from applier.source.session import session_dsn
+from applier.source.walsender import WalSender
 from tests.cli.opsrig import SLOT, Rig
 from tests.plugins.clusters import ScratchDb
 

@@ -7,7 +7,8 @@ here too: the driver (``applier.migrate.spark.copy``, ``applier.migrate.sync``) 
 How the partitions are planned, grouped and scheduled, and why: ``applier.migrate.spark.copy``.
 
 Imports neither pyspark nor pyarrow: the Python worker of a copy task unpickles ``copy_pg_partitions`` from this
-module, and loads psycopg and this only (bench/README.md, sync: the first job's Python worker).
+module, and loads psycopg and a few small modules of applier's (``pgread``, ``applier.source.session``,
+``applier.url``) only (bench/README.md, sync: the first job's Python worker).
 """
 
 from __future__ import annotations

@@ -19,14 +19,15 @@ import psycopg
 from psycopg import sql as psql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from applier.source.walsender import session_dsn
+from applier.source.session import session_dsn
 
 
 def pinned_dsn(dsn: str, application_name: str | None = None) -> str:
-    """``dsn`` with the output settings of the walsender session (runner) plus hex bytea and UTF-8."""
+    """``dsn`` with the output settings of the decoding session (``session_dsn``: UTF-8, ISO dates, UTC) plus hex
+    bytea."""
     base = session_dsn(dsn)
     opts = conninfo_to_dict(base).get("options") or ""
-    extra: dict[str, Any] = {"options": f"{opts} -c bytea_output=hex -c client_encoding=UTF8".strip()}
+    extra: dict[str, Any] = {"options": f"{opts} -c bytea_output=hex".strip()}
     if application_name:
         extra["application_name"] = application_name
     return make_conninfo(base, **extra)
