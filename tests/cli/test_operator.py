@@ -27,7 +27,7 @@ import pytest
 
 from applier.sandbox.clusters import find_install
 from tests.cli.test_config_errors import closed_port
-from tests.plugins.cli import applier_script, clean_env, invoke, write_toml
+from tests.plugins.cli import applier_script, clean_env, invoke, run_cli, write_toml
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 
 SECRET = "Sup3rSecret"
@@ -35,8 +35,7 @@ SECRET = "Sup3rSecret"
 
 def run(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """The installed ``applier`` with ``args``; APPLIER_* variables of the test run not passed on."""
-    return subprocess.run([applier_script(), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**clean_env(), **(env or {})}, stdin=subprocess.DEVNULL)
+    return run_cli(*args, env=env, timeout=timeout)
 
 
 def run_a_while(*args: str, env: dict[str, str] | None = None, seconds: float = 4) -> subprocess.CompletedProcess[str]:

@@ -29,11 +29,12 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_") or k == "APPLIER_PURE_PYTHON"}
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
+            cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """``applier ARGS`` as its own process (the installed script, ``clean_env`` and ``env`` on top, no stdin): where
     the process is the point (exit codes, one-line errors, signals, what it prints)."""
     return subprocess.run([applier_script(), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**clean_env(), **(env or {})}, stdin=subprocess.DEVNULL)
+                          env={**clean_env(), **(env or {})}, stdin=subprocess.DEVNULL, cwd=cwd)
 
 
 def invoke(*args: str) -> subprocess.CompletedProcess[str]:

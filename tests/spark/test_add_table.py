@@ -40,7 +40,7 @@ from applier.sandbox.clusters import find_install
 from applier.targets.claim import copy_claim_name
 from applier.targets.postgres.claim import pg_claim
 from applier.targets.postgres.target import libpq_dsn
-from tests.plugins.cli import applier_script, clean_env, invoke, write_toml
+from tests.plugins.cli import applier_script, clean_env, invoke, run_cli, write_toml
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 from tests.spark.conftest import make_config, target_exec
 
@@ -120,8 +120,7 @@ def config_file(path: Path, src: ScratchDb, target_url: str, work: Path, **extra
 
 def cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``applier ARGS`` as a user would (``env``: added to the environment)."""
-    return subprocess.run([applier_script(), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**clean_env(), **(env or {})}, stdin=subprocess.DEVNULL)
+    return run_cli(*args, env=env, timeout=timeout)
 
 
 def start_daemon(cfg_file: Path, log: Path) -> subprocess.Popen[bytes]:

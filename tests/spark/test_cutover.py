@@ -31,7 +31,7 @@ from applier.engine.runner import goal_reached
 from applier.lsn import LSN
 from applier.migrate.cutover import CutoverError, cutover
 from applier.migrate.sync import sync
-from tests.plugins.cli import applier_script, clean_env, invoke, write_toml
+from tests.plugins.cli import applier_script, clean_env, invoke, run_cli, write_toml
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config, target_exec
 
@@ -254,8 +254,7 @@ def _toml(cfg: Config, path: Path) -> Path:
 
 
 def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([applier_script(), *args], capture_output=True, text=True, timeout=timeout,
-                          env=clean_env(), stdin=subprocess.DEVNULL)
+    return run_cli(*args, timeout=timeout)
 
 
 def test_the_command_refuses_in_one_line_and_prints_json(source_db: ScratchDb, target_db: ScratchDb,

@@ -25,7 +25,7 @@ import pytest
 
 from applier.migrate.spark.verify import verify
 from applier.migrate.sync import sync
-from tests.plugins.cli import applier_script, clean_env, toml_value
+from tests.plugins.cli import run_cli, toml_value
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config
 
@@ -63,8 +63,7 @@ def _config_file(path: Path, dsn: str, target_url: str) -> Path:
 
 
 def _applier(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([applier_script(), *args], capture_output=True, text=True, timeout=300, env=clean_env(),
-                          cwd=cwd, stdin=subprocess.DEVNULL)
+    return run_cli(*args, timeout=300, cwd=cwd)
 
 
 def _slots(src: ScratchDb) -> list[tuple]:

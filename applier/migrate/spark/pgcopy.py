@@ -150,7 +150,9 @@ def relay(src: psycopg.Connection[Any], copy_to: str, write: Callable[[bytearray
             get = pg.get_copy_data
             buf = bytearray()
             while True:
-                n, data = get(0)  # blocks until a row comes: -1 at the end, -2 on an error
+                # blocks until a row comes, holding the GIL (a task's Python worker runs no other thread); -1 at
+                # the end; a failed read raises (psycopg)
+                n, data = get(0)
                 if n <= 0:
                     break
                 buf += data
@@ -158,8 +160,6 @@ def relay(src: psycopg.Connection[Any], copy_to: str, write: Callable[[bytearray
                     write(buf)
                     nbytes += len(buf)
                     buf = bytearray()
-            if n == -2:
-                raise psycopg.OperationalError(f"reading the source's COPY failed: {pg.get_error_message()}")
             if buf:
                 write(buf)
                 nbytes += len(buf)
