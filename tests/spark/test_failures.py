@@ -50,8 +50,9 @@ def limited_role(src: ScratchDb) -> Iterator[str]:
     try:
         yield role
     finally:
-        src.cluster.execute(f"SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
-                            f"WHERE database = current_database(); DROP OWNED BY {role}; DROP ROLE {role}", src.dbname)
+        # the database's slots go with it (``scratch_db``: its walsenders first); dropped here, a temporary slot
+        # whose walsender was still ending (a command that has just exited) made the drop fail
+        src.cluster.execute(f"DROP OWNED BY {role}; DROP ROLE {role}", src.dbname)
 
 
 def _config_file(path: Path, dsn: str, target_url: str) -> Path:
