@@ -148,8 +148,9 @@ def setup_logging(verbose: bool) -> None:
 
 
 def _not_an_interrupt(record: logging.LogRecord) -> bool:
-    """False for a log record about an interrupt: one carrying a KeyboardInterrupt, or py4j's when one reached
-    its gateway (its connection then breaks: "Exception while sending command.")."""
+    """False for a log record about an interrupt: one carrying a KeyboardInterrupt, or any of py4j's (it logs on
+    the root logger, with tracebacks, whenever its connection breaks, as an interrupt breaks it: "Exception while
+    sending command."; what a failed Spark call means reaches the command as an exception)."""
     if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
         return False
-    return not (record.levelno >= logging.ERROR and "py4j" in record.pathname.replace("\\", "/").split("/"))
+    return "py4j" not in record.pathname.replace("\\", "/").split("/")

@@ -103,7 +103,7 @@ from applier.migrate.add_table import claim_copy, need_replica, published_tables
 from applier.migrate.schema import SourceTable
 from applier.migrate.spark.pgread import pg_in_snapshot, pinned_dsn, range_query
 from applier.migrate.spark.plans import pg_plan
-from applier.migrate.spark.session import spark_for
+from applier.migrate.spark.session import reraise_interrupt, spark_for
 from applier.migrate.sync import SyncError, TargetDb, _now, read_tables_in_snapshot
 from applier.progress.migrate import migrate, said
 from applier.source.base import SourceError
@@ -448,6 +448,7 @@ def compare_table(cfg: Config, target: TargetDb, spark: Any, t: SourceTable, sna
         found.source_files = files
         return found
     except (PySparkException, Py4JError) as exc:
+        reraise_interrupt(exc)
         raise RepairError(f"comparing source table {t.qualified} with target table {target.name_of(t)[0]} failed: "
                           f"{spark_error_line(exc)}") from None
 

@@ -69,11 +69,12 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import queue
 import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -610,18 +611,41 @@ KEY_JOBS = 4  # tables whose keys are built at once, at most (``KeyBuilder``)
 class KeyBuilder:
     """Builds the keys that table creation left for after the copy (``Backend.keys_after_copy``, as pg_dump and
     pgcopydb build indexes after the data): each table's as soon as its copy is over, while the next tables copy,
-    up to ``jobs`` tables at once, each on a target connection of its own (``TargetDb.build_keys``)."""
+    up to ``jobs`` tables at once, each on a target connection of its own (``TargetDb.build_keys``).
+
+    Its workers are daemon threads: a command that stops (Ctrl-C, an error) exits without waiting for a build
+    (``close`` cancels those under way; one that cannot be reached is ended by the server when its connection
+    goes, or commits its keys and the mark's removal together, which a rerun's copy finds consistent)."""
 
     def __init__(self, cfg: Config, jobs: int) -> None:
         self.cfg = cfg
-        self.pool = ThreadPoolExecutor(max(1, jobs), thread_name_prefix="applier-sync-keys")
+        self.jobs = max(1, jobs)
         self.running: list[tuple[SourceTable, Future[tuple[str | None, str | None]]]] = []
+        self._queue: queue.SimpleQueue[tuple[Future[tuple[str | None, str | None]], SourceTable, str] | None] = (
+            queue.SimpleQueue())
+        self._workers: list[threading.Thread] = []
         self._building: set[TargetDb] = set()  # the connections of the builds under way (``close`` cancels them)
         self._lock = threading.Lock()
 
     def submit(self, table: SourceTable, label: str) -> None:
         """Build the table's keys (if it owes them) in the background."""
-        self.running.append((table, self.pool.submit(self._build, table, label)))
+        future: Future[tuple[str | None, str | None]] = Future()
+        self.running.append((table, future))
+        self._queue.put((future, table, label))
+        if len(self._workers) < min(self.jobs, len(self.running)):
+            worker = threading.Thread(target=self._work, name=f"applier-sync-keys-{len(self._workers)}", daemon=True)
+            self._workers.append(worker)
+            worker.start()
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            future, table, label = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self._build(table, label))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter (``ended``)
+                future.set_exception(exc)
 
     def _build(self, table: SourceTable, label: str) -> tuple[str | None, str | None]:
         """The table's keys built (or none owed): (the failure's line, the line saying they were built)."""
@@ -655,12 +679,15 @@ class KeyBuilder:
         """Stop: builds not started are not, and those under way are cancelled (their transaction is rolled back:
         the table still owes its keys, and a rerun copies it again), so a stop never waits for a build, nor for a
         lock a build waits for. After the builds were waited for (``ended(True)``), nothing is under way."""
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        for _, future in self.running:
+            future.cancel()
+        for _ in self._workers:
+            self._queue.put(None)
         with self._lock:
             building = list(self._building)
         for target in building:
             with contextlib.suppress(Exception):  # ended meanwhile, or the server gone: nothing to cancel
-                target.conn.cancel_safe()
+                target.conn.cancel_safe(timeout=5)
 
 
 def _label(target: TargetDb, table: SourceTable) -> str:

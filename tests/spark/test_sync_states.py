@@ -421,8 +421,10 @@ def test_a_failed_syncs_slot_is_dropped_once_it_is_no_longer_active(src: Scratch
 def test_a_sync_stopped_while_it_builds_the_keys_is_rerun_and_ends_with_them(spark, src: ScratchDb, dst: ScratchDb,
                                                                             tmp_path: Path) -> None:
     """`applier sync` stopped by Ctrl-C (SIGINT to its process group) once a's rows are copied, while a's primary
-    key is built and waits for a lock (a reader of a holds it): the command ends at once (the build is cancelled,
-    not waited for: it waited on the reader forever before), the sync is not complete and a is left marked as
+    key is built and waits for a lock (a reader of a holds it) and b's copy, a Spark job, waits for another: the
+    command ends at once, saying it was interrupted (the build is cancelled, not waited for: it waited on the reader
+    forever before; the interrupt reaching the Spark job is not taken for a failed copy and retried, as it was when
+    PySpark's clean-up replaced it with py4j's broken connection), the sync is not complete and a is left marked as
     owing its keys; the next sync restarts, copies a again and builds them, ending equal to the source. b, made by the user beforehand (as `pg_dump --schema-only` makes it),
     keeps its own index and gets nothing built."""
     src.cluster.execute(SOURCE, src.dbname)
@@ -430,23 +432,33 @@ def test_a_sync_stopped_while_it_builds_the_keys_is_rerun_and_ends_with_them(spa
                         dst.dbname)
     cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
     keyed = "SELECT obj_description('a'::regclass, 'pg_class')"
-    command = subprocess.Popen([applier_script(), "sync", "-c", str(cfg_file), "-q"], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, env=clean_env(), stdin=subprocess.DEVNULL,
-                               start_new_session=True)
+    said_file = tmp_path / "sync.err"
+    with said_file.open("w") as said_to:
+        command = subprocess.Popen([applier_script(), "sync", "-c", str(cfg_file), "-q"], stdout=subprocess.DEVNULL,
+                                   stderr=said_to, env=clean_env(), stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         with psycopg.connect(dst.dsn, autocommit=True) as reader:
             wait_for("target table a created", lambda: command.poll() is not None or reader.execute(
                 "SELECT to_regclass('a')").fetchone() != (None,))
             reader.execute("BEGIN")
             reader.execute("SELECT FROM a LIMIT 0")  # its lock lets the copy write, not the keys be built
+            reader.execute("LOCK TABLE b IN SHARE MODE")  # and b's copy (a Spark job) wait
             wait_for("a's keys to be built", lambda: command.poll() is not None or bool(target_exec(
                 dst.url, "SELECT 1 FROM pg_stat_activity WHERE query LIKE 'ALTER TABLE % ADD PRIMARY KEY%' "
                          "AND wait_event_type = 'Lock'")))
+            wait_for("b's copy to wait", lambda: command.poll() is not None or bool(target_exec(
+                dst.url, "SELECT 1 FROM pg_locks WHERE relation = 'b'::regclass AND NOT granted")))
             assert command.poll() is None, "the sync ended without building a's keys after its copy"
             # read on the reader's own lock: another session's would queue behind the key build
             assert reader.execute("SELECT count(*) FROM a").fetchall() == [(20000,)]
             os.killpg(command.pid, signal.SIGINT)  # Ctrl-C: the command and its Spark JVM
-            assert command.wait(60) != 0  # the reader still holds its lock
+            try:
+                command.wait(60)  # the reader still holds its lock
+            except subprocess.TimeoutExpired:
+                raise AssertionError("the interrupted sync did not end; it said:\n" + said_file.read_text()) from None
+            printed = said_file.read_text()  # not a failed copy retried: the interrupt ends the command
+            assert command.returncode == 130 and "applier: interrupted" in printed.splitlines(), printed
+            assert "Traceback" not in printed and "failed" not in printed, printed
             reader.execute("ROLLBACK")
     finally:
         if command.poll() is None:

@@ -84,7 +84,7 @@ from applier.migrate.spark.pgcopy import (
     copy_pg_partitions,
     parts_sql,
 )
-from applier.migrate.spark.session import context_of, copy_streams
+from applier.migrate.spark.session import context_of, copy_streams, reraise_interrupt
 from applier.migrate.spark.source import copy_chunks, csv_batches, read_pg_range
 from applier.targets.backend import Backend
 from applier.targets.backends import backend
@@ -400,6 +400,7 @@ def copy_partitions(spark: Any, plan: CopyPlan, done: Collection[int], label: st
             functools.partial(copy_pg_partitions, plan)).collect()
         return out
     except Exception as exc:  # noqa: BLE001 - Spark wraps everything; keep the cause's line
+        reraise_interrupt(exc)
         raise CopyError(f"copying {label} failed: {spark_error_line(exc)}") from exc
     finally:
         sc.setJobDescription(None)

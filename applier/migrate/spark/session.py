@@ -51,6 +51,7 @@ session is returned as is (tests share one).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import logging
 import os
@@ -192,6 +193,8 @@ class ClassArchive:
         if self.writing is None:
             return
         try:
+            if _INTERRUPTED.is_set():  # Ctrl-C: exit at once (a file the JVM still writes, a later start removes)
+                return
             sc.stop()
             proc = sc._gateway.proc
             proc.stdin.close()
@@ -263,6 +266,7 @@ def spark_context(master: str = "local[*]", app_name: str = "applier") -> Any:
                 os.environ[name] = was
     if archive is not None and archive.writing is not None:
         atexit.register(archive.finish, sc)
+    on_interrupt(sc)  # in place of PySpark's handler (started in the main thread)
     # every Python function (and data source) wrapped from now on names this interpreter to the workers
     sc.pythonExec = worker_python(sc.getConf().get("spark.pyspark.python"))
     # failures reach the driver as exceptions and are reported as one line; `applier -v` shows Spark's warnings
@@ -309,7 +313,7 @@ class SparkStart:
         self.sql = sql
         self._spark: Any = None
         self._error: BaseException | None = None
-        self._interrupts = False  # the SIGINT handler of get() installed
+        self._interrupts = False  # the SIGINT handler installed (``on_interrupt``)
         self._thread = threading.Thread(target=self._start, name="applier-spark-start", daemon=True)
 
     def begin(self) -> None:
@@ -336,18 +340,45 @@ class SparkStart:
         self._thread.join()
         if self._error is not None:
             raise self._error
-        if threading.current_thread() is threading.main_thread() and not self._interrupts:
-            sc = context_of(self._spark)
-
-            def interrupted(signum: int, frame: Any) -> None:
-                try:
-                    sc.cancelAllJobs()
-                finally:
-                    raise KeyboardInterrupt
-
-            signal.signal(signal.SIGINT, interrupted)
-            self._interrupts = True
+        if not self._interrupts:
+            self._interrupts = on_interrupt(context_of(self._spark))
         return self._spark
+
+
+_INTERRUPTED = threading.Event()  # SIGINT reached this process (``on_interrupt``): its exit writes no class archive
+
+
+def on_interrupt(sc: Any) -> bool:
+    """From the main thread (else nothing: whether it was installed), make SIGINT (Ctrl-C) raise KeyboardInterrupt
+    at once and cancel ``sc``'s jobs, as PySpark's own handler does, but without a py4j call inside the handler: it
+    runs inside whatever py4j call the main thread is in, and a call on that connection is then reentrant (it
+    fails, or waits forever on a half-sent command). The cancel runs in a thread of its own (its own connection),
+    which the command does not wait for; the exit skips writing the class archive (``ClassArchive.finish``)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+
+    def interrupted(signum: int, frame: Any) -> None:
+        _INTERRUPTED.set()
+        threading.Thread(target=_cancel_jobs, args=(sc,), name="applier-spark-cancel", daemon=True).start()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupted)
+    return True
+
+
+def reraise_interrupt(exc: BaseException) -> None:
+    """Raise KeyboardInterrupt (from ``exc``) if SIGINT reached this process: a Spark call that failed after it
+    failed because of it, whatever it raised (the interrupt breaks py4j's connection, and PySpark's clean-up,
+    calling the JVM on it, raises "Answer from Java side is empty" in place of the interrupt). A caller that
+    would report a failed job, or retry it, asks this first: an interrupted command stops."""
+    if _INTERRUPTED.is_set():
+        raise KeyboardInterrupt from exc
+
+
+def _cancel_jobs(sc: Any) -> None:
+    """Cancel the context's jobs (after an interrupt): their tasks stop writing; the JVM may be gone already."""
+    with contextlib.suppress(Exception):
+        sc.cancelAllJobs()
 
 
 def begin(spark: Any) -> None:

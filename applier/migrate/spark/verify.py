@@ -86,7 +86,14 @@ from applier.config import Config, ConfigError
 from applier.decoder.messages import CLOSED_BY, Keepalive, XLogData, decision_position, kind_of
 from applier.engine.runner import Runner
 from applier.lsn import LSN
-from applier.migrate.spark.session import begin, check_spark_target, spark_for, spark_of, task_slots
+from applier.migrate.spark.session import (
+    begin,
+    check_spark_target,
+    reraise_interrupt,
+    spark_for,
+    spark_of,
+    task_slots,
+)
 from applier.migrate.sync import TargetDb, count_in_snapshot, read_tables_in_snapshot, slot_row
 from applier.source.base import Source, SourceError
 from applier.source.walsender import WalSender
@@ -531,6 +538,7 @@ class _Batch:
         try:
             results = self.compare_many(tables)
         except Exception as exc:  # noqa: BLE001 - one table's failure is reported, the others go on
+            reraise_interrupt(exc)
             if len(tables) > 1:
                 log.debug("comparing %s together failed: each alone", ", ".join(t.label for t in tables))
                 for place, table in zip(places, tables, strict=True):
