@@ -128,11 +128,23 @@ def run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
     traceback), an interrupt into one line and exit 130."""
     try:
         return fn(*args, **kwargs)
-    except tuple(kind for kind, _ in exit_codes()) as exc:
-        logging.getLogger("applier.cli").debug("the command failed:", exc_info=exc)
-        fail(one_line(exc) if isinstance(exc, driver_errors()) else str(exc), exit_code(exc))
     except KeyboardInterrupt:
         interrupted()
+    except Exception as exc:
+        if _spark_interrupted():  # what a Spark command raises once interrupted is the interrupt
+            interrupted()
+        if not isinstance(exc, tuple(kind for kind, _ in exit_codes())):
+            raise
+        logging.getLogger("applier.cli").debug("the command failed:", exc_info=exc)
+        fail(one_line(exc) if isinstance(exc, driver_errors()) else str(exc), exit_code(exc))
+
+
+def _spark_interrupted() -> bool:
+    """Whether SIGINT reached a command that runs Spark (``applier.migrate.spark.session.on_interrupt``): then
+    PySpark's clean-up may raise py4j's broken connection in place of the interrupt. The session module is loaded
+    only by the commands that start Spark (start-up time: it is not imported here)."""
+    session = sys.modules.get("applier.migrate.spark.session")
+    return session is not None and bool(session.interrupted())
 
 
 def setup_logging(verbose: bool) -> None:

@@ -625,6 +625,7 @@ class KeyBuilder:
             queue.SimpleQueue())
         self._workers: list[threading.Thread] = []
         self._building: set[TargetDb] = set()  # the connections of the builds under way (``close`` cancels them)
+        self._closed = False  # ``close`` was called: a build not yet under way does not start
         self._lock = threading.Lock()
 
     def submit(self, table: SourceTable, label: str) -> None:
@@ -653,6 +654,9 @@ class KeyBuilder:
         try:
             target = TargetDb(self.cfg)
             with self._lock:
+                if self._closed:  # closed while this build connected: cancelled before it starts
+                    target.close()
+                    return None, None
                 self._building.add(target)
             try:
                 built = target.build_keys(table)
@@ -684,6 +688,7 @@ class KeyBuilder:
         for _ in self._workers:
             self._queue.put(None)
         with self._lock:
+            self._closed = True
             building = list(self._building)
         for target in building:
             with contextlib.suppress(Exception):  # ended meanwhile, or the server gone: nothing to cancel

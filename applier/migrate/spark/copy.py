@@ -403,4 +403,5 @@ def copy_partitions(spark: Any, plan: CopyPlan, done: Collection[int], label: st
         reraise_interrupt(exc)
         raise CopyError(f"copying {label} failed: {spark_error_line(exc)}") from exc
     finally:
-        sc.setJobDescription(None)
+        with contextlib.suppress(Exception):  # after an interrupt py4j's connection may be broken: the cause wins
+            sc.setJobDescription(None)

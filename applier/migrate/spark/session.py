@@ -346,39 +346,56 @@ class SparkStart:
 
 
 _INTERRUPTED = threading.Event()  # SIGINT reached this process (``on_interrupt``): its exit writes no class archive
+_CANCELLER: list[threading.Thread] = []  # the thread that cancels the jobs after an interrupt (one a process)
 
 
 def on_interrupt(sc: Any) -> bool:
     """From the main thread (else nothing: whether it was installed), make SIGINT (Ctrl-C) raise KeyboardInterrupt
-    at once and cancel ``sc``'s jobs, as PySpark's own handler does, but without a py4j call inside the handler: it
-    runs inside whatever py4j call the main thread is in, and a call on that connection is then reentrant (it
-    fails, or waits forever on a half-sent command). The cancel runs in a thread of its own (its own connection),
-    which the command does not wait for; the exit skips writing the class archive (``ClassArchive.finish``)."""
+    at once and cancel the running context's jobs, as PySpark's own handler does for ``sc``, but with nothing else
+    in the handler: it runs inside whatever the main thread is doing, a py4j call on that thread's connection
+    would be reentrant (it fails, or waits forever on a half-sent command), and even starting a thread there can
+    deadlock (on the lock the main thread holds while it starts one). A daemon thread started here waits for the
+    interrupt and cancels then, on a py4j connection of its own; the command does not wait for it. The exit
+    skips writing the class archive (``ClassArchive.finish``)."""
     if threading.current_thread() is not threading.main_thread():
         return False
+    if not _CANCELLER:
+        _CANCELLER.append(threading.Thread(target=_cancel_on_interrupt, name="applier-spark-cancel", daemon=True))
+        _CANCELLER[0].start()
 
-    def interrupted(signum: int, frame: Any) -> None:
+    def handler(signum: int, frame: Any) -> None:
         _INTERRUPTED.set()
-        threading.Thread(target=_cancel_jobs, args=(sc,), name="applier-spark-cancel", daemon=True).start()
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGINT, handler)
     return True
+
+
+def interrupted() -> bool:
+    """Whether SIGINT reached this process while Spark ran (``on_interrupt``)."""
+    return _INTERRUPTED.is_set()
 
 
 def reraise_interrupt(exc: BaseException) -> None:
     """Raise KeyboardInterrupt (from ``exc``) if SIGINT reached this process: a Spark call that failed after it
     failed because of it, whatever it raised (the interrupt breaks py4j's connection, and PySpark's clean-up,
     calling the JVM on it, raises "Answer from Java side is empty" in place of the interrupt). A caller that
-    would report a failed job, or retry it, asks this first: an interrupted command stops."""
+    would report a failed job, or retry it, asks this first: an interrupted command stops. (What escapes a
+    command after an interrupt is the interrupt too: ``applier.cli.guard.run_guarded``.)"""
     if _INTERRUPTED.is_set():
         raise KeyboardInterrupt from exc
 
 
-def _cancel_jobs(sc: Any) -> None:
-    """Cancel the context's jobs (after an interrupt): their tasks stop writing; the JVM may be gone already."""
-    with contextlib.suppress(Exception):
-        sc.cancelAllJobs()
+def _cancel_on_interrupt() -> None:
+    """Once interrupted, cancel the running context's jobs (their tasks stop writing); the JVM may be gone."""
+    _INTERRUPTED.wait()
+    # here, not at the top: start-up time (pyspark is loaded by now: a context was made)
+    from pyspark import SparkContext
+
+    sc = SparkContext._active_spark_context
+    if sc is not None:
+        with contextlib.suppress(Exception):
+            sc.cancelAllJobs()
 
 
 def begin(spark: Any) -> None:
