@@ -11,6 +11,7 @@ PostgreSQL 15 and 18.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ from applier.migrate.sync import sync
 from tests.plugins.cli import applier_script, clean_env, invoke, run_cli, write_toml
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config, target_exec
+from tests.spark.test_add_table import wait_for
 
 pytest.importorskip("pyspark")
 
@@ -188,20 +190,26 @@ def test_a_sequence_still_moving_on_the_source_fails(source_db: ScratchDb, targe
                                                      tmp_path: Path) -> None:
     cfg = _replica(source_db, target_db, tmp_path)
     _write(source_db.dsn, 3)
-    stop = threading.Event()
+    # a writer that takes numbers without publishing a change (nothing for the stream), a loop in a server backend
+    # of its own: it keeps drawing while cutover reads the source twice, however busy this process is (a Python
+    # thread drawing could miss that window for want of the CPU or the GIL: seen once in CI)
+    drawer = psycopg.connect(source_db.dsn, autocommit=True)
 
-    def draw() -> None:  # a writer that takes numbers without publishing a change (nothing for the stream)
-        with psycopg.connect(source_db.dsn, autocommit=True) as conn:
-            while not stop.is_set():
-                conn.execute("SELECT nextval('standalone')")
+    def draw() -> None:
+        with contextlib.suppress(psycopg.errors.QueryCanceled):
+            drawer.execute("DO $$ BEGIN LOOP PERFORM nextval('standalone'); PERFORM pg_sleep(0.0005); END LOOP; END $$")
 
     thread = threading.Thread(target=draw, daemon=True)
     thread.start()
     try:
+        with psycopg.connect(source_db.dsn, autocommit=True) as conn:
+            first = conn.execute("SELECT last_value FROM standalone").fetchone()
+            wait_for("the writer to draw", lambda: conn.execute("SELECT last_value FROM standalone").fetchone() != first)
         report = cutover(cfg, verify=False)
     finally:
-        stop.set()
+        drawer.cancel_safe()
         thread.join(30)
+        drawer.close()
     assert report.status == 1
     (failed,) = report.failed_sequences
     assert failed.sequence == "public.standalone"
