@@ -266,7 +266,7 @@ def spark_context(master: str = "local[*]", app_name: str = "applier") -> Any:
                 os.environ[name] = was
     if archive is not None and archive.writing is not None:
         atexit.register(archive.finish, sc)
-    on_interrupt(sc)  # in place of PySpark's handler (started in the main thread)
+    on_interrupt()  # in place of PySpark's handler (started in the main thread)
     # every Python function (and data source) wrapped from now on names this interpreter to the workers
     sc.pythonExec = worker_python(sc.getConf().get("spark.pyspark.python"))
     # failures reach the driver as exceptions and are reported as one line; `applier -v` shows Spark's warnings
@@ -313,7 +313,6 @@ class SparkStart:
         self.sql = sql
         self._spark: Any = None
         self._error: BaseException | None = None
-        self._interrupts = False  # the SIGINT handler installed (``on_interrupt``)
         self._thread = threading.Thread(target=self._start, name="applier-spark-start", daemon=True)
 
     def begin(self) -> None:
@@ -340,8 +339,7 @@ class SparkStart:
         self._thread.join()
         if self._error is not None:
             raise self._error
-        if not self._interrupts:
-            self._interrupts = on_interrupt(context_of(self._spark))
+        on_interrupt()  # the context started in another thread: PySpark installed no handler
         return self._spark
 
 
@@ -349,16 +347,16 @@ _INTERRUPTED = threading.Event()  # SIGINT reached this process (``on_interrupt`
 _CANCELLER: list[threading.Thread] = []  # the thread that cancels the jobs after an interrupt (one a process)
 
 
-def on_interrupt(sc: Any) -> bool:
-    """From the main thread (else nothing: whether it was installed), make SIGINT (Ctrl-C) raise KeyboardInterrupt
-    at once and cancel the running context's jobs, as PySpark's own handler does for ``sc``, but with nothing else
+def on_interrupt() -> None:
+    """From the main thread (else nothing; again: the same), make SIGINT (Ctrl-C) raise KeyboardInterrupt at once
+    and cancel the running context's jobs, as PySpark's own handler does, but with nothing else
     in the handler: it runs inside whatever the main thread is doing, a py4j call on that thread's connection
     would be reentrant (it fails, or waits forever on a half-sent command), and even starting a thread there can
     deadlock (on the lock the main thread holds while it starts one). A daemon thread started here waits for the
     interrupt and cancels then, on a py4j connection of its own; the command does not wait for it. The exit
     skips writing the class archive (``ClassArchive.finish``)."""
     if threading.current_thread() is not threading.main_thread():
-        return False
+        return
     if not _CANCELLER:
         _CANCELLER.append(threading.Thread(target=_cancel_on_interrupt, name="applier-spark-cancel", daemon=True))
         _CANCELLER[0].start()
@@ -368,7 +366,6 @@ def on_interrupt(sc: Any) -> bool:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, handler)
-    return True
 
 
 def interrupted() -> bool:
