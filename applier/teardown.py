@@ -146,7 +146,7 @@ def _tables(cfg: Config, conn: Any, where: str) -> Part:
         f"SELECT DISTINCT name FROM applier_progress WHERE name <> {ph} ORDER BY name", [name])]
     if others:
         statements = [(f"DELETE FROM {quote_ident(t)} WHERE name = {ph}", [name])
-                      for t in present if t != CONTROL_TABLES[-1]]
+                      for t in present if t not in CONTROL_TABLES[-2:]]
         found = (f"exist ({', '.join(present)}), kept: apply.name {', '.join(map(repr, others))} uses them; "
                  f"the rows of {name!r} go")
         done = f"rows of apply.name {name!r} deleted; tables kept for {', '.join(map(repr, others))}"

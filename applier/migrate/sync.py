@@ -54,8 +54,8 @@ Interruptions (resume or restart):
   creates it again with a new snapshot, and copies everything.
 - A slot that exists when no copy has completed (made by ``applier init``, or
   left by a killed run) is dropped and created again, with a message.
-- A table created without its keys carries a mark until they are built
-  (``applier.targets.postgres.schema.KEYS_PENDING``): a rerun copies it again,
+- A table created without its keys has a row in ``applier_keys_owed`` until
+  they are built (``applier.targets.postgres.schema``): a rerun copies it again,
   then builds them. A table that existed before sync keeps its indexes.
 - A completed sync is not repeated unless ``force``; a fresh sync refuses
   target tables that already hold rows unless ``force`` (which empties them).

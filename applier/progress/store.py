@@ -14,12 +14,14 @@ if TYPE_CHECKING:  # start-up time: the DDL model is loaded only where schema ch
 # ``resynced_from`` of a resync that has not ended (its slot made again, the progress row not moved yet)
 RESYNC_STARTED = "resync started: slot "
 # The newest alembic revision of the control tables (tests check it against migrations/).
-HEAD_REVISION = "0009"
+HEAD_REVISION = "0010"
 VERSION_TABLE = "applier_alembic_version"
 # Every control table at HEAD_REVISION, alembic's last (``applier drop --control-tables`` drops them in this order);
-# each but the last has the ``name`` column of apply.name.
+# each but the last two has the ``name`` column of apply.name (``applier_keys_owed``: rows of target tables, whichever
+# apply.name's sync made them).
 CONTROL_TABLES = ("applier_repairs", "applier_held", "applier_ddl_log", "applier_ddl_tables", "applier_conflicts", "applier_sync_tables",
-                  "applier_sync_parts", "applier_sync", "applier_prepared", "applier_progress", VERSION_TABLE)
+                  "applier_sync_parts", "applier_sync", "applier_prepared", "applier_progress", "applier_keys_owed",
+                  VERSION_TABLE)
 
 
 class Progress(NamedTuple):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from applier.progress.migrate import head_revision, migrate
 from applier.progress.store import HEAD_REVISION, VERSION_TABLE
+from tests.plugins.clusters import ScratchDb
 
 
 def test_head_constant_matches_the_migration_scripts() -> None:
@@ -48,3 +49,30 @@ def test_0003_keeps_sync_tables_that_sync_made_before(tmp_path: Path) -> None:
     db = sqlite3.connect(tmp_path / "r.db")
     assert db.execute("SELECT state, consistent_point FROM applier_sync").fetchall() == [("done", "0/10")]
     assert db.execute("SELECT count(*) FROM applier_sync_tables").fetchall() == [(0,)]
+
+
+def test_0010_takes_over_the_tables_marked_as_owing_their_keys(target_db: ScratchDb) -> None:
+    """A PostgreSQL target synced by an applier before 0010, killed before the keys of a table it made were built,
+    marked that table with a comment: it is owed its keys after the upgrade (the comment gone), and a table with a
+    comment of its own is not."""
+    from alembic import command
+    from sqlalchemy import create_engine
+
+    from applier.progress.migrate import _alembic_config
+
+    engine = create_engine(target_db.url)
+    with engine.begin() as conn:
+        cfg = _alembic_config()
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0009")
+    engine.dispose()
+    target_db.cluster.execute(
+        "CREATE TABLE \"Owed\" (id int); CREATE TABLE mine (id int); "
+        "COMMENT ON TABLE \"Owed\" IS 'applier sync: its primary key and replica identity index are built after the "
+        "copy'; COMMENT ON TABLE mine IS 'a comment of its own'", target_db.dbname)
+    assert migrate(target_db.url) == ("0009", HEAD_REVISION)
+    assert target_db.cluster.execute("SELECT table_oid::oid::regclass::text, table_name FROM applier_keys_owed",
+                                     target_db.dbname) == [('"Owed"', '"Owed"')]
+    assert target_db.cluster.execute(
+        "SELECT obj_description('\"Owed\"'::regclass, 'pg_class'), obj_description('mine'::regclass, 'pg_class')",
+        target_db.dbname) == [(None, "a comment of its own")]

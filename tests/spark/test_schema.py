@@ -20,7 +20,8 @@ import psycopg
 import pytest
 
 from applier.migrate.schema import SchemaError, read_source_tables
-from applier.targets.postgres.schema import KEYS_PENDING, build_pg_keys, prepare_pg_tables
+from applier.progress.migrate import migrate
+from applier.targets.postgres.schema import KEYS_OWED, build_pg_keys, prepare_pg_tables
 from applier.targets.sqlite.schema import prepare_sqlite_tables
 from tests.plugins.clusters import ScratchDb
 
@@ -61,6 +62,7 @@ FROM pg_index i WHERE i.indrelid = %s::regclass ORDER BY 1, 2
 
 def test_postgres_target_tables_copy_the_source_definition(src: ScratchDb, dst: ScratchDb) -> None:
     src.cluster.execute(SOURCE, src.dbname)
+    migrate(dst.url)  # the control tables, as sync makes them first
     with psycopg.connect(src.dsn, autocommit=True) as conn:
         tables = read_source_tables(conn, ["pub"])
     assert [t.qualified for t in tables] == ["app.byindex", "app.items"]
@@ -72,14 +74,17 @@ def test_postgres_target_tables_copy_the_source_definition(src: ScratchDb, dst: 
         done = prepare_pg_tables(conn, tables, {}, source)
         assert done.created == ["app.byindex", "app.items"]
         assert prepare_pg_tables(conn, tables, {}, source).existing == ["app.byindex", "app.items"]  # checked, fine
-        for t in tables:  # no keys before the copy, and marked so: then built once, the mark gone
+        owed = f"SELECT table_name FROM {KEYS_OWED} WHERE table_oid = %s::regclass::oid"
+        for t in tables:  # no keys before the copy, and owed so: then built once, no longer owed
             assert dst.cluster.execute(INDEXES, dst.dbname, [t.qualified]) == []
-            assert dst.cluster.execute("SELECT obj_description(%s::regclass, 'pg_class')", dst.dbname,
-                                       [t.qualified]) == [(KEYS_PENDING,)]
+            assert dst.cluster.execute(owed, dst.dbname, [t.qualified]) == [(t.qualified,)]
+            # a user's comment (or anything short of a drop) does not lose what the table owes (it did, as a mark)
+            dst.cluster.execute(f"COMMENT ON TABLE {t.qualified} IS 'mine'", dst.dbname)
             assert build_pg_keys(conn, t, t.schema, t.name)
             assert not build_pg_keys(conn, t, t.schema, t.name)
+            assert dst.cluster.execute(owed, dst.dbname, [t.qualified]) == []
             assert dst.cluster.execute("SELECT obj_description(%s::regclass, 'pg_class')", dst.dbname,
-                                       [t.qualified]) == [(None,)]
+                                       [t.qualified]) == [("mine",)]
     for table in ("app.items", "app.byindex"):
         want = src.cluster.execute(DESCRIBE, src.dbname, [table])
         got = dst.cluster.execute(DESCRIBE, dst.dbname, [table])
@@ -161,6 +166,7 @@ FROM pg_sequences WHERE NOT starts_with(sequencename, 'applier_') ORDER BY 1, 2
 
 def test_types_sequences_identity_and_generated_columns_are_created_as_on_the_source(
         source_db: ScratchDb, target_db: ScratchDb) -> None:
+    migrate(target_db.url)
     source_db.cluster.execute(TYPED, source_db.dbname)
     source_db.cluster.execute("SELECT nextval('app.tickets')", source_db.dbname)
     with psycopg.connect(source_db.dsn, autocommit=True) as source, \
@@ -178,6 +184,7 @@ def test_types_sequences_identity_and_generated_columns_are_created_as_on_the_so
 
 def test_a_type_defined_otherwise_on_the_target_is_named_and_nothing_is_created(
         source_db: ScratchDb, target_db: ScratchDb) -> None:
+    migrate(target_db.url)
     source_db.cluster.execute(TYPED, source_db.dbname)
     target_db.cluster.execute("CREATE SCHEMA app; CREATE TYPE app.mood AS ENUM ('sad', 'happy')", target_db.dbname)
     before = target_db.cluster.execute("SELECT count(*) FROM pg_class UNION ALL SELECT count(*) FROM pg_type",
@@ -194,6 +201,7 @@ def test_a_type_defined_otherwise_on_the_target_is_named_and_nothing_is_created(
 
 def test_a_type_that_cannot_be_created_is_named_by_table_and_column(source_db: ScratchDb,
                                                                    target_db: ScratchDb) -> None:
+    migrate(target_db.url)
     source_db.cluster.execute(TYPED.replace("subtype_diff = float8mi", "subtype_diff = public.diff")
                               .replace("CREATE TYPE app.span", "CREATE FUNCTION public.diff(a float8, b float8) "
                                        "RETURNS float8 LANGUAGE internal IMMUTABLE AS 'float8mi';\n"

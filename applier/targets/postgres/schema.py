@@ -3,11 +3,13 @@ of a published table, the check of an existing one, and the creation of the miss
 sequences in one transaction.
 
 Keys after the data (as pg_dump and pgcopydb build them): a table created here has no primary key nor replica
-identity index yet, and carries the comment ``KEYS_PENDING``, written in the transaction that creates it; the copy
-fills it, then ``build_pg_keys`` builds them and removes the comment in one transaction. So the comment says, across
-a killed sync and its rerun, that the table is applier's and owes its keys (a rerun empties and copies it, then
-builds them); a table that was there before (a user's, ``pg_dump --schema-only``) never carries it, and keeps its
-indexes as they are.
+identity index yet, and has a row in the control table ``applier_keys_owed`` (by its oid), written in the transaction
+that creates it; the copy fills it, then ``build_pg_keys`` builds them and deletes the row in one transaction. So the
+row says, across a killed sync and its rerun, that the table is applier's and owes its keys (a rerun empties and
+copies it, then builds them); a table that was there before (a user's, ``pg_dump --schema-only``) never has one, and
+keeps its indexes as they are. Nothing a user does to the table short of dropping it removes the row (a comment, the
+mark before migration 0010, was lost to a ``COMMENT ON TABLE`` during the copy, and the keys never built); a row whose
+table is gone is deleted when tables are next created.
 
 Invariant: nothing is created unless every existing table fits; a failed statement leaves nothing created.
 """
@@ -38,16 +40,16 @@ from applier.migrate.sequences import (
 from applier.migrate.usertypes import plan_types, source_types
 from applier.targets.naming import quoted_name, shown_name
 from applier.targets.postgres.naming import pg_target_table
-from applier.text import one_line, quote_ident
+from applier.text import one_line, quote_ident, quote_literal
 
-# the comment of a target table created without its keys yet (see the module header)
-KEYS_PENDING = "applier sync: its primary key and replica identity index are built after the copy"
+# the control table of the target tables created without their keys yet (see the module header; migration 0010)
+KEYS_OWED = "applier_keys_owed"
 
 
 def pg_create_statements(table: SourceTable, schema: str | None, name: str, sequences: list[SourceSequence],
                          table_map: dict[str, str], version: int) -> list[str]:
     """CREATE TABLE (and replica identity) statements for a PostgreSQL target of server ``version``; its keys
-    (``pg_key_statements``) are left for after the copy, the table marked ``KEYS_PENDING`` if it has any.
+    (``pg_key_statements``) are left for after the copy, the table's row written in ``KEYS_OWED`` if it has any.
 
     Columns in the source's order, the generated ones too; identity columns with their sequence (name and options
     from ``sequences``); a default ``nextval('…')`` of a sequence in ``sequences`` calls the target's sequence
@@ -80,7 +82,8 @@ def pg_create_statements(table: SourceTable, schema: str | None, name: str, sequ
         stmts.append(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")
     stmts.append(f"CREATE TABLE {qt} (" + ", ".join(parts) + ")")
     if pg_key_statements(table, qt):
-        stmts.append(f"COMMENT ON TABLE {qt} IS '{KEYS_PENDING}'")
+        stmts.append(f"INSERT INTO {KEYS_OWED} (table_oid, table_name) "
+                     f"VALUES ({quote_literal(qt)}::regclass::oid, {quote_literal(shown_name(schema, name))})")
     if table.replica_identity == "f":
         stmts.append(f"ALTER TABLE {qt} REPLICA IDENTITY FULL")
     elif table.replica_identity == "n":
@@ -105,16 +108,17 @@ def pg_key_statements(table: SourceTable, qt: str) -> list[str]:
 
 
 def build_pg_keys(conn: psycopg.Connection[Any], table: SourceTable, schema: str | None, name: str) -> bool:
-    """Build the keys of target table ``name`` if it is marked ``KEYS_PENDING`` (its copy is over), and remove the
-    mark, in one transaction on autocommit connection ``conn``; whether it was marked. SchemaError naming the table
-    and the statement that failed (then nothing changed)."""
+    """Build the keys of target table ``name`` if it owes them (its row in ``KEYS_OWED``; its copy is over), and
+    delete its row, in one transaction on autocommit connection ``conn``; whether it owed them. SchemaError naming
+    the table and the statement that failed (then nothing changed)."""
     qt = quoted_name(schema, name)
-    if catalog_row(conn, "SELECT obj_description(to_regclass(%s), 'pg_class')", [qt])[0] != KEYS_PENDING:
+    owed = conn.execute(f"SELECT table_oid FROM {KEYS_OWED} WHERE table_oid = to_regclass(%s)::oid", [qt]).fetchone()
+    if owed is None:
         return False
     stmt = "BEGIN"
     try:
         with conn.transaction():
-            for stmt in [*pg_key_statements(table, qt), f"COMMENT ON TABLE {qt} IS NULL"]:
+            for stmt in [*pg_key_statements(table, qt), f"DELETE FROM {KEYS_OWED} WHERE table_oid = {int(owed[0])}"]:
                 conn.execute(stmt)
     except psycopg.Error as exc:
         raise SchemaError(f"building the keys of target table {shown_name(schema, name)} after its copy failed: "
@@ -169,7 +173,9 @@ def prepare_pg_tables(conn: psycopg.Connection[Any], tables: list[SourceTable], 
     new_seqs = [q for q in sequences if catalog_row(conn, "SELECT to_regclass(%s)", [target_sequence_qname(q, table_map)])[0]
                 is None]
     created = {(t.schema, t.name) for t in missing}
-    statements = list(type_sql)
+    # rows of tables dropped since they were made (their oid could be a new table's one day)
+    statements = [f"DELETE FROM {KEYS_OWED} WHERE NOT EXISTS (SELECT FROM pg_class WHERE oid = table_oid)"]
+    statements += type_sql
     statements += [s for q in new_seqs if not q.identity for s in create_statements(q, table_map)]
     for t in missing:
         schema, name = pg_target_table(t.relation(), table_map)
