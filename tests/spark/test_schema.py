@@ -215,3 +215,29 @@ def test_a_type_that_cannot_be_created_is_named_by_table_and_column(source_db: S
         "app.things column span"]
     assert target_db.cluster.execute("SELECT to_regclass('app.things'), to_regtype('app.mood')",
                                      target_db.dbname) == [(None, None)]
+
+
+def test_replica_identity_indexes_of_one_name_merged_into_one_schema_get_names_of_their_own(
+        source_db: ScratchDb, target_db: ScratchDb) -> None:
+    """A table map that puts tables of two source schemas into one target schema: their replica identity indexes,
+    of one name on the source (index names are per schema), are both built, the second under the name with a
+    number (the build failed after every copy before, the name taken)."""
+    source_db.cluster.execute(
+        "CREATE SCHEMA east; CREATE SCHEMA west; "
+        "CREATE TABLE east.shop (id int PRIMARY KEY, code int NOT NULL); CREATE UNIQUE INDEX shop_code ON east.shop (code); "
+        "ALTER TABLE east.shop REPLICA IDENTITY USING INDEX shop_code; "
+        "CREATE TABLE west.shop (id int PRIMARY KEY, code int NOT NULL); CREATE UNIQUE INDEX shop_code ON west.shop (code); "
+        "ALTER TABLE west.shop REPLICA IDENTITY USING INDEX shop_code; "
+        "CREATE PUBLICATION pub FOR TABLE east.shop, west.shop", source_db.dbname)
+    migrate(target_db.url)
+    table_map = {"east.shop": "public.east_shop", "west.shop": "public.west_shop"}
+    with psycopg.connect(source_db.dsn, autocommit=True) as source, \
+            psycopg.connect(target_db.dsn, autocommit=True) as conn:
+        tables = read_source_tables(source, ["pub"])
+        assert prepare_pg_tables(conn, tables, table_map, source).created == ["public.east_shop", "public.west_shop"]
+        for t in tables:
+            assert build_pg_keys(conn, t, "public", f"{t.schema}_shop")
+    assert target_db.cluster.execute(
+        "SELECT c.relname, i.relname FROM pg_index x JOIN pg_class c ON c.oid = x.indrelid "
+        "JOIN pg_class i ON i.oid = x.indexrelid WHERE x.indisreplident ORDER BY 1", target_db.dbname) == [
+        ("east_shop", "shop_code"), ("west_shop", "shop_code1")]

@@ -91,10 +91,10 @@ def pg_create_statements(table: SourceTable, schema: str | None, name: str, sequ
     return stmts
 
 
-def pg_key_statements(table: SourceTable, qt: str) -> list[str]:
+def pg_key_statements(table: SourceTable, qt: str, index_name: str | None = None) -> list[str]:
     """The statements that give target table ``qt`` the source's keys: its primary key and the unique index it uses
-    as replica identity (when that is not the primary key), each when every column of it is published (an
-    insert-only publication may leave them out)."""
+    as replica identity (when that is not the primary key; named ``index_name``, else as on the source), each when
+    every column of it is published (an insert-only publication may leave them out)."""
     stmts = []
     published = {c.name for c in table.columns}
     if table.primary_key and all(k in published for k in table.primary_key):
@@ -102,6 +102,7 @@ def pg_key_statements(table: SourceTable, qt: str) -> list[str]:
     if (table.replica_identity == "i" and table.identity_index and table.identity_index[1] != table.primary_key
             and all(k in published for k in table.identity_index[1])):
         idx, cols = table.identity_index
+        idx = index_name or idx
         stmts.append(f"CREATE UNIQUE INDEX {quote_ident(idx)} ON {qt} (" + ", ".join(map(quote_ident, cols)) + ")")
         stmts.append(f"ALTER TABLE {qt} REPLICA IDENTITY USING INDEX {quote_ident(idx)}")
     return stmts
@@ -118,12 +119,28 @@ def build_pg_keys(conn: psycopg.Connection[Any], table: SourceTable, schema: str
     stmt = "BEGIN"
     try:
         with conn.transaction():
-            for stmt in [*pg_key_statements(table, qt), f"DELETE FROM {KEYS_OWED} WHERE table_oid = {int(owed[0])}"]:
+            for stmt in [*pg_key_statements(table, qt, _free_index_name(conn, table, schema)),
+                         f"DELETE FROM {KEYS_OWED} WHERE table_oid = {int(owed[0])}"]:
                 conn.execute(stmt)
     except psycopg.Error as exc:
         raise SchemaError(f"building the keys of target table {shown_name(schema, name)} after its copy failed: "
                           f"{one_line(exc)} (in: {one_line(stmt)[:300]})") from None
     return True
+
+
+def _free_index_name(conn: psycopg.Connection[Any], table: SourceTable, schema: str | None) -> str | None:
+    """The name of the replica identity index of ``table`` in target ``schema``: the source's when no relation of
+    the schema has it (tables of two source schemas that a table map puts in one may have indexes of one name), else
+    it with the first number that makes it free (cut to PostgreSQL's 63 bytes); None: the table has none."""
+    if table.identity_index is None:
+        return None
+    base = table.identity_index[0]
+    for n in range(1000):
+        suffix = str(n) if n else ""
+        name = base.encode()[:63 - len(suffix)].decode(errors="ignore") + suffix
+        if conn.execute("SELECT to_regclass(%s)", [quoted_name(schema, name)]).fetchone() == (None,):
+            return name
+    return None  # beyond reason: the source's name, and its clash named by the build's error
 
 
 def check_pg_table(conn: psycopg.Connection[Any], table: SourceTable, schema: str | None, name: str) -> list[str] | None:
