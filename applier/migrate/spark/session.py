@@ -193,7 +193,7 @@ class ClassArchive:
         if self.writing is None:
             return
         try:
-            if _INTERRUPTED.is_set():  # Ctrl-C: exit at once (a file the JVM still writes, a later start removes)
+            if _INTERRUPTS.seen:  # Ctrl-C: exit at once (a file the JVM still writes, a later start removes)
                 return
             sc.stop()
             proc = sc._gateway.proc
@@ -343,8 +343,51 @@ class SparkStart:
         return self._spark
 
 
-_INTERRUPTED = threading.Event()  # SIGINT reached this process (``on_interrupt``): its exit writes no class archive
-_CANCELLER: list[threading.Thread] = []  # the thread that cancels the jobs after an interrupt (one a process)
+class _Interrupts:
+    """SIGINT seen by this process while Spark ran (``on_interrupt``): a flag the handler sets and anything reads
+    without a lock, and the daemon thread that cancels the running context's jobs then, woken through a pipe.
+
+    Invariant: the handler takes no lock (a second SIGINT can run the handler again inside the first, between two
+    of its bytecodes: ``threading.Event.set`` there would wait forever on the lock the first call holds) and makes no
+    py4j call; it writes one byte to a non-blocking pipe, which never waits."""
+
+    __slots__ = ("seen", "_wake", "_thread")
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._wake: tuple[int, int] | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the cancelling thread (once a process)."""
+        if self._thread is None:
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self._wake = (read, write)
+            self._thread = threading.Thread(target=self._cancel, name="applier-spark-cancel", daemon=True)
+            self._thread.start()
+
+    def note(self) -> None:
+        """From the SIGINT handler: interrupted; wake the cancelling thread."""
+        self.seen = True
+        if self._wake is not None:
+            with contextlib.suppress(OSError):  # a byte already waits: the thread is woken anyway
+                os.write(self._wake[1], b"!")
+
+    def _cancel(self) -> None:
+        """Once interrupted, cancel the running context's jobs (their tasks stop writing); the JVM may be gone."""
+        assert self._wake is not None
+        os.read(self._wake[0], 1)
+        # here, not at the top: start-up time (pyspark is loaded by now: a context was made)
+        from pyspark import SparkContext
+
+        sc = SparkContext._active_spark_context
+        if sc is not None:
+            with contextlib.suppress(Exception):
+                sc.cancelAllJobs()
+
+
+_INTERRUPTS = _Interrupts()  # one a process, as its SIGINT handler is
 
 
 def on_interrupt() -> None:
@@ -353,16 +396,14 @@ def on_interrupt() -> None:
     in the handler: it runs inside whatever the main thread is doing, a py4j call on that thread's connection
     would be reentrant (it fails, or waits forever on a half-sent command), and even starting a thread there can
     deadlock (on the lock the main thread holds while it starts one). A daemon thread started here waits for the
-    interrupt and cancels then, on a py4j connection of its own; the command does not wait for it. The exit
-    skips writing the class archive (``ClassArchive.finish``)."""
+    interrupt and cancels then, on a py4j connection of its own; the command does not wait for it (``_Interrupts``).
+    The exit skips writing the class archive (``ClassArchive.finish``)."""
     if threading.current_thread() is not threading.main_thread():
         return
-    if not _CANCELLER:
-        _CANCELLER.append(threading.Thread(target=_cancel_on_interrupt, name="applier-spark-cancel", daemon=True))
-        _CANCELLER[0].start()
+    _INTERRUPTS.start()
 
     def handler(signum: int, frame: Any) -> None:
-        _INTERRUPTED.set()
+        _INTERRUPTS.note()
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, handler)
@@ -370,7 +411,7 @@ def on_interrupt() -> None:
 
 def interrupted() -> bool:
     """Whether SIGINT reached this process while Spark ran (``on_interrupt``)."""
-    return _INTERRUPTED.is_set()
+    return _INTERRUPTS.seen
 
 
 def reraise_interrupt(exc: BaseException) -> None:
@@ -379,20 +420,8 @@ def reraise_interrupt(exc: BaseException) -> None:
     calling the JVM on it, raises "Answer from Java side is empty" in place of the interrupt). A caller that
     would report a failed job, or retry it, asks this first: an interrupted command stops. (What escapes a
     command after an interrupt is the interrupt too: ``applier.cli.guard.run_guarded``.)"""
-    if _INTERRUPTED.is_set():
+    if _INTERRUPTS.seen:
         raise KeyboardInterrupt from exc
-
-
-def _cancel_on_interrupt() -> None:
-    """Once interrupted, cancel the running context's jobs (their tasks stop writing); the JVM may be gone."""
-    _INTERRUPTED.wait()
-    # here, not at the top: start-up time (pyspark is loaded by now: a context was made)
-    from pyspark import SparkContext
-
-    sc = SparkContext._active_spark_context
-    if sc is not None:
-        with contextlib.suppress(Exception):
-            sc.cancelAllJobs()
 
 
 def begin(spark: Any) -> None:
