@@ -287,9 +287,31 @@ class DdlWriter:
     def _replica_identity(self, shape: TableShape, qt: str) -> None:
         ri = shape.replica_identity
         if ri == "i" and shape.replica_identity_index:
-            self._run(f"ALTER TABLE {qt} REPLICA IDENTITY USING INDEX {quote_ident(shape.replica_identity_index)}")
+            index = self._target_index(shape, shape.replica_identity_index, qt)
+            self._run(f"ALTER TABLE {qt} REPLICA IDENTITY USING INDEX {quote_ident(index)}")
         else:
             self._run(f"ALTER TABLE {qt} REPLICA IDENTITY {dict(n='NOTHING', f='FULL').get(ri, 'DEFAULT')}")
+
+
+    def _target_index(self, shape: TableShape, name: str, qt: str) -> str:
+        """The name on target table ``qt`` of its source index ``name``: the same when the table has an index of
+        that name, else (the name was taken in the target schema, by a table a table map put beside it: the server
+        named it) its unique index on the same key columns, newest first; the source's name when none is found (the
+        server's error then names it)."""
+        if self.conn.execute("SELECT 1 FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
+                             "WHERE x.indrelid = to_regclass(%s) AND i.relname = %s", [qt, name]).fetchone():
+            return name
+        source = next((i for i in shape.indexes if i.name == name), None)
+        if source is None or source.columns is None:
+            return name
+        row = self.conn.execute(
+            "SELECT i.relname FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
+            "WHERE x.indrelid = to_regclass(%s) AND x.indisunique AND x.indexprs IS NULL AND x.indpred IS NULL "
+            "AND ARRAY(SELECT a.attname::text FROM unnest(x.indkey::int2[]) WITH ORDINALITY k(attnum, n) "
+            "JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = k.attnum "
+            "WHERE k.n <= x.indnkeyatts ORDER BY k.n) = %s::text[] ORDER BY x.indexrelid DESC LIMIT 1",
+            [qt, list(source.columns)]).fetchone()
+        return str(row[0]) if row else name
 
 
 class _Refused(Exception):

@@ -391,3 +391,30 @@ def test_sigkill_during_a_stream_of_ddl_and_dml_applies_each_transaction_once(cl
     assert target_columns(rig) == source_columns(rig, "t")
     assert rows(rig) == rig.src("SELECT * FROM t ORDER BY 1")
     assert len(rows(rig)) > 20
+
+
+def test_tables_of_two_schemas_created_into_one_get_their_keys_and_replica_identity(rig: Rig) -> None:
+    """A table map puts tables of two source schemas into one target schema; both are created on the source (one
+    name, keys and replica identity indexes of one name: index names are per schema): on PostgreSQL the second's
+    indexes get the server's names (the source's are taken) and its replica identity is its own index (it named the
+    first table's before, and the apply stopped); then an update by the identity reaches each."""
+    if rig.target is None:
+        pytest.skip("index names are per schema on a PostgreSQL target (SQLite's tables take the mapped names)")
+    rig.src("CREATE SCHEMA east; CREATE SCHEMA west")
+    rig.src(f"CREATE PUBLICATION {rig.publication} FOR ALL TABLES")
+    capture.install(rig.source.dsn)
+    mapping = {"east.shop": "public.east_shop", "west.shop": "public.west_shop"}
+    rig.init(target_tables=mapping)
+    for schema in ("east", "west"):
+        rig.src(f"BEGIN; CREATE TABLE {schema}.shop (id int PRIMARY KEY, code int NOT NULL, v text); "
+                f"CREATE UNIQUE INDEX shop_code ON {schema}.shop (code); "
+                f"ALTER TABLE {schema}.shop REPLICA IDENTITY USING INDEX shop_code; "
+                f"INSERT INTO {schema}.shop VALUES (1, 10, '{schema}'); COMMIT")
+    rig.src("UPDATE east.shop SET v = 'E' WHERE code = 10; UPDATE west.shop SET v = 'W' WHERE code = 10")
+    rig.catchup(**FOLLOW, target_tables=mapping)
+    assert rig.tgt("SELECT * FROM east_shop") == [(1, 10, "E")] and rig.tgt("SELECT * FROM west_shop") == [(1, 10, "W")]
+    identity = ("SELECT c.relname, i.relname, x.indisunique FROM pg_index x JOIN pg_class c ON c.oid = x.indrelid "
+                "JOIN pg_class i ON i.oid = x.indexrelid WHERE x.indisreplident ORDER BY 1")
+    got = rig.tgt(identity)
+    assert [(t, u) for t, _, u in got] == [("east_shop", True), ("west_shop", True)] and got[0][1] == "shop_code", got
+    assert got[1][1] != "shop_code", got
