@@ -615,7 +615,8 @@ class KeyBuilder:
 
     Its workers are daemon threads: a command that stops (Ctrl-C, an error) exits without waiting for a build
     (``close`` cancels those under way; one that cannot be reached is ended by the server when its connection
-    goes, or commits its keys and the mark's removal together, which a rerun's copy finds consistent)."""
+    goes, or commits its keys and the deletion of its ``applier_keys_owed`` row together, which a rerun's copy
+    finds consistent)."""
 
     def __init__(self, cfg: Config, jobs: int) -> None:
         self.cfg = cfg

@@ -72,7 +72,7 @@ def test_0010_takes_over_the_tables_marked_as_owing_their_keys(target_db: Scratc
         "copy'; COMMENT ON TABLE mine IS 'a comment of its own'", target_db.dbname)
     assert migrate(target_db.url) == ("0009", HEAD_REVISION)
     assert target_db.cluster.execute("SELECT table_oid::oid::regclass::text, table_name FROM applier_keys_owed",
-                                     target_db.dbname) == [('"Owed"', '"Owed"')]
+                                     target_db.dbname) == [('"Owed"', "public.Owed")]
     assert target_db.cluster.execute(
         "SELECT obj_description('\"Owed\"'::regclass, 'pg_class'), obj_description('mine'::regclass, 'pg_class')",
         target_db.dbname) == [(None, "a comment of its own")]

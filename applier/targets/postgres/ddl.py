@@ -159,9 +159,9 @@ class DdlWriter:
             case CreateIndex():
                 self._create_index(change.index, schema, qt, label, lsn)
             case DropIndex():
-                ix = qualified(schema, change.index.name)
-                if self._exists(ix):
-                    self._run(f"DROP INDEX {ix}")
+                name = self._target_index(change.index, qt)  # not another table's index of the same name
+                if name is not None:
+                    self._run(f"DROP INDEX {qualified(schema, name)}")
                 else:
                     log.info("target table %s: %s at LSN %s: no such index, nothing to do", label,
                              change.describe(), lsn)
@@ -287,31 +287,33 @@ class DdlWriter:
     def _replica_identity(self, shape: TableShape, qt: str) -> None:
         ri = shape.replica_identity
         if ri == "i" and shape.replica_identity_index:
-            index = self._target_index(shape, shape.replica_identity_index, qt)
+            name = shape.replica_identity_index
+            source = next((i for i in shape.indexes if i.name == name), None)
+            index = (self._target_index(source, qt) if source is not None else None) or name
             self._run(f"ALTER TABLE {qt} REPLICA IDENTITY USING INDEX {quote_ident(index)}")
         else:
             self._run(f"ALTER TABLE {qt} REPLICA IDENTITY {dict(n='NOTHING', f='FULL').get(ri, 'DEFAULT')}")
 
 
-    def _target_index(self, shape: TableShape, name: str, qt: str) -> str:
-        """The name on target table ``qt`` of its source index ``name``: the same when the table has an index of
-        that name, else (the name was taken in the target schema, by a table a table map put beside it: the server
-        named it) its unique index on the same key columns, newest first; the source's name when none is found (the
-        server's error then names it)."""
+    def _target_index(self, index: IndexShape, qt: str) -> str | None:
+        """The name of source index ``index`` on target table ``qt``: the same when the table has an index of that
+        name, else (the name was taken in the target schema by a table that a table map put beside it: the server
+        named this one) its index of the same kind on the same key columns, newest first; None: the table has no
+        such index (an index of that name elsewhere in the schema is another table's)."""
         if self.conn.execute("SELECT 1 FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
-                             "WHERE x.indrelid = to_regclass(%s) AND i.relname = %s", [qt, name]).fetchone():
-            return name
-        source = next((i for i in shape.indexes if i.name == name), None)
-        if source is None or source.columns is None:
-            return name
+                             "WHERE x.indrelid = to_regclass(%s) AND i.relname = %s", [qt, index.name]).fetchone():
+            return index.name
+        if index.columns is None:
+            return None
         row = self.conn.execute(
             "SELECT i.relname FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
-            "WHERE x.indrelid = to_regclass(%s) AND x.indisunique AND x.indexprs IS NULL AND x.indpred IS NULL "
+            "WHERE x.indrelid = to_regclass(%s) AND x.indisunique = %s AND NOT x.indisprimary "
+            "AND x.indexprs IS NULL AND x.indpred IS NULL "
             "AND ARRAY(SELECT a.attname::text FROM unnest(x.indkey::int2[]) WITH ORDINALITY k(attnum, n) "
             "JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = k.attnum "
             "WHERE k.n <= x.indnkeyatts ORDER BY k.n) = %s::text[] ORDER BY x.indexrelid DESC LIMIT 1",
-            [qt, list(source.columns)]).fetchone()
-        return str(row[0]) if row else name
+            [qt, index.unique, list(index.columns)]).fetchone()
+        return str(row[0]) if row else None
 
 
 class _Refused(Exception):

@@ -3,7 +3,7 @@ of a published table, the check of an existing one, and the creation of the miss
 sequences in one transaction.
 
 Keys after the data (as pg_dump and pgcopydb build them): a table created here has no primary key nor replica
-identity index yet, and has a row in the control table ``applier_keys_owed`` (by its oid), written in the transaction
+identity index yet, and has a row in the control table ``applier_keys_owed`` (its oid and name), written in the transaction
 that creates it; the copy fills it, then ``build_pg_keys`` builds them and deletes the row in one transaction. So the
 row says, across a killed sync and its rerun, that the table is applier's and owes its keys (a rerun empties and
 copies it, then builds them); a table that was there before (a user's, ``pg_dump --schema-only``) never has one, and
@@ -44,6 +44,9 @@ from applier.text import one_line, quote_ident, quote_literal
 
 # the control table of the target tables created without their keys yet (see the module header; migration 0010)
 KEYS_OWED = "applier_keys_owed"
+# a row's table_name: the table's schema and name as the catalog has them (pg_class c, pg_namespace n); a row is the
+# table's only if both its oid and this name are (an oid alone may be another table's after a restore or a wrap)
+_OWED_NAME = "n.nspname || '.' || c.relname"
 
 
 def pg_create_statements(table: SourceTable, schema: str | None, name: str, sequences: list[SourceSequence],
@@ -82,8 +85,8 @@ def pg_create_statements(table: SourceTable, schema: str | None, name: str, sequ
         stmts.append(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(schema)}")
     stmts.append(f"CREATE TABLE {qt} (" + ", ".join(parts) + ")")
     if pg_key_statements(table, qt):
-        stmts.append(f"INSERT INTO {KEYS_OWED} (table_oid, table_name) "
-                     f"VALUES ({quote_literal(qt)}::regclass::oid, {quote_literal(shown_name(schema, name))})")
+        stmts.append(f"INSERT INTO {KEYS_OWED} (table_oid, table_name) SELECT c.oid, {_OWED_NAME} FROM pg_class c "
+                     f"JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = {quote_literal(qt)}::regclass")
     if table.replica_identity == "f":
         stmts.append(f"ALTER TABLE {qt} REPLICA IDENTITY FULL")
     elif table.replica_identity == "n":
@@ -113,7 +116,9 @@ def build_pg_keys(conn: psycopg.Connection[Any], table: SourceTable, schema: str
     delete its row, in one transaction on autocommit connection ``conn``; whether it owed them. SchemaError naming
     the table and the statement that failed (then nothing changed)."""
     qt = quoted_name(schema, name)
-    owed = conn.execute(f"SELECT table_oid FROM {KEYS_OWED} WHERE table_oid = to_regclass(%s)::oid", [qt]).fetchone()
+    owed = conn.execute(f"SELECT k.table_oid FROM {KEYS_OWED} k JOIN pg_class c ON c.oid = k.table_oid "
+                        f"JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass(%s) "
+                        f"AND k.table_name = {_OWED_NAME}", [qt]).fetchone()
     if owed is None:
         return False
     stmt = "BEGIN"

@@ -397,7 +397,8 @@ def test_tables_of_two_schemas_created_into_one_get_their_keys_and_replica_ident
     """A table map puts tables of two source schemas into one target schema; both are created on the source (one
     name, keys and replica identity indexes of one name: index names are per schema): on PostgreSQL the second's
     indexes get the server's names (the source's are taken) and its replica identity is its own index (it named the
-    first table's before, and the apply stopped); then an update by the identity reaches each."""
+    first table's before, and the apply stopped); then an update by the identity reaches each, and an index dropped
+    on the source is dropped from its own table (the other table's of that name was dropped before)."""
     if rig.target is None:
         pytest.skip("index names are per schema on a PostgreSQL target (SQLite's tables take the mapped names)")
     rig.src("CREATE SCHEMA east; CREATE SCHEMA west")
@@ -408,8 +409,8 @@ def test_tables_of_two_schemas_created_into_one_get_their_keys_and_replica_ident
     for schema in ("east", "west"):
         rig.src(f"BEGIN; CREATE TABLE {schema}.shop (id int PRIMARY KEY, code int NOT NULL, v text); "
                 f"CREATE UNIQUE INDEX shop_code ON {schema}.shop (code); "
-                f"ALTER TABLE {schema}.shop REPLICA IDENTITY USING INDEX shop_code; "
-                f"INSERT INTO {schema}.shop VALUES (1, 10, '{schema}'); COMMIT")
+                f"ALTER TABLE {schema}.shop REPLICA IDENTITY USING INDEX shop_code; CREATE INDEX shop_v ON "
+                f"{schema}.shop (v); INSERT INTO {schema}.shop VALUES (1, 10, '{schema}'); COMMIT")
     rig.src("UPDATE east.shop SET v = 'E' WHERE code = 10; UPDATE west.shop SET v = 'W' WHERE code = 10")
     rig.catchup(**FOLLOW, target_tables=mapping)
     assert rig.tgt("SELECT * FROM east_shop") == [(1, 10, "E")] and rig.tgt("SELECT * FROM west_shop") == [(1, 10, "W")]
@@ -418,3 +419,8 @@ def test_tables_of_two_schemas_created_into_one_get_their_keys_and_replica_ident
     got = rig.tgt(identity)
     assert [(t, u) for t, _, u in got] == [("east_shop", True), ("west_shop", True)] and got[0][1] == "shop_code", got
     assert got[1][1] != "shop_code", got
+    # an index dropped on the source is the table's own on the target, not the other table's of the same name
+    rig.src("DROP INDEX west.shop_v; INSERT INTO west.shop VALUES (2, 20, 'w2')")
+    rig.catchup(**FOLLOW, target_tables=mapping)
+    assert target_indexes(rig, "east_shop") == ["shop_code", "shop_v"]
+    assert target_indexes(rig, "west_shop") == [got[1][1]]
