@@ -154,6 +154,11 @@ def _tables(cfg: Config, conn: Any, where: str) -> Part:
         statements = [(f"DROP TABLE {quote_ident(t)}", []) for t in present]
         found = f"exist ({', '.join(present)})"
         done = f"dropped ({', '.join(present)})"
+        owed = [] if "applier_keys_owed" not in present else [r[0] for r in conn.execute(
+            "SELECT table_name FROM applier_keys_owed ORDER BY 1")]
+        if owed:  # a sync stopped before their keys: nothing will build them once the tables say so no more
+            found += (f"; target tables {', '.join(owed)} still lack the primary key and replica identity index a "
+                      f"sync builds after their copy (build them by hand if they stay)")
 
     def remove() -> str:
         try:
