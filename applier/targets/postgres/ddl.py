@@ -159,14 +159,14 @@ class DdlWriter:
             case CreateIndex():
                 self._create_index(change.index, schema, qt, label, lsn)
             case DropIndex():
-                name = self._target_index(change.index, qt)  # not another table's index of the same name
-                if name is not None:
-                    self._run(f"DROP INDEX {qualified(schema, name)}")
+                index = self._target_index(change.index, change.table, schema, qt)  # never another table's
+                if index is not None:
+                    self._run(f"DROP INDEX {index[0]}")
                 else:
                     log.info("target table %s: %s at LSN %s: no such index, nothing to do", label,
                              change.describe(), lsn)
             case SetReplicaIdentity():
-                self._replica_identity(change.table, qt)
+                self._replica_identity(change.table, schema, qt)
             case _:
                 raise _Refused(f"this target cannot write a {type(change).__name__}")
 
@@ -209,7 +209,7 @@ class DdlWriter:
             self._run(f"CREATE TABLE {qt} PARTITION OF {qualified(*self.target_of(parent.schema, parent.name))} "
                       f"{shape.partition_bound}")
             if shape.replica_identity != "d":
-                self._replica_identity(shape, qt)
+                self._replica_identity(shape, schema, qt)
             return
         parts = [self._column(c, label, lsn) for c in shape.columns]
         if shape.primary_key:
@@ -219,7 +219,7 @@ class DdlWriter:
             if not ix.primary:
                 self._create_index(ix, schema, qt, label, lsn)
         if shape.replica_identity != "d":
-            self._replica_identity(shape, qt)
+            self._replica_identity(shape, schema, qt)
 
     def _rename(self, change: RenameTable, schema: str | None, table: str) -> None:
         old_schema, old_table = self.target_of(change.old_schema, change.old_name)
@@ -284,36 +284,52 @@ class DdlWriter:
             name = ""
         self._run(f"{m.group(1)} {name + ' ' if name else ''}ON {qt} {m.group(2)}")
 
-    def _replica_identity(self, shape: TableShape, qt: str) -> None:
+    def _replica_identity(self, shape: TableShape, schema: str | None, qt: str) -> None:
         ri = shape.replica_identity
         if ri == "i" and shape.replica_identity_index:
             name = shape.replica_identity_index
             source = next((i for i in shape.indexes if i.name == name), None)
-            index = (self._target_index(source, qt) if source is not None else None) or name
-            self._run(f"ALTER TABLE {qt} REPLICA IDENTITY USING INDEX {quote_ident(index)}")
+            found = self._target_index(source, shape, schema, qt) if source is not None else None
+            # USING INDEX takes the index's own name (it is in the table's schema)
+            self._run(f"ALTER TABLE {qt} REPLICA IDENTITY USING INDEX {quote_ident(found[1] if found else name)}")
         else:
             self._run(f"ALTER TABLE {qt} REPLICA IDENTITY {dict(n='NOTHING', f='FULL').get(ri, 'DEFAULT')}")
 
 
-    def _target_index(self, index: IndexShape, qt: str) -> str | None:
-        """The name of source index ``index`` on target table ``qt``: the same when the table has an index of that
-        name, else (the name was taken in the target schema by a table that a table map put beside it: the server
-        named this one) its index of the same kind on the same key columns, newest first; None: the table has no
-        such index (an index of that name elsewhere in the schema is another table's)."""
-        if self.conn.execute("SELECT 1 FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
-                             "WHERE x.indrelid = to_regclass(%s) AND i.relname = %s", [qt, index.name]).fetchone():
-            return index.name
-        if index.columns is None:
+    def _target_index(self, index: IndexShape, shape: TableShape, schema: str | None,
+                      qt: str) -> tuple[str, str] | None:
+        """The target index (its name as a relation, qualified where the search path needs it, and its own name) of
+        source index
+        ``index`` of ``shape`` on target table ``qt``, or None: the table's index of the same name; else, only when
+        that name is taken in the target schema by another relation (a table that a table map put beside this
+        one: ``_create_index`` and ``_primary_key`` let the server name this table's then), the table's oldest
+        valid index of the same definition (``USING …``: method, columns, order, INCLUDE, WHERE) and kind that
+        bears no name of another of the source table's indexes. Never another table's index of the same name."""
+        row = self.conn.execute("SELECT i.oid::regclass::text FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
+                                "WHERE x.indrelid = to_regclass(%s) AND i.relname = %s", [qt, index.name]).fetchone()
+        if row is not None:
+            return str(row[0]), index.name
+        m = _INDEX.match(index.definition)
+        if m is None or not self._exists(qualified(schema, index.name)):
             return None
-        row = self.conn.execute(
-            "SELECT i.relname FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
-            "WHERE x.indrelid = to_regclass(%s) AND x.indisunique = %s AND NOT x.indisprimary "
-            "AND x.indexprs IS NULL AND x.indpred IS NULL "
-            "AND ARRAY(SELECT a.attname::text FROM unnest(x.indkey::int2[]) WITH ORDINALITY k(attnum, n) "
-            "JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = k.attnum "
-            "WHERE k.n <= x.indnkeyatts ORDER BY k.n) = %s::text[] ORDER BY x.indexrelid DESC LIMIT 1",
-            [qt, index.unique, list(index.columns)]).fetchone()
-        return str(row[0]) if row else None
+        others = [i.name for i in shape.indexes if i.name != index.name]
+        # definitions as capture reads them (search_path pg_catalog: names outside it qualified), then the
+        # session's search path back for the statements that follow
+        path = self.conn.execute("SELECT current_setting('search_path')").fetchone()
+        self.conn.execute("SELECT set_config('search_path', 'pg_catalog', true)")
+        try:
+            rows = self.conn.execute(
+                "SELECT i.oid::regclass::text, i.relname, pg_get_indexdef(x.indexrelid) FROM pg_index x "
+                "JOIN pg_class i ON i.oid = x.indexrelid WHERE x.indrelid = to_regclass(%s) AND x.indisvalid "
+                "AND x.indisprimary = %s AND x.indisunique = %s AND NOT i.relname = ANY(%s) ORDER BY x.indexrelid",
+                [qt, index.primary, index.unique, others]).fetchall()
+        finally:
+            self.conn.execute("SELECT set_config('search_path', %s, true)", [path[0] if path else ""])
+        for relation, name, definition in rows:
+            found = _INDEX.match(definition)
+            if found is not None and found.group(2) == m.group(2):
+                return str(relation), str(name)
+        return None
 
 
 class _Refused(Exception):

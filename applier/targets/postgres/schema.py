@@ -47,6 +47,9 @@ KEYS_OWED = "applier_keys_owed"
 # a row's table_name: the table's schema and name as the catalog has them (pg_class c, pg_namespace n); a row is the
 # table's only if both its oid and this name are (an oid alone may be another table's after a restore or a wrap)
 _OWED_NAME = "n.nspname || '.' || c.relname"
+# the first key of the advisory lock (two int4 keys: apart from the claim's one bigint) that a key build holds on its
+# table's schema while it names an index there
+_NAMING_LOCK = 0x6B657973  # 'keys'
 
 
 def pg_create_statements(table: SourceTable, schema: str | None, name: str, sequences: list[SourceSequence],
@@ -124,6 +127,12 @@ def build_pg_keys(conn: psycopg.Connection[Any], table: SourceTable, schema: str
     stmt = "BEGIN"
     try:
         with conn.transaction():
+            if table.identity_index is not None:
+                # builds of other tables run at once (``KeyBuilder``): one schema's index names are chosen one
+                # build at a time, each seeing the names the builds before it took
+                stmt = "SELECT pg_advisory_xact_lock(…)"
+                conn.execute("SELECT pg_advisory_xact_lock(%s, (SELECT relnamespace::int FROM pg_class "
+                             "WHERE oid = to_regclass(%s)))", [_NAMING_LOCK, qt])
             for stmt in [*pg_key_statements(table, qt, _free_index_name(conn, table, schema)),
                          f"DELETE FROM {KEYS_OWED} WHERE table_oid = {int(owed[0])}"]:
                 conn.execute(stmt)

@@ -424,3 +424,11 @@ def test_tables_of_two_schemas_created_into_one_get_their_keys_and_replica_ident
     rig.catchup(**FOLLOW, target_tables=mapping)
     assert target_indexes(rig, "east_shop") == ["shop_code", "shop_v"]
     assert target_indexes(rig, "west_shop") == [got[1][1]]
+    # the replica identity moved to the primary key, whose name (shop_pkey) is the other table's on the target
+    rig.src("ALTER TABLE west.shop REPLICA IDENTITY USING INDEX shop_pkey; UPDATE west.shop SET v = 'W2' WHERE id = 1")
+    rig.catchup(**FOLLOW, target_tables=mapping)
+    assert rig.tgt("SELECT * FROM west_shop ORDER BY 1") == [(1, 10, "W2"), (2, 20, "w2")]
+    assert rig.tgt("SELECT x.indisprimary FROM pg_index x WHERE x.indisreplident AND x.indrelid = 'west_shop'::regclass"
+                   ) == [(True,)]
+    assert rig.tgt("SELECT x.indisreplident FROM pg_index x WHERE x.indrelid = 'east_shop'::regclass ORDER BY 1") == [
+        (False,), (False,), (True,)]
