@@ -28,7 +28,7 @@ import psycopg
 from applier.admin import check_slot, source_connect
 from applier.config import Config, ConfigError
 from applier.errors import InUseError
-from applier.progress.store import CONTROL_TABLES
+from applier.progress.store import CONTROL_TABLES, SHARED_TABLES
 from applier.targets import opener
 from applier.targets.backend import Backend
 from applier.targets.backends import backend_of
@@ -146,7 +146,7 @@ def _tables(cfg: Config, conn: Any, where: str) -> Part:
         f"SELECT DISTINCT name FROM applier_progress WHERE name <> {ph} ORDER BY name", [name])]
     if others:
         statements = [(f"DELETE FROM {quote_ident(t)} WHERE name = {ph}", [name])
-                      for t in present if t not in CONTROL_TABLES[-2:]]
+                      for t in present if t not in SHARED_TABLES]
         found = (f"exist ({', '.join(present)}), kept: apply.name {', '.join(map(repr, others))} uses them; "
                  f"the rows of {name!r} go")
         done = f"rows of apply.name {name!r} deleted; tables kept for {', '.join(map(repr, others))}"

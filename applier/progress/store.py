@@ -17,11 +17,13 @@ RESYNC_STARTED = "resync started: slot "
 HEAD_REVISION = "0010"
 VERSION_TABLE = "applier_alembic_version"
 # Every control table at HEAD_REVISION, alembic's last (``applier drop --control-tables`` drops them in this order);
-# each but the last two has the ``name`` column of apply.name (``applier_keys_owed``: rows of target tables, whichever
-# apply.name's sync made them).
+# each but ``SHARED_TABLES`` has the ``name`` column of apply.name.
 CONTROL_TABLES = ("applier_repairs", "applier_held", "applier_ddl_log", "applier_ddl_tables", "applier_conflicts", "applier_sync_tables",
                   "applier_sync_parts", "applier_sync", "applier_prepared", "applier_progress", "applier_keys_owed",
                   VERSION_TABLE)
+# the control tables of every apply.name alike (``applier_keys_owed``: rows of target tables, whichever apply.name's
+# sync made them), dropped only with the last apply.name's rows
+SHARED_TABLES = ("applier_keys_owed", VERSION_TABLE)
 
 
 class Progress(NamedTuple):

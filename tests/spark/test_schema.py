@@ -75,6 +75,18 @@ def test_postgres_target_tables_copy_the_source_definition(src: ScratchDb, dst: 
         assert done.created == ["app.byindex", "app.items"]
         assert prepare_pg_tables(conn, tables, {}, source).existing == ["app.byindex", "app.items"]  # checked, fine
         owed = f"SELECT table_name FROM {KEYS_OWED} WHERE table_oid = %s::regclass::oid"
+        # a row of a table gone (its oid free for another) is deleted when tables are next created
+        dst.cluster.execute(f"INSERT INTO {KEYS_OWED} VALUES (1, 'app.gone')", dst.dbname)
+        assert prepare_pg_tables(conn, tables, {}, source).existing == ["app.byindex", "app.items"]
+        assert dst.cluster.execute(f"SELECT * FROM {KEYS_OWED} WHERE table_name = 'app.gone'", dst.dbname) == []
+        # a row whose oid is the table's but not its name (a restore, a wrap) is not the table's: nothing built
+        items = next(t for t in tables if t.qualified == "app.items")
+        dst.cluster.execute(f"UPDATE {KEYS_OWED} SET table_name = 'app.other' WHERE table_name = 'app.items'",
+                            dst.dbname)
+        assert not build_pg_keys(conn, items, items.schema, items.name)
+        assert dst.cluster.execute(INDEXES, dst.dbname, ["app.items"]) == []
+        dst.cluster.execute(f"UPDATE {KEYS_OWED} SET table_name = 'app.items' WHERE table_name = 'app.other'",
+                            dst.dbname)
         for t in tables:  # no keys before the copy, and owed so: then built once, no longer owed
             assert dst.cluster.execute(INDEXES, dst.dbname, [t.qualified]) == []
             assert dst.cluster.execute(owed, dst.dbname, [t.qualified]) == [(t.qualified,)]

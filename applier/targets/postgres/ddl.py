@@ -295,16 +295,14 @@ class DdlWriter:
         else:
             self._run(f"ALTER TABLE {qt} REPLICA IDENTITY {dict(n='NOTHING', f='FULL').get(ri, 'DEFAULT')}")
 
-
     def _target_index(self, index: IndexShape, shape: TableShape, schema: str | None,
                       qt: str) -> tuple[str, str] | None:
-        """The target index (its name as a relation, qualified where the search path needs it, and its own name) of
-        source index
-        ``index`` of ``shape`` on target table ``qt``, or None: the table's index of the same name; else, only when
-        that name is taken in the target schema by another relation (a table that a table map put beside this
-        one: ``_create_index`` and ``_primary_key`` let the server name this table's then), the table's oldest
-        valid index of the same definition (``USING …``: method, columns, order, INCLUDE, WHERE) and kind that
-        bears no name of another of the source table's indexes. Never another table's index of the same name."""
+        """The target index (its name as a relation, qualified where the search path needs it, and its own name)
+        of source index ``index`` of ``shape`` on target table ``qt``, or None: the table's index of the same name;
+        else, only when that name is taken in the target schema by another relation (a table that a table map put
+        beside this one: ``_create_index`` and ``_primary_key`` let the server name this table's then), the table's
+        oldest valid index of the same definition (``USING …``: method, columns, order, INCLUDE, WHERE) and kind
+        that bears no name of another of the source table's indexes. Never another table's index of the same name."""
         row = self.conn.execute("SELECT i.oid::regclass::text FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
                                 "WHERE x.indrelid = to_regclass(%s) AND i.relname = %s", [qt, index.name]).fetchone()
         if row is not None:
