@@ -15,9 +15,9 @@
 2. **Sequences.** Every sequence the published columns use (``applier.migrate.sequences``, values
    read after step 1) is set on the target so that its next ``nextval`` returns the source's next
    value plus ``sequence_margin`` increments: ``setval(target, that value, false)``. A target
-   sequence already at or past that is kept (never moved back). The target sequence is the one
-   ``sync`` creates (``target_sequence_name``), else the one the owning column's target column uses
-   (``pg_get_serial_sequence``). SQLite: a target table declared ``AUTOINCREMENT`` whose rowid
+   sequence already at or past that is kept (never moved back). The target sequence of an owned one
+   is the one its owning column's target column owns (``pg_get_serial_sequence``: the one inserts
+   draw from, whatever ``sync`` named it), else the one ``sync`` creates (``target_sequence_name``). SQLite: a target table declared ``AUTOINCREMENT`` whose rowid
    column takes a source sequence's values gets its ``sqlite_sequence`` counter raised to the
    source's last value issued (plus the margin), never lowered; other SQLite tables have no
    counter (noted, not a failure). Then the source sequences are read again: one that moved past

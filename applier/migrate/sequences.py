@@ -14,7 +14,11 @@ sequence itself when ``source_sequences`` runs (sequences are not transactional:
 
 Target name (``target_sequence_name``): a sequence keeps its name; it lands in the schema of its owning table's
 target table (so a table mapped to another schema by ``target.tables`` takes its own sequences along; a mapped
-name without a schema puts them on the search path too), else in the source sequence's schema.
+name without a schema puts them on the search path too), else in the source sequence's schema. A sequence that
+``sync`` creates with its owning table where that name is taken (tables of two source schemas that a table map puts
+in one: ``east.shop_id_seq`` and ``west.shop_id_seq``) gets the name with a number, as PostgreSQL numbers a serial
+column's (``shop_id_seq1``): ``SourceSequence.target``. Cutover finds an owned sequence by its column first, so it
+follows whatever name the target's sequence has.
 
 Used by ``applier sync`` (``applier.migrate.schema`` creates the sequences with the tables) and by
 ``applier cutover`` (sets every target sequence past the source's value: each kind's ``Backend.set_sequences``
@@ -82,6 +86,9 @@ class SourceSequence:
     owner: tuple[str, str, str] | None = None
     identity: str = ""
     used_by: list[tuple[str, str, str]] = field(default_factory=list)
+    # (schema or None, name) on the target when it is not the rule's (``target_sequence_name``): the name sync
+    # chose because the rule's was taken; None otherwise
+    target: tuple[str | None, str] | None = None
 
     @property
     def qualified(self) -> str:
@@ -167,6 +174,8 @@ def _used(seq: SourceSequence) -> str:
 def target_sequence_name(seq: SourceSequence, table_map: dict[str, str]) -> tuple[str | None, str]:
     """(schema or None, name) of the sequence on a PostgreSQL target (see the module docstring): None means the
     target's search path, as for a table mapped to a name without a schema."""
+    if seq.target is not None:
+        return seq.target
     if seq.owner is not None:
         mapped = table_map.get(f"{seq.owner[0]}.{seq.owner[1]}")
         if mapped:

@@ -253,3 +253,24 @@ def test_replica_identity_indexes_of_one_name_merged_into_one_schema_get_names_o
         "SELECT c.relname, i.relname FROM pg_index x JOIN pg_class c ON c.oid = x.indrelid "
         "JOIN pg_class i ON i.oid = x.indexrelid WHERE x.indisreplident ORDER BY 1", target_db.dbname) == [
         ("east_shop", "shop_code"), ("west_shop", "shop_code1")]
+
+
+def test_names_with_a_backslash_are_created_where_strings_are_not_standard_conforming(
+        source_db: ScratchDb, target_db: ScratchDb) -> None:
+    """A table whose name has a backslash, on a target whose database reads ``'…'`` with backslash escapes
+    (``standard_conforming_strings = off``): its sequence default and its row in ``applier_keys_owed`` name it as it
+    is (both are '…'::regclass literals), and its keys are built."""
+    source_db.cluster.execute('CREATE TABLE "sh\\op" (id serial PRIMARY KEY, v text); '
+                              'CREATE PUBLICATION pub FOR TABLE "sh\\op"', source_db.dbname)
+    target_db.cluster.execute(f"ALTER DATABASE {target_db.dbname} SET standard_conforming_strings = off",
+                              target_db.dbname)
+    migrate(target_db.url)
+    with psycopg.connect(source_db.dsn, autocommit=True) as source, \
+            psycopg.connect(target_db.dsn, autocommit=True) as conn:
+        (table,) = read_source_tables(source, ["pub"])
+        assert prepare_pg_tables(conn, [table], {}, source).created == ["public.sh\\op"]
+        assert build_pg_keys(conn, table, "public", "sh\\op")
+    assert target_db.cluster.execute(
+        "SELECT pg_get_serial_sequence($$public.\"sh\\op\"$$, 'id'), "
+        "(SELECT indisprimary FROM pg_index WHERE indrelid = $$public.\"sh\\op\"$$::regclass), "
+        "(SELECT count(*) FROM applier_keys_owed)", target_db.dbname) == [("public.\"sh\\op_id_seq\"", True, 0)]

@@ -35,6 +35,7 @@ from applier.migrate.sequences import (
     nextval_default,
     setval_statement,
     source_sequences,
+    target_sequence_name,
     target_sequence_qname,
 )
 from applier.migrate.usertypes import plan_types, source_types
@@ -145,16 +146,48 @@ def build_pg_keys(conn: psycopg.Connection[Any], table: SourceTable, schema: str
 def _free_index_name(conn: psycopg.Connection[Any], table: SourceTable, schema: str | None) -> str | None:
     """The name of the replica identity index of ``table`` in target ``schema``: the source's when no relation of
     the schema has it (tables of two source schemas that a table map puts in one may have indexes of one name), else
-    it with the first number that makes it free (cut to PostgreSQL's 63 bytes); None: the table has none."""
+    it with the first number that makes it free; None: the table has none."""
     if table.identity_index is None:
         return None
-    base = table.identity_index[0]
+    return _free_name(conn, schema, table.identity_index[0])
+
+
+def _free_name(conn: psycopg.Connection[Any], schema: str | None, base: str, taken: set[str] | None = None) -> str | None:
+    """``base`` if no relation of target ``schema`` (and nothing in ``taken``) has that name, else it with the first
+    number that makes it free (cut to PostgreSQL's 63 bytes), as PostgreSQL numbers the names it chooses; None if
+    a thousand are taken (the caller keeps ``base``, and its clash is named by the statement's error)."""
     for n in range(1000):
         suffix = str(n) if n else ""
         name = base.encode()[:63 - len(suffix)].decode(errors="ignore") + suffix
-        if conn.execute("SELECT to_regclass(%s)", [quoted_name(schema, name)]).fetchone() == (None,):
+        if name not in (taken or ()) and conn.execute("SELECT to_regclass(%s)",
+                                                      [quoted_name(schema, name)]).fetchone() == (None,):
             return name
-    return None  # beyond reason: the source's name, and its clash named by the build's error
+    return None
+
+
+def _new_sequences(conn: psycopg.Connection[Any], sequences: list[SourceSequence], created: set[tuple[str, str]],
+                   table_map: dict[str, str]) -> list[SourceSequence]:
+    """The sequences of ``sequences`` to create on the target. A sequence owned by a table created now (``created``)
+    is its own: its name if free in its target schema, else the name with a number (``SourceSequence.target``; a
+    table map may put tables of two source schemas, each with its ``shop_id_seq``, in one schema: sharing one
+    sequence, or the second's ``CREATE`` failing, was what happened before). Any other is created if its target
+    name is free, else the existing one is used (a standalone sequence, or one of a table the target has already)."""
+    new: list[SourceSequence] = []
+    taken: dict[str | None, set[str]] = {}  # names of this run's new sequences, by target schema
+    # the others' names first: theirs are fixed (the defaults that call them say so)
+    for q in sorted(sequences, key=lambda q: q.owner is not None and q.owner[:2] in created):
+        schema, name = target_sequence_name(q, table_map)
+        if q.owner is not None and q.owner[:2] in created:
+            free = _free_name(conn, schema, name, taken.setdefault(schema, set()))
+            if free is not None and free != name:
+                q.target = (schema, free)
+            name = free or name
+        elif catalog_row(conn, "SELECT to_regclass(%s)", [quoted_name(schema, name)])[0] is not None:
+            continue
+        taken.setdefault(schema, set()).add(name)
+        new.append(q)
+    chosen = {id(q) for q in new}
+    return [q for q in sequences if id(q) in chosen]
 
 
 def check_pg_table(conn: psycopg.Connection[Any], table: SourceTable, schema: str | None, name: str) -> list[str] | None:
@@ -201,11 +234,12 @@ def prepare_pg_tables(conn: psycopg.Connection[Any], tables: list[SourceTable], 
     if problems:
         raise SchemaError("the target does not fit the source:\n  " + "\n  ".join(problems))
     sequences = source_sequences(source, missing)
-    new_seqs = [q for q in sequences if catalog_row(conn, "SELECT to_regclass(%s)", [target_sequence_qname(q, table_map)])[0]
-                is None]
     created = {(t.schema, t.name) for t in missing}
+    new_seqs = _new_sequences(conn, sequences, created, table_map)
+    # the names in the statements' literals ('…'::regclass) are read as written whatever the role's setting
+    statements = ["SET LOCAL standard_conforming_strings = on"]
     # rows of tables dropped since they were made (their oid could be a new table's one day)
-    statements = [f"DELETE FROM {KEYS_OWED} WHERE NOT EXISTS (SELECT FROM pg_class WHERE oid = table_oid)"]
+    statements.append(f"DELETE FROM {KEYS_OWED} WHERE NOT EXISTS (SELECT FROM pg_class WHERE oid = table_oid)")
     statements += type_sql
     statements += [s for q in new_seqs if not q.identity for s in create_statements(q, table_map)]
     for t in missing:

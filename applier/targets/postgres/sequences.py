@@ -1,5 +1,5 @@
 """A PostgreSQL target's sequences set past the source's at cutover (``applier cutover``, step 2): each target
-sequence (``sync``'s name, else the one the owning column's default uses) moved forward with ``setval``, never back.
+sequence (the one the owning column owns, else ``sync``'s name) moved forward with ``setval``, never back.
 
 Invariant: a sequence already at or past the wanted value is kept; a failure on one sequence is its result's error and
 the others are still set (sequences are not transactional).
@@ -28,11 +28,9 @@ from applier.text import one_line
 
 def _pg_target_sequence(conn: psycopg.Connection[Any], seq: SourceSequence, table_map: dict[str, str],
                         tables: dict[tuple[str, str], SourceTable]) -> tuple[str, str] | None:
-    """(regclass text, name for people) of the target sequence: ``sync``'s name, else the owning column's."""
-    qname = target_sequence_qname(seq, table_map)
-    row = conn.execute("SELECT to_regclass(%s)::text", [qname]).fetchone()
-    if row and row[0]:
-        return row[0], target_sequence_shown(seq, table_map)
+    """(regclass text, name for people) of the target sequence: for an owned one, the sequence the owning column's
+    target column owns (the one its inserts draw from, whatever its name: ``sync`` numbers a name taken in a schema
+    that a table map merges), else ``sync``'s name."""
     owner = tables.get((seq.owner[0], seq.owner[1])) if seq.owner is not None else None
     if seq.owner is not None and owner is not None:
         qtable = quoted_name(*pg_target_table(owner.relation(), table_map))
@@ -41,6 +39,9 @@ def _pg_target_sequence(conn: psycopg.Connection[Any], seq: SourceSequence, tabl
                            [qtable, seq.owner[2], qtable]).fetchone()
         if row and row[0]:
             return row[0], row[0]
+    row = conn.execute("SELECT to_regclass(%s)::text", [target_sequence_qname(seq, table_map)]).fetchone()
+    if row and row[0]:
+        return row[0], target_sequence_shown(seq, table_map)
     return None
 
 
