@@ -40,7 +40,8 @@ from applier.migrate.sequences import (
 )
 from applier.migrate.usertypes import plan_types, source_types
 from applier.targets.naming import quoted_name, shown_name
-from applier.targets.postgres.naming import pg_target_table
+from applier.targets.postgres.naming import pg_shape_table, pg_target_table
+from applier.targets.postgres.sequences import owned_sequence
 from applier.text import one_line, quote_ident, quote_literal
 
 # the control table of the target tables created without their keys yet (see the module header; migration 0010)
@@ -170,21 +171,28 @@ def _new_sequences(conn: psycopg.Connection[Any], sequences: list[SourceSequence
     """The sequences of ``sequences`` to create on the target. A sequence owned by a table created now (``created``)
     is its own: its name if free in its target schema, else the name with a number (``SourceSequence.target``; a
     table map may put tables of two source schemas, each with its ``shop_id_seq``, in one schema: sharing one
-    sequence, or the second's ``CREATE`` failing, was what happened before). Any other is created if its target
-    name is free, else the existing one is used (a standalone sequence, or one of a table the target has already)."""
+    sequence, or the second's ``CREATE`` failing, was what happened before). One owned by a table the target has
+    already is the one its column there owns, whatever its name (``sync --table`` adding a table whose default calls
+    it). Any other is created if its target name is free, else the existing one is used (a standalone sequence)."""
     new: list[SourceSequence] = []
+    (here,) = catalog_row(conn, "SELECT current_schema()", [])  # where a name without a schema is created
     taken: dict[str | None, set[str]] = {}  # names of this run's new sequences, by target schema
     # the others' names first: theirs are fixed (the defaults that call them say so)
     for q in sorted(sequences, key=lambda q: q.owner is not None and q.owner[:2] in created):
         schema, name = target_sequence_name(q, table_map)
+        mine = taken.setdefault(schema or here, set())
         if q.owner is not None and q.owner[:2] in created:
-            free = _free_name(conn, schema, name, taken.setdefault(schema, set()))
+            free = _free_name(conn, schema, name, mine)
             if free is not None and free != name:
                 q.target = (schema, free)
             name = free or name
+        elif q.owner is not None and (owned := owned_sequence(
+                conn, quoted_name(*pg_shape_table(q.owner[0], q.owner[1], table_map)), q.owner[2])) is not None:
+            q.target = owned
+            continue
         elif catalog_row(conn, "SELECT to_regclass(%s)", [quoted_name(schema, name)])[0] is not None:
             continue
-        taken.setdefault(schema, set()).add(name)
+        mine.add(name)
         new.append(q)
     chosen = {id(q) for q in new}
     return [q for q in sequences if id(q) in chosen]

@@ -21,24 +21,33 @@ from applier.migrate.sequences import (
     target_sequence_shown,
 )
 from applier.rows import one_row
-from applier.targets.naming import quoted_name
+from applier.targets.naming import quoted_name, shown_name
 from applier.targets.postgres.naming import pg_target_table
 from applier.text import one_line
 
 
+def owned_sequence(conn: psycopg.Connection[Any], qtable: str, column: str) -> tuple[str, str] | None:
+    """(schema, name) of the sequence that ``column`` of target table ``qtable`` (quoted, as SQL) owns (a serial's
+    ``OWNED BY``, an identity's), whatever its name; None if the table, the column or such a sequence is missing."""
+    row = conn.execute(
+        "SELECT n.nspname, s.relname FROM pg_depend d JOIN pg_class s ON s.oid = d.objid AND s.relkind = 'S' "
+        "JOIN pg_namespace n ON n.oid = s.relnamespace "
+        "JOIN pg_attribute a ON a.attrelid = d.refobjid AND a.attnum = d.refobjsubid "
+        "WHERE d.classid = 'pg_class'::regclass AND d.refclassid = 'pg_class'::regclass AND d.deptype IN ('a', 'i') "
+        "AND d.refobjid = to_regclass(%s) AND a.attname = %s ORDER BY d.deptype DESC LIMIT 1", [qtable, column]).fetchone()
+    return (row[0], row[1]) if row else None
+
+
 def _pg_target_sequence(conn: psycopg.Connection[Any], seq: SourceSequence, table_map: dict[str, str],
                         tables: dict[tuple[str, str], SourceTable]) -> tuple[str, str] | None:
-    """(regclass text, name for people) of the target sequence: for an owned one, the sequence the owning column's
+    """(quoted name, name for people) of the target sequence: for an owned one, the sequence the owning column's
     target column owns (the one its inserts draw from, whatever its name: ``sync`` numbers a name taken in a schema
     that a table map merges), else ``sync``'s name."""
     owner = tables.get((seq.owner[0], seq.owner[1])) if seq.owner is not None else None
     if seq.owner is not None and owner is not None:
-        qtable = quoted_name(*pg_target_table(owner.relation(), table_map))
-        # the column name is taken literally, the table name as SQL
-        row = conn.execute("SELECT pg_get_serial_sequence(%s, %s) WHERE to_regclass(%s) IS NOT NULL",
-                           [qtable, seq.owner[2], qtable]).fetchone()
-        if row and row[0]:
-            return row[0], row[0]
+        found = owned_sequence(conn, quoted_name(*pg_target_table(owner.relation(), table_map)), seq.owner[2])
+        if found is not None:
+            return quoted_name(*found), shown_name(*found)
     row = conn.execute("SELECT to_regclass(%s)::text", [target_sequence_qname(seq, table_map)]).fetchone()
     if row and row[0]:
         return row[0], target_sequence_shown(seq, table_map)
