@@ -63,9 +63,10 @@ def sync(
         cfg = _config(config, dsn, slot, publication, target, master, partitions)
         from applier.targets.backends import backend_of  # start-up time of the other commands (~0.1 s)
 
-        # a PostgreSQL target is copied by Spark tasks (a SQLite one by the driver alone): for the full sync its
-        # SparkContext starts once the source and target checks pass, while the rest of the command reads the
-        # catalogs (`sync --table`, whose refusals are the common way out, starts it when it copies)
+        # a PostgreSQL target is copied by Spark tasks (a SQLite one, and on a local master a small table, by the
+        # driver alone): for the full sync its SparkContext starts in the background once the checks pass (on a
+        # local master once the published tables are read and one needs it), while the rest of the command reads
+        # the catalogs (`sync --table`, whose refusals are the common way out, starts it when it copies)
         spark = SparkStart(cfg, sql=False) if backend_of(cfg).copies_by_spark and not table else None
         # here, not at the top: start-up time (only sync/verify load alembic/SQLAlchemy and pyspark)
         from applier.migrate.add_table import sync_tables

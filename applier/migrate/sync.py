@@ -18,7 +18,8 @@ the very next source transaction:
    copy is over (the snapshot lives as long as it does);
 5. every published table copied in ctid-range partitions reading in that snapshot
    (``applier.migrate.spark.copy``: Spark tasks streaming COPY from the source into a
-   PostgreSQL target, binary where safe; the driver's readers and one writer for a
+   PostgreSQL target, binary where safe, or the driver itself for a table of at most
+   ``DRIVER_PAGES`` on a local master; the driver's readers and one writer for a
    SQLite target), with its column list and row filter, its own rows only
    (``SourceTable.only``); a table without columns as its row count. Once a
    table is copied, the keys its creation left out (``Backend.keys_after_copy``:
@@ -95,7 +96,7 @@ from applier.migrate.schema import (
 from applier.migrate.spark.pgcopy import CopyError, CopyPlan, parts_sql
 from applier.migrate.spark.plans import pg_plan
 from applier.migrate.spark.progress import Reporter
-from applier.migrate.spark.session import begin, copy_streams, spark_context, spark_of
+from applier.migrate.spark.session import begin, copy_streams, is_local, local_threads, spark_context, spark_of
 from applier.progress.migrate import migrate, said
 from applier.progress.store import shape_row
 from applier.rows import one_row
@@ -103,6 +104,7 @@ from applier.source import capture
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
 from applier.targets import opener
+from applier.targets.backend import Backend
 from applier.targets.backends import backend_of
 from applier.targets.claim import Held, copy_claim_name
 from applier.text import one_line, quote_ident
@@ -424,8 +426,9 @@ def sync(cfg: Config, *, force: bool = False, spark: Any = None, reporter: Any =
 
     ``say(line)`` gets the messages for people (mode, slot, restarts, retries);
     ``reporter`` the per-table progress (``applier.migrate.spark.progress``); ``spark`` a SparkSession or
-    SparkContext, or a ``SparkStart`` (waited for when the copy begins), else a SparkContext is started then
-    (a PostgreSQL target; a SQLite one needs none).
+    SparkContext, or a ``SparkStart`` (begun once the checks pass, on a local master once the published tables are
+    read; waited for when the copy begins), else a SparkContext is started then; only when a table's copy is a
+    Spark job (``by_spark``: a PostgreSQL target's table, but not a small one on a local master).
     """
     say = say or (lambda line: None)
     reporter = reporter or Reporter()
@@ -440,7 +443,10 @@ def _sync(cfg: Config, force: bool, spark: Any, reporter: Any, say: Any, partiti
     name, slot = cfg.apply["name"], cfg.source["slot"]
     check_source(cfg, need_slot=False)
     check_target(cfg, need_init=False)
-    begin(spark)  # a background start of Spark: the checks passed
+    master = cfg.spark["master"]
+    local = is_local(master)
+    if not local:
+        begin(spark)  # a background start of Spark: the checks passed (on a cluster every table's copy is a job)
     if line := said(*migrate(cfg.target["url"])):
         say(line)
     target = TargetDb(cfg)
@@ -450,6 +456,8 @@ def _sync(cfg: Config, force: bool, spark: Any, reporter: Any, say: Any, partiti
         if not tables:
             raise SyncError(f"{cfg.where('source', 'publications')}: the publications "
                             f"{', '.join(cfg.source['publications'])} publish no tables")
+        if local and any(by_spark(target.backend, master, t.size_pages) for t in tables):
+            begin(spark)  # as above: on a local master, once some table is more than the driver copies
         state = target.sync_state(name)
         if state and state["state"] == "done" and not force:
             raise SyncError(f"a sync for {name!r} already completed at {state['consistent_point']} "
@@ -560,14 +568,19 @@ def copy_tables(cfg: Config, target: TargetDb, tables: list[SourceTable], run: s
     (its ``tables`` and ``copy_seconds``, from the first table's copy on); the failures, one line each. A table
     that cannot be copied does not stop the others. ``result.mode`` 'table': the run is that of each table's
     applier_sync_tables row, else that of the sync row (``applier.migrate.spark.pgcopy.check_run``)."""
-    if target.backend.copies_by_spark:  # else the driver alone copies (a SQLite target)
-        spark = spark_of(spark) if spark is not None else spark_context(cfg.spark["master"])
+    master = cfg.spark["master"]
+    # a SQLite target's tables, and a PostgreSQL target's small ones on a local master, the driver copies itself
+    if any(by_spark(target.backend, master, t.size_pages) for t in tables):
+        spark = spark_of(spark) if spark is not None else spark_context(master)
+    else:
+        spark = None
     started = time.monotonic()
     failed: list[str] = []
     # key builds at once: as many as copy streams, at most KEY_JOBS (each holds a connection and the target's
     # maintenance_work_mem; pgcopydb's --index-jobs defaults to 4 too)
-    keys = (KeyBuilder(cfg, min(KEY_JOBS, copy_streams(spark) if spark is not None else 1))
-            if target.backend.keys_after_copy else None)
+    streams = (copy_streams(spark) if spark is not None
+               else max(1, local_threads(master) // 2) if is_local(master) else 1)
+    keys = KeyBuilder(cfg, min(KEY_JOBS, streams)) if target.backend.keys_after_copy else None
 
     def copied(table: SourceTable, error: str | None, built: str | None = None) -> None:
         if error is not None:
@@ -606,6 +619,17 @@ def copy_tables(cfg: Config, target: TargetDb, tables: list[SourceTable], run: s
 
 
 KEY_JOBS = 4  # tables whose keys are built at once, at most (``KeyBuilder``)
+# pages (8 kB, weighed as ``applier.migrate.spark.copy.GROUP_PAGES``) of a PostgreSQL target's table that a sync on a
+# local master copies in the driver (``by_spark``): 8 MiB, about a quarter of a second of copying, a few Spark jobs'
+# fixed cost
+DRIVER_PAGES = 1024
+
+
+def by_spark(target: Backend, master: str, size_pages: int) -> bool:
+    """Whether the copy of a table of ``size_pages`` pages (``SourceTable.size_pages``: every leaf, TOAST) into
+    ``target`` is a Spark job on ``master`` (``spark.master``): a PostgreSQL target's, unless the master is local and
+    the table at most ``DRIVER_PAGES`` (then the driver copies it as one task would: ``applier.migrate.spark.copy``)."""
+    return target.copies_by_spark and not (is_local(master) and size_pages <= DRIVER_PAGES)
 
 
 class KeyBuilder:
@@ -731,7 +755,8 @@ def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, r
                               lambda rows, nbytes: reporter.update(label, rows, nbytes))
         try:
             with watcher:
-                copy_partitions(spark, plan, target.parts(name, run, table.qualified), label)
+                copy_partitions(spark if by_spark(target.backend, cfg.spark["master"], table.size_pages) else None,
+                                plan, target.parts(name, run, table.qualified), label)
             break
         except CopyError as exc:
             if attempt == 2:

@@ -341,18 +341,21 @@ def test_a_hint_that_prints_a_command_is_shell_quoted(world: World) -> None:
 
 
 @pytest.mark.skipif(shutil.which("java") is None, reason="Spark needs Java")
-def test_ctrl_c_during_a_spark_copy_is_one_line_and_130(world: World) -> None:
-    """Ctrl-C reaches the whole foreground process group (the JVM too) while a Spark task copies into a table the
-    test holds locked: one line, exit 130, no py4j log line or traceback, and the slot of the copy dropped."""
+@pytest.mark.parametrize("rows", [1000, 300000], ids=["by-the-command", "by-spark"])
+def test_ctrl_c_during_a_copy_is_one_line_and_130(world: World, rows: int) -> None:
+    """Ctrl-C reaches the whole foreground process group (the JVM too) while the command (a small table: it copies
+    it itself) or a Spark task (more than DRIVER_PAGES) copies into a table the test holds locked: one line, exit 130,
+    no py4j log line or traceback, and the slot of the copy dropped."""
     pytest.importorskip("pyspark")
-    world.src("CREATE TABLE big (id int PRIMARY KEY); INSERT INTO big SELECT generate_series(1, 1000); "
-              "CREATE PUBLICATION bigpub FOR TABLE big")
+    big = f"big{rows}"  # the world is the module's: a table, publication and slot of each test's own
+    world.src(f"CREATE TABLE {big} (id int PRIMARY KEY); INSERT INTO {big} SELECT generate_series(1, {rows}); "
+              f"CREATE PUBLICATION {big}pub FOR TABLE {big}")
     with scratch_db(world.target.cluster, "ctrlc") as target:
-        target.cluster.execute("CREATE TABLE big (id int PRIMARY KEY)", target.dbname)
-        config = world.config("ctrlc", {"slot": "ctrlc", "publications": ["bigpub"]}, target=target.url,
+        target.cluster.execute(f"CREATE TABLE {big} (id int PRIMARY KEY)", target.dbname)
+        config = world.config(f"ctrlc{rows}", {"slot": f"ctrlc{rows}", "publications": [f"{big}pub"]}, target=target.url,
                               spark={"master": "local[1]", "partitions": 1})
         with psycopg.connect(target.dsn) as lock:
-            lock.execute("LOCK TABLE big IN EXCLUSIVE MODE")  # reads go on, the copy's writes wait
+            lock.execute(f"LOCK TABLE {big} IN EXCLUSIVE MODE")  # reads go on, the copy's writes wait
             proc = subprocess.Popen([applier_script(), "sync", "-q", "-c", str(config)], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, env=clean_env(), stdin=subprocess.DEVNULL,
                                     start_new_session=True)
@@ -373,4 +376,4 @@ def test_ctrl_c_during_a_spark_copy_is_one_line_and_130(world: World) -> None:
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "ERROR" not in err and "py4j" not in err, err
     assert err.rstrip().splitlines()[-1] == "applier: interrupted", err
-    assert not world.src("SELECT 1 FROM pg_replication_slots WHERE slot_name = 'ctrlc'")
+    assert not world.src(f"SELECT 1 FROM pg_replication_slots WHERE slot_name = 'ctrlc{rows}'")

@@ -3,7 +3,7 @@
 What a user relies on: the first Spark command leaves the driver JVM's class-data archive in the cache
 (``$XDG_CACHE_HOME/applier``: one archive, nothing half-written beside it); a later command's driver JVM maps it
 and runs with the JIT's C1 only and the serial collector; the commands do their work as before (sync copies,
-verify agrees).
+verify agrees). A sync whose tables are all small copies them itself and starts no JVM.
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ def _driver_jvm(proc: subprocess.Popen[str], mapped: str, deadline: float) -> tu
 
 def test_the_first_command_leaves_the_class_archive_that_the_next_one_maps(src: ScratchDb, dst: ScratchDb,
                                                                              tmp_path: Path) -> None:
+    # more than a sync copies in its driver (DRIVER_PAGES): a Spark job's
     src.cluster.execute("CREATE TABLE t (id int PRIMARY KEY, v text); "
-                        "INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 2000) g; "
+                        "INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 250000) g; "
                         "CREATE PUBLICATION pub FOR TABLE t", src.dbname)
     cfg = write_toml(tmp_path / "applier.toml", {
         "source": {"dsn": src.dsn, "slot": "start", "publications": ["pub"]}, "target": {"url": dst.url},
@@ -69,7 +70,7 @@ def test_the_first_command_leaves_the_class_archive_that_the_next_one_maps(src: 
         sync = subprocess.run([applier_script(), "sync", "-q", "-c", str(cfg)], capture_output=True, text=True,
                               env=env, timeout=600, stdin=subprocess.DEVNULL)
         assert sync.returncode == 0, sync.stderr
-        assert "synced 2,000 rows in 1 tables" in sync.stdout
+        assert "synced 250,000 rows in 1 tables" in sync.stdout
         archives = sorted(p.name for p in (cache / "applier").iterdir())
         assert len(archives) == 1 and archives[0].startswith("spark-driver-") and archives[0].endswith(".jsa"), \
             archives
@@ -92,3 +93,31 @@ def test_the_first_command_leaves_the_class_archive_that_the_next_one_maps(src: 
     finally:
         src.cluster.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
                             "WHERE slot_name = 'start'", src.dbname)
+
+
+def test_a_sync_of_small_tables_starts_no_spark(src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
+    """Tables of at most DRIVER_PAGES each, on a local master: the command copies them itself (a Spark job costs
+    more than such a copy), starts no JVM (it leaves no class archive: the first JVM would) and ends with the rows
+    and keys on the target."""
+    src.cluster.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE TABLE u (id int PRIMARY KEY); "
+                        "INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 2000) g; "
+                        "INSERT INTO u SELECT generate_series(1, 10); CREATE PUBLICATION pub FOR TABLE t, u", src.dbname)
+    cfg = write_toml(tmp_path / "applier.toml", {
+        "source": {"dsn": src.dsn, "slot": "small", "publications": ["pub"]}, "target": {"url": dst.url},
+        "apply": {"work_dir": str(tmp_path / "work")}, "spark": {"master": "local[2]", "partitions": 2}})
+    cache = tmp_path / "cache"
+    try:
+        sync = subprocess.run([applier_script(), "sync", "-q", "-c", str(cfg)], capture_output=True, text=True,
+                              env={**clean_env(), "XDG_CACHE_HOME": str(cache)}, timeout=600,
+                              stdin=subprocess.DEVNULL)
+        assert sync.returncode == 0, sync.stderr
+        assert "synced 2,010 rows in 2 tables" in sync.stdout, sync.stdout
+        assert not (cache / "applier").exists() or not list((cache / "applier").glob("spark-driver-*")), \
+            list(cache.rglob("*"))
+        assert dst.cluster.execute("SELECT count(*), sum(id) FROM t", dst.dbname) == [(2000, 2001000)]
+        assert dst.cluster.execute("SELECT conrelid::regclass::text FROM pg_constraint WHERE contype = 'p' "
+                                   "AND conrelid::regclass::text IN ('t', 'u') ORDER BY 1", dst.dbname) == [
+            ("t",), ("u",)]
+    finally:
+        src.cluster.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                            "WHERE slot_name = 'small'", src.dbname)

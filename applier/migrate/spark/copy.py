@@ -13,7 +13,7 @@ copy under way (the sync row, or the table's ``applier_sync_tables`` row for ``s
 PostgreSQL): a task of a killed run that still runs on a cluster, or a straggler of a failed attempt, rolls
 back instead of writing into a table that a newer run has emptied.
 
-- PostgreSQL target: one Spark job per table, as many tasks as the session streams at once
+- PostgreSQL target: one Spark job per table (but a small one on a local master: below), as many tasks as the session streams at once
   (``applier.migrate.spark.session.copy_streams``: a cluster's task slots, half a local master's threads; a
   Spark task costs tens of milliseconds), each with a slice of consecutive partitions (``task_groups``):
   Spark spreads the tasks over the executors (local or a cluster), retries them (a retried task skips its
@@ -36,6 +36,12 @@ back instead of writing into a table that a newer run has emptied.
   ``synchronous_commit = off`` (``applier.migrate.sync`` makes everything durable with its last commit),
   ``session_replication_role = replica`` when the role may (no triggers, no foreign-key checks, as for
   replicated rows).
+- A PostgreSQL target's small table on a local master (``applier.migrate.sync.by_spark``: at most ``DRIVER_PAGES``
+  pages, every leaf and TOAST weighed in) is copied by the driver itself, as one task of the job above would copy it
+  (``copy_pg_partitions``: the same groups, records and run check): the task would run on this machine anyway, and
+  a job's fixed cost (scheduling it, a round trip to a Python worker: about 0.1 s) is more than such a copy takes.
+  A sync whose tables are all small starts no Spark at all. On a cluster every table is a job (its executors are
+  where the copy is meant to run).
 - SQLite target (a file of the driver's; no Spark): up to ``SQLITE_READERS`` partitions are read at once
   by threads on the driver (CSV parsed by pyarrow, values converted with the apply engine's
   ``sqlite_text_converters``), each read whole before it is written, and the one writer stores them one
@@ -309,7 +315,8 @@ def spark_error_line(exc: BaseException) -> str:
 
 
 class CopyWatcher:
-    """Polls a table's progress while its Spark job runs and hands running totals to ``on_update``."""
+    """Polls a table's progress while it is copied (its Spark job, or the driver) and hands running totals to
+    ``on_update``."""
 
     def __init__(self, read_parts: Callable[[], dict[int, tuple[int, int]]],
                  read_running: Callable[[], dict[int, tuple[int, int]]],
@@ -382,16 +389,22 @@ def task_groups(plan: CopyPlan, parts: list[int], streams: int) -> list[list[lis
 
 
 def copy_partitions(spark: Any, plan: CopyPlan, done: Collection[int], label: str) -> list[PartDone]:
-    """Copy the table's partitions not in ``done`` (see the module header): a Spark job for a PostgreSQL target,
-    the driver's readers and writer for a SQLite one. CopyError naming the table and the cause on failure."""
+    """Copy the table's partitions not in ``done`` (see the module header): a Spark job for a PostgreSQL target
+    (``spark`` None: the driver copies them as one task would, ``by_spark``), the driver's readers and writer for
+    a SQLite one. CopyError naming the table and the cause on failure."""
     parts = [p for p in range(plan.partitions) if p not in done]
     if not parts:
         return []
-    if not backend(plan.kind).copies_by_spark:
+    if spark is None or not backend(plan.kind).copies_by_spark:
         try:
+            if backend(plan.kind).copies_by_spark:
+                return copy_pg_partitions(plan, task_groups(plan, parts, 1)[0])
             return copy_sqlite_partitions(plan, parts)
         except Exception as exc:  # noqa: BLE001 - either end's error, as one line
-            raise CopyError(f"copying {label} failed: {type(exc).__name__}: {one_line(exc)}") from exc
+            # a server's error: its message alone, as a Spark task's is reported (its DETAIL, CONTEXT and the
+            # COPY line may quote the rows' values)
+            said = exc.diag.message_primary if isinstance(exc, psycopg.Error) else None
+            raise CopyError(f"copying {label} failed: {type(exc).__name__}: {said or one_line(exc)}") from exc
     sc = context_of(spark)
     sc.setJobDescription(f"applier sync: copy {label}")
     work = task_groups(plan, parts, copy_streams(spark))

@@ -13,6 +13,7 @@ module, and loads psycopg and a few small modules of applier's (``pgread``, ``ap
 
 from __future__ import annotations
 
+import select
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -141,19 +142,33 @@ def relay(src: psycopg.Connection[Any], copy_to: str, write: Callable[[bytearray
     task relaying the rows shares the machine with both servers. The error of a failed COPY is raised as psycopg
     raises it."""
     pg = src.pgconn
+    # waits in poll, without the GIL (the driver copies small tables itself, beside its progress and key-building
+    # threads; a read that blocks in libpq holds the GIL, and a Ctrl-C, until the server answers)
+    poller = select.poll()
+    poller.register(pg.socket, select.POLLIN)
+
+    def answered() -> None:  # the server's next result is complete
+        while pg.is_busy():
+            poller.poll()
+            pg.consume_input()
+
     with src.lock:
         pg.send_query(copy_to.encode())
         results = []
         nbytes = 0
+        answered()
         first = pg.get_result()
         if first is not None and first.status == pq.ExecStatus.COPY_OUT:
-            get = pg.get_copy_data
+            get, consume = pg.get_copy_data, pg.consume_input
             buf = bytearray()
             while True:
-                # blocks until a row comes, holding the GIL (a task's Python worker runs no other thread); -1 at
-                # the end; a failed read raises (psycopg)
-                n, data = get(0)
-                if n <= 0:
+                # a row already received, else 0: wait for more (-1 at the end; a failed read raises: psycopg)
+                n, data = get(1)
+                if n == 0:
+                    poller.poll()
+                    consume()
+                    continue
+                if n < 0:
                     break
                 buf += data
                 if len(buf) >= COPY_CHUNK:
@@ -165,8 +180,10 @@ def relay(src: psycopg.Connection[Any], copy_to: str, write: Callable[[bytearray
                 nbytes += len(buf)
         elif first is not None:
             results.append(first)
+        answered()
         while (res := pg.get_result()) is not None:
             results.append(res)
+            answered()
     end = results[-1] if results else None
     if end is None or end.status != pq.ExecStatus.COMMAND_OK:
         raise psycopg.errors.error_from_result(end, "utf-8") if end is not None else psycopg.OperationalError(

@@ -119,11 +119,13 @@ def task_slots(spark: Any) -> int:
     """How many tasks the session (or context) runs at once: a local master's threads (``local[*]``: the CPUs), else the
     cluster's default parallelism (its executors' cores, unless ``spark.default.parallelism`` says otherwise)."""
     sc = context_of(spark)
-    master = sc.master
-    if is_local(master):
-        threads = master[len("local["):].split(",")[0].rstrip("]") if master != "local" else "1"
-        return (os.cpu_count() or 1) if threads == "*" else max(1, int(threads))
-    return max(1, int(sc.defaultParallelism))
+    return local_threads(sc.master) if is_local(sc.master) else max(1, int(sc.defaultParallelism))
+
+
+def local_threads(master: str) -> int:
+    """The threads of local master ``master``: N of local[N] or local[N,F], the CPUs for local[*], 1 for local."""
+    threads = master[len("local["):].split(",")[0].rstrip("]") if master != "local" else "1"
+    return (os.cpu_count() or 1) if threads == "*" else max(1, int(threads))
 
 
 def copy_streams(spark: Any) -> int:
