@@ -67,7 +67,7 @@ from typing import Any
 
 import psycopg
 
-from applier.admin import check_source, check_target, source_connect
+from applier.admin import check_source, check_target, source_connect, upgrade_control_tables
 from applier.config import Config
 from applier.ddl.shape import TableShape
 from applier.errors import InUseError
@@ -84,7 +84,6 @@ from applier.migrate.sync import (
     read_tables_in_snapshot,
     shapes_in_snapshot,
 )
-from applier.progress.migrate import migrate, said
 from applier.progress.store import shape_row
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
@@ -121,8 +120,8 @@ def _sync_tables(cfg: Config, names: list[str], force: bool, spark: Any, reporte
                         f"cannot be placed before or after the copy's snapshot (PostgreSQL's ALTER SUBSCRIPTION … "
                         f"REFRESH PUBLICATION refuses copy_data with two_phase too)")
     check_source(cfg)
-    check_target(cfg, need_init=False)
-    if line := said(*migrate(cfg.target["url"])):
+    revision = check_target(cfg, need_init=False)
+    if line := upgrade_control_tables(cfg, revision):
         say(line)
     target = TargetDb(cfg)
     claims: list[Held | None] = []

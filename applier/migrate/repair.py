@@ -94,7 +94,7 @@ from typing import Any
 
 import psycopg
 
-from applier.admin import check_source, check_target, source_connect
+from applier.admin import check_source, check_target, source_connect, upgrade_control_tables
 from applier.config import Config
 from applier.engine.joingate import REPAIR_STATES
 from applier.errors import InUseError
@@ -105,7 +105,6 @@ from applier.migrate.spark.pgread import pg_in_snapshot, pinned_dsn, range_query
 from applier.migrate.spark.plans import pg_plan
 from applier.migrate.spark.session import reraise_interrupt, spark_for
 from applier.migrate.sync import SyncError, TargetDb, _now, read_tables_in_snapshot
-from applier.progress.migrate import migrate, said
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
 from applier.targets.claim import Held
@@ -220,8 +219,8 @@ def _repair(cfg: Config, names: list[str] | None, dry_run: bool, spark: Any,
                           f"two-phase stream: a prepared transaction is applied before its commit LSN is known, so it "
                           f"cannot be placed before or after the repair's snapshot")
     check_source(cfg)
-    check_target(cfg, need_init=False)
-    if not dry_run and (line := said(*migrate(cfg.target["url"]))):
+    revision = check_target(cfg, need_init=False)
+    if not dry_run and (line := upgrade_control_tables(cfg, revision)):
         say(line)
     target = TargetDb(cfg)
     claims: list[Held | None] = []
@@ -719,7 +718,7 @@ def rewrite_ranges(cfg: Config, target: TargetDb, t: SourceTable, found: TableRe
     """The differing ranges in target transactions of a few ranges each (``rewrite_groups``): their target rows
     deleted, the source's rows in the snapshot inserted, each range recorded in applier_repairs."""
     # start-up time: these load pyspark / pyarrow
-    from applier.migrate.spark.copy import sqlite_rows
+    from applier.migrate.spark.sqlitecopy import sqlite_rows
 
     shown, qtarget = target.name_of(t)
     cols = [quote_ident(c.name) for c in t.columns]

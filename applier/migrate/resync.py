@@ -44,13 +44,12 @@ from typing import Any
 
 import psycopg
 
-from applier.admin import check_source, check_target, lost_slot, read_progress
+from applier.admin import check_source, check_target, lost_slot, read_progress, upgrade_control_tables
 from applier.config import Config
 from applier.errors import InUseError, SlotLost
 from applier.migrate.repair import RepairError, RepairReport, claim_table, compare_table, rewrite_ranges
 from applier.migrate.spark.session import spark_for
 from applier.migrate.sync import TargetDb, _now, read_tables_in_snapshot, slot_row
-from applier.progress.migrate import migrate, said
 from applier.progress.store import RESYNC_STARTED
 from applier.source.base import SourceError
 from applier.source.walsender import WalSender
@@ -71,8 +70,8 @@ def resync(cfg: Config, *, spark: Any = None, say: Callable[[str], None] | None 
 def _resync(cfg: Config, spark: Any, say: Callable[[str], None]) -> RepairReport:
     name, slot = cfg.apply["name"], cfg.source["slot"]
     check_source(cfg, need_slot=False)
-    check_target(cfg, need_init=False)
-    if line := said(*migrate(cfg.target["url"])):
+    revision = check_target(cfg, need_init=False)
+    if line := upgrade_control_tables(cfg, revision):
         say(line)
     target = TargetDb(cfg)
     claims: list[Held | None] = []

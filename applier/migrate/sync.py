@@ -82,7 +82,7 @@ from typing import Any
 import psycopg
 from psycopg import sql as psql
 
-from applier.admin import check_source, check_target, source_connect
+from applier.admin import check_source, check_target, source_connect, upgrade_control_tables
 from applier.config import Config, ConfigError
 from applier.ddl.shape import TableShape
 from applier.lsn import LSN
@@ -97,7 +97,6 @@ from applier.migrate.spark.pgcopy import CopyError, CopyPlan, parts_sql
 from applier.migrate.spark.plans import pg_plan
 from applier.migrate.spark.progress import Reporter
 from applier.migrate.spark.session import begin, copy_streams, is_local, local_threads, spark_context, spark_of
-from applier.progress.migrate import migrate, said
 from applier.progress.store import shape_row
 from applier.rows import one_row
 from applier.source import capture
@@ -442,12 +441,12 @@ def _sync(cfg: Config, force: bool, spark: Any, reporter: Any, say: Any, partiti
     nparts = partitions or cfg.spark["partitions"]
     name, slot = cfg.apply["name"], cfg.source["slot"]
     check_source(cfg, need_slot=False)
-    check_target(cfg, need_init=False)
+    revision = check_target(cfg, need_init=False)
     master = cfg.spark["master"]
     local = is_local(master)
     if not local:
         begin(spark)  # a background start of Spark: the checks passed (on a cluster every table's copy is a job)
-    if line := said(*migrate(cfg.target["url"])):
+    if line := upgrade_control_tables(cfg, revision):
         say(line)
     target = TargetDb(cfg)
     try:
