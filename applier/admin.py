@@ -185,7 +185,6 @@ def check_target(cfg: Config, need_init: bool = True, claim: ProcessClaim | None
     return rev
 
 
-
 def upgrade_control_tables(cfg: Config, revision: str | None) -> str | None:
     """Bring the target's control tables to the newest revision for a command that writes them (sync, ``sync
     --table``, resync, repair), unless ``revision`` (``check_target``'s) is that already; the line that says what
@@ -195,6 +194,7 @@ def upgrade_control_tables(cfg: Config, revision: str | None) -> str | None:
     from applier.progress.migrate import migrate, said  # start-up time: alembic/SQLAlchemy (~0.5 s), when needed
 
     return said(*migrate(cfg.target["url"]))
+
 
 def _conflicts_writable(cfg: Config, conn: Any) -> bool:
     """Whether the target role may add rows to applier_conflicts (a conflict is recorded in the transaction of its

@@ -68,7 +68,7 @@ def sync(
         # local master once the published tables are read and one needs it), while the rest of the command reads
         # the catalogs (`sync --table`, whose refusals are the common way out, starts it when it copies)
         spark = SparkStart(cfg, sql=False) if backend_of(cfg).copies_by_spark and not table else None
-        # here, not at the top: start-up time (only sync/verify load alembic/SQLAlchemy and pyspark)
+        # here, not at the top: start-up time (sync loads pyspark and alembic only when it needs them)
         from applier.migrate.add_table import sync_tables
         from applier.migrate.spark.progress import open_reporter
         from applier.migrate.sync import sync as do_sync

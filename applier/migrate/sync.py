@@ -93,6 +93,7 @@ from applier.migrate.schema import (
     read_source_tables,
     target_table_name,
 )
+from applier.migrate.spark.copy import CopyWatcher, binary_safe, copy_partitions, partitions_for, running_copies
 from applier.migrate.spark.pgcopy import CopyError, CopyPlan, parts_sql
 from applier.migrate.spark.plans import pg_plan
 from applier.migrate.spark.progress import Reporter
@@ -728,9 +729,6 @@ def _label(target: TargetDb, table: SourceTable) -> str:
 def _copy_table(cfg: Config, target: TargetDb, table: SourceTable, index: int, run: str, snapshot: str | None,
                 nparts: int, spark: Any, reporter: Any, say: Any, poll: psycopg.Connection[Any],
                 joining: bool) -> TableCopy:
-    # start-up time: spark.copy loads pyarrow
-    from applier.migrate.spark.copy import CopyWatcher, binary_safe, copy_partitions, partitions_for, running_copies
-
     name = cfg.apply["name"]
     shown, qtarget = target.name_of(table)
     label = _label(target, table)

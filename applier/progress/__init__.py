@@ -5,7 +5,8 @@ transaction as its rows (the engine calls the target's ``write_progress`` inside
 open transaction), so the target's committed state and its recorded position
 can never disagree. Restarting resumes from ``Progress.lsn``.
 
-Alembic is imported only by ``applier.progress.migrate`` (``applier init``, ``sync``): the apply
+Alembic is imported only by ``applier.progress.migrate`` (``applier init``; ``sync`` and the other commands that
+write control tables when these are behind: ``admin.upgrade_control_tables``): the apply
 path reads the revision with one query (``store.HEAD_REVISION``), which keeps start-up short.
 """
 

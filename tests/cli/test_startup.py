@@ -30,7 +30,7 @@ from applier.cli import apply_command
 from applier.cli.app import app
 from applier.config import load_config
 from applier.sandbox.clusters import find_install
-from tests.plugins.cli import clean_env
+from tests.plugins.cli import PROBE, clean_env
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 
 HEAVY = ("typer", "click", "pydantic", "pydantic_core", "sqlalchemy", "alembic", "rich")
@@ -38,14 +38,6 @@ HEAVY = ("typer", "click", "pydantic", "pydantic_core", "sqlalchemy", "alembic",
 # binary converters (source.binary), verify's read plans; sqlite3 (a SQLite target)
 UNUSED = ("applier.ddl", "applier.engine.ddl", "applier.targets.binary", "applier.migrate")
 
-# The ``applier`` script's entry point, writing the names of the modules it imported to argv[1] at exit.
-PROBE = """\
-import atexit, sys
-out = sys.argv.pop(1)
-atexit.register(lambda: open(out, "w").write("\\n".join(sorted(sys.modules))))
-from applier.cli.main import main
-main()
-"""
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,16 @@ from typer.testing import CliRunner
 
 from applier.cli.app import app
 
+# The ``applier`` script's entry point, writing the names of the modules it imported to argv[1] at exit (run it as
+# ``python -c PROBE FILE <applier arguments>``).
+PROBE = """\
+import atexit, sys
+out = sys.argv.pop(1)
+atexit.register(lambda: open(out, "w").write("\\n".join(sorted(sys.modules))))
+from applier.cli.main import main
+main()
+"""
+
 
 def applier_script() -> str:
     """The installed ``applier`` console script of this interpreter."""

@@ -9,12 +9,14 @@ verify agrees). A sync whose tables are all small copies them itself and starts 
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.plugins.cli import applier_script, clean_env, write_toml
+from applier.progress.migrate import migrate
+from tests.plugins.cli import PROBE, applier_script, clean_env, write_toml
 from tests.plugins.clusters import ScratchDb
 
 pytest.importorskip("pyspark")
@@ -54,15 +56,19 @@ def _driver_jvm(proc: subprocess.Popen[str], mapped: str, deadline: float) -> tu
     return seen
 
 
+def _config(tmp_path: Path, src: ScratchDb, dst: ScratchDb, slot: str, master: str, partitions: int) -> Path:
+    return write_toml(tmp_path / "applier.toml", {
+        "source": {"dsn": src.dsn, "slot": slot, "publications": ["pub"]}, "target": {"url": dst.url},
+        "apply": {"work_dir": str(tmp_path / "work")}, "spark": {"master": master, "partitions": partitions}})
+
+
 def test_the_first_command_leaves_the_class_archive_that_the_next_one_maps(src: ScratchDb, dst: ScratchDb,
                                                                              tmp_path: Path) -> None:
     # more than a sync copies in its driver (DRIVER_PAGES): a Spark job's
     src.cluster.execute("CREATE TABLE t (id int PRIMARY KEY, v text); "
                         "INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 250000) g; "
                         "CREATE PUBLICATION pub FOR TABLE t", src.dbname)
-    cfg = write_toml(tmp_path / "applier.toml", {
-        "source": {"dsn": src.dsn, "slot": "start", "publications": ["pub"]}, "target": {"url": dst.url},
-        "apply": {"work_dir": str(tmp_path / "work")}, "spark": {"master": "local[1]", "partitions": 1}})
+    cfg = _config(tmp_path, src, dst, "start", "local[1]", 1)
     cache = tmp_path / "cache"
     env = {**clean_env(), "XDG_CACHE_HOME": str(cache)}
     env.pop("SPARK_SUBMIT_OPTS", None)
@@ -96,24 +102,24 @@ def test_the_first_command_leaves_the_class_archive_that_the_next_one_maps(src: 
 
 
 def test_a_sync_of_small_tables_starts_no_spark(src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
-    """Tables of at most DRIVER_PAGES each, on a local master: the command copies them itself (a Spark job costs
-    more than such a copy), starts no JVM (it leaves no class archive: the first JVM would) and ends with the rows
-    and keys on the target."""
+    """Tables of at most DRIVER_PAGES each, on a local master, into a target whose control tables are current: the
+    command copies them itself (a Spark job costs more than such a copy), never imports pyspark (so starts no JVM)
+    nor pyarrow, alembic or SQLAlchemy, and ends with the rows and keys on the target."""
     src.cluster.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE TABLE u (id int PRIMARY KEY); "
                         "INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 2000) g; "
                         "INSERT INTO u SELECT generate_series(1, 10); CREATE PUBLICATION pub FOR TABLE t, u", src.dbname)
-    cfg = write_toml(tmp_path / "applier.toml", {
-        "source": {"dsn": src.dsn, "slot": "small", "publications": ["pub"]}, "target": {"url": dst.url},
-        "apply": {"work_dir": str(tmp_path / "work")}, "spark": {"master": "local[2]", "partitions": 2}})
-    cache = tmp_path / "cache"
+    migrate(dst.url)
+    cfg = _config(tmp_path, src, dst, "small", "local[2]", 2)
+    modules = tmp_path / "modules.txt"
     try:
-        sync = subprocess.run([applier_script(), "sync", "-q", "-c", str(cfg)], capture_output=True, text=True,
-                              env={**clean_env(), "XDG_CACHE_HOME": str(cache)}, timeout=600,
-                              stdin=subprocess.DEVNULL)
+        sync = subprocess.run([sys.executable, "-c", PROBE, str(modules), "sync", "-q", "-c", str(cfg)],
+                              capture_output=True, text=True, env=clean_env(), timeout=600, stdin=subprocess.DEVNULL)
         assert sync.returncode == 0, sync.stderr
         assert "synced 2,010 rows in 2 tables" in sync.stdout, sync.stdout
-        assert not (cache / "applier").exists() or not list((cache / "applier").glob("spark-driver-*")), \
-            list(cache.rglob("*"))
+        loaded = set(modules.read_text().split())
+        assert "applier.migrate.sync" in loaded  # the list is the real one
+        assert sorted(m for m in loaded if m.split(".")[0] in ("pyspark", "py4j", "pyarrow", "alembic",
+                                                               "sqlalchemy")) == []
         assert dst.cluster.execute("SELECT count(*), sum(id) FROM t", dst.dbname) == [(2000, 2001000)]
         assert dst.cluster.execute("SELECT conrelid::regclass::text FROM pg_constraint WHERE contype = 'p' "
                                    "AND conrelid::regclass::text IN ('t', 'u') ORDER BY 1", dst.dbname) == [

@@ -218,12 +218,12 @@ def copy_partitions(spark: Any, plan: CopyPlan, done: Collection[int], label: st
     if not parts:
         return []
     if spark is None or not backend(plan.kind).copies_by_spark:
+        if not backend(plan.kind).copies_by_spark:
+            # here, not at the top: start-up time (pyarrow and pyspark, which a PostgreSQL target's copy needs not)
+            from applier.migrate.spark.sqlitecopy import copy_sqlite_partitions
         try:
             if backend(plan.kind).copies_by_spark:
                 return copy_pg_partitions(plan, task_groups(plan, parts, 1)[0])
-            # here, not at the top: start-up time (pyarrow and pyspark, which a PostgreSQL target's copy needs not)
-            from applier.migrate.spark.sqlitecopy import copy_sqlite_partitions
-
             return copy_sqlite_partitions(plan, parts)
         except Exception as exc:  # noqa: BLE001 - either end's error, as one line
             # a server's error: its message alone, as a Spark task's is reported (its DETAIL, CONTEXT and the

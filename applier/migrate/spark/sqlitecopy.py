@@ -194,6 +194,3 @@ def copy_sqlite_partitions(plan: CopyPlan, parts: list[int]) -> list[PartDone]:
     finally:
         readers.close()
     return out
-
-
-# -- driver side -------------------------------------------------------------------------------

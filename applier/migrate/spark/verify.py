@@ -86,6 +86,7 @@ from applier.config import Config, ConfigError
 from applier.decoder.messages import CLOSED_BY, Keepalive, XLogData, decision_position, kind_of
 from applier.engine.runner import Runner
 from applier.lsn import LSN
+from applier.migrate.spark.copy import spark_error_line
 from applier.migrate.spark.session import (
     begin,
     check_spark_target,
@@ -544,7 +545,6 @@ class _Batch:
                 for place, table in zip(places, tables, strict=True):
                     self.compare([place], [table])
                 return
-            from applier.migrate.spark.copy import spark_error_line  # start-up time: pyspark
             held = self.report.tables[places[0]]
             log.debug("comparing %s failed", held.table, exc_info=exc)
             results = [TableResult(held.table, held.target, held.key, error=spark_error_line(exc))]
