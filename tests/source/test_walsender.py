@@ -269,19 +269,20 @@ def test_read_does_not_hold_the_gil_while_waiting(db, ws):
     rates = []
     try:
         # Holding the GIL in a blocking read stops the spinner every time; a polling loop halves it at best. The
-        # machine's other load (parallel test workers) can slow one measurement: the best of three counts.
-        for _ in range(3):
+        # machine's other load (parallel test workers on 2 CPUs) can slow a measurement: the best of five counts,
+        # and 0.6 of the spinner's rate alone is enough (seen: 0.53-0.70 in three tries of a loaded run).
+        for _ in range(5):
             before, _ = spinner_rate(lambda: time.sleep(0.3))  # the spinner alone
             during, elapsed = spinner_rate(read_for_two_seconds)
             after, _ = spinner_rate(lambda: time.sleep(0.3))
             assert elapsed >= 1.9
             rates.append((during, (before + after) / 2))
-            if during >= 0.7 * rates[-1][1]:
+            if during >= 0.6 * rates[-1][1]:
                 break
     finally:
         stop.set()
         t.join()
-    assert any(during >= 0.7 * baseline for during, baseline in rates), \
+    assert any(during >= 0.6 * baseline for during, baseline in rates), \
         "; ".join(f"spinner ran at {d:.0f}/s during read, {b:.0f}/s alone" for d, b in rates)
 
 
