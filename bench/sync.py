@@ -37,9 +37,10 @@ round running every tool once, back to back (the machine is shared: compare figu
   time it prints (``synced … in Ns``: from the first table's copy to the end of the last one, the first
   job's Python worker start included): the Python start and imports, Spark's start, catalogs, slot, table
   creation, the final commit and the exit. **To the first copy**: from exec until a copy's target
-  connection shows (``pg_stat_activity``, polled every 20 ms), the worker start included. (A table of at most
-  ``DRIVER_PAGES`` is copied by the ``applier`` process itself, and a sync of only such tables starts no Spark:
-  at 30,000 rows, both tables.)
+  connection shows (``pg_stat_activity``, polled every 20 ms), the worker start included. (On a local master a
+  table of at most ``DRIVER_PAGES`` is copied by the ``applier`` process itself, as is every table where the
+  master copies one stream at a time, ``local[*]`` on 2-3 CPUs; a sync that needs no Spark starts none: at
+  30,000 rows, both tables are that small.)
 
 Children run without the caller's APPLIER_* and SPARK_SUBMIT_OPTS variables (each applier with its own
 defaults). Prints the best of ``--repeat`` per tool and the ratios (reference seconds ÷ applier
@@ -243,9 +244,10 @@ def child_env(tree: Path | None) -> dict[str, str]:
 
 
 def timed(argv: list[str], env: dict[str, str], what: str, stdin: Any = None) -> tuple[float, str]:
-    """Run a command; (wall seconds from exec to exit, its stdout). SystemExit naming it if it fails."""
+    """Run a command in a session of its own (pgcopydb signals its process group when it fails); (wall seconds from
+    exec to exit, its stdout). SystemExit naming it if it fails."""
     started = time.monotonic()
-    done = subprocess.run(argv, env=env, stdin=stdin, capture_output=True, text=True)
+    done = subprocess.run(argv, env=env, stdin=stdin, capture_output=True, text=True, start_new_session=True)
     seconds = time.monotonic() - started
     if done.returncode != 0:
         raise SystemExit(f"{what} failed (exit {done.returncode}): {(done.stderr or done.stdout)[-800:]}")
@@ -266,11 +268,13 @@ def run_dump_command(src: Cluster, tgt: Cluster, install: Any, db: str) -> float
     return time.monotonic() - started
 
 
-def run_pgcopydb(src: Cluster, tgt: Cluster, db: str, work: Path, n: int) -> float:
-    """``pgcopydb clone --table-jobs 2 --index-jobs 2`` of the source database into ``db``."""
+def run_pgcopydb(src: Cluster, tgt: Cluster, install: Any, db: str, work: Path, n: int) -> float:
+    """``pgcopydb clone --table-jobs 2 --index-jobs 2`` of the source database into ``db``, with the servers'
+    own pg_dump and pg_restore first on the PATH (pgcopydb runs the first it finds)."""
+    env = child_env(None)
+    env["PATH"] = os.pathsep.join([str(install.bin("pg_dump").parent), env.get("PATH", "")])
     seconds, _ = timed(["pgcopydb", "clone", "--source", src.dsn("src"), "--target", tgt.dsn(db), "--table-jobs",
-                        "2", "--index-jobs", "2", "--dir", str(work / f"pgcopydb-{n}")],
-                       child_env(None), "pgcopydb clone")
+                        "2", "--index-jobs", "2", "--dir", str(work / f"pgcopydb-{n}")], env, "pgcopydb clone")
     return seconds
 
 
@@ -337,7 +341,7 @@ def command_mode(args: argparse.Namespace, install: Any) -> int:
                     if label == "pg_dump | psql":
                         wall = run_dump_command(src, tgt, install, db)
                     elif label == "pgcopydb clone":
-                        wall = run_pgcopydb(src, tgt, db, work, n)
+                        wall = run_pgcopydb(src, tgt, install, db, work, n)
                     else:
                         wall, copy_s, first = run_applier_command(src, tgt, db, work, args.master, tree)
                         copies.setdefault(label, []).append(copy_s)
@@ -397,8 +401,9 @@ def main(argv: list[str] | None = None) -> int:
         want = counts(src, "src")
         nbytes = copy_bytes(src, "src")
         spark = spark_session(args.master, app_name="applier-bench-sync")
-        # what is measured is Spark's copy: no table is left to the driver (a local sync's small tables are)
-        sync_module.DRIVER_PAGES = -1
+        # what is measured is Spark's copy: no table is left to the driver (on a local master a sync's small
+        # tables are, and every table where the master copies one stream at a time)
+        sync_module.by_spark = lambda target, master, pages: target.copies_by_spark
         # warm-up: JVM, Python workers, the data sources (a small table, not timed)
         src.execute("CREATE TABLE warm AS SELECT g AS id FROM generate_series(1, 10000) g; "
                     "CREATE PUBLICATION warm_pub FOR TABLE warm", "src")

@@ -63,8 +63,8 @@ def sync(
         cfg = _config(config, dsn, slot, publication, target, master, partitions)
         from applier.targets.backends import backend_of  # start-up time of the other commands (~0.1 s)
 
-        # a PostgreSQL target is copied by Spark tasks (a SQLite one, and on a local master a small table, by the
-        # driver alone): for the full sync its SparkContext starts in the background once the checks pass (on a
+        # a PostgreSQL target is copied by Spark tasks (a SQLite one, and on a local master a small table or any
+        # where the master copies one stream at a time, by the driver alone: `applier.migrate.sync.by_spark`): for the full sync its SparkContext starts in the background once the checks pass (on a
         # local master once the published tables are read and one needs it), while the rest of the command reads
         # the catalogs (`sync --table`, whose refusals are the common way out, starts it when it copies)
         spark = SparkStart(cfg, sql=False) if backend_of(cfg).copies_by_spark and not table else None

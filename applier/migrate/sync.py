@@ -18,8 +18,9 @@ the very next source transaction:
    copy is over (the snapshot lives as long as it does);
 5. every published table copied in ctid-range partitions reading in that snapshot
    (``applier.migrate.spark.copy``: Spark tasks streaming COPY from the source into a
-   PostgreSQL target, binary where safe, or the driver itself for a table of at most
-   ``DRIVER_PAGES`` on a local master; the driver's readers and one writer for a
+   PostgreSQL target, binary where safe, or the driver itself on a local master for a table of
+   at most ``DRIVER_PAGES``, or for every table where the master copies one stream at a time
+   (``by_spark``); the driver's readers and one writer for a
    SQLite target), with its column list and row filter, its own rows only
    (``SourceTable.only``); a table without columns as its row count. Once a
    table is copied, the keys its creation left out (``Backend.keys_after_copy``:
@@ -97,7 +98,7 @@ from applier.migrate.spark.copy import CopyWatcher, binary_safe, copy_partitions
 from applier.migrate.spark.pgcopy import CopyError, CopyPlan, parts_sql
 from applier.migrate.spark.plans import pg_plan
 from applier.migrate.spark.progress import Reporter
-from applier.migrate.spark.session import begin, copy_streams, is_local, local_threads, spark_context, spark_of
+from applier.migrate.spark.session import begin, copy_streams, is_local, local_copy_streams, spark_context, spark_of
 from applier.progress.store import shape_row
 from applier.rows import one_row
 from applier.source import capture
@@ -428,7 +429,8 @@ def sync(cfg: Config, *, force: bool = False, spark: Any = None, reporter: Any =
     ``reporter`` the per-table progress (``applier.migrate.spark.progress``); ``spark`` a SparkSession or
     SparkContext, or a ``SparkStart`` (begun once the checks pass, on a local master once the published tables are
     read; waited for when the copy begins), else a SparkContext is started then; only when a table's copy is a
-    Spark job (``by_spark``: a PostgreSQL target's table, but not a small one on a local master).
+    Spark job (``by_spark``: a PostgreSQL target's table, but on a local master neither a small one nor any where
+    the master copies one stream at a time).
     """
     say = say or (lambda line: None)
     reporter = reporter or Reporter()
@@ -457,7 +459,7 @@ def _sync(cfg: Config, force: bool, spark: Any, reporter: Any, say: Any, partiti
             raise SyncError(f"{cfg.where('source', 'publications')}: the publications "
                             f"{', '.join(cfg.source['publications'])} publish no tables")
         if local and any(by_spark(target.backend, master, t.size_pages) for t in tables):
-            begin(spark)  # as above: on a local master, once some table is more than the driver copies
+            begin(spark)  # as above: on a local master, once some table is more than the driver copies itself
         state = target.sync_state(name)
         if state and state["state"] == "done" and not force:
             raise SyncError(f"a sync for {name!r} already completed at {state['consistent_point']} "
@@ -579,7 +581,7 @@ def copy_tables(cfg: Config, target: TargetDb, tables: list[SourceTable], run: s
     # key builds at once: as many as copy streams, at most KEY_JOBS (each holds a connection and the target's
     # maintenance_work_mem; pgcopydb's --index-jobs defaults to 4 too)
     streams = (copy_streams(spark) if spark is not None
-               else max(1, local_threads(master) // 2) if is_local(master) else 1)
+               else local_copy_streams(master) if is_local(master) else 1)
     keys = KeyBuilder(cfg, min(KEY_JOBS, streams)) if target.backend.keys_after_copy else None
 
     def copied(table: SourceTable, error: str | None, built: str | None = None) -> None:
@@ -628,8 +630,11 @@ DRIVER_PAGES = 1024
 def by_spark(target: Backend, master: str, size_pages: int) -> bool:
     """Whether the copy of a table of ``size_pages`` pages (``SourceTable.size_pages``: every leaf, TOAST) into
     ``target`` is a Spark job on ``master`` (``spark.master``): a PostgreSQL target's, unless the master is local and
-    the table at most ``DRIVER_PAGES`` (then the driver copies it as one task would: ``applier.migrate.spark.copy``)."""
-    return target.copies_by_spark and not (is_local(master) and size_pages <= DRIVER_PAGES)
+    either the table is at most ``DRIVER_PAGES`` or the master copies one stream at a time (``local_copy_streams``:
+    ``local[2]``, ``local[*]`` on 2-3 CPUs), where Spark would run the same one task on this machine after its JVM
+    and a Python worker had started. The driver then copies it as that task would (``applier.migrate.spark.copy``)."""
+    return target.copies_by_spark and not (
+        is_local(master) and (size_pages <= DRIVER_PAGES or local_copy_streams(master) == 1))
 
 
 class KeyBuilder:

@@ -344,7 +344,7 @@ def test_a_hint_that_prints_a_command_is_shell_quoted(world: World) -> None:
 @pytest.mark.parametrize("rows", [1000, 300000], ids=["by-the-command", "by-spark"])
 def test_ctrl_c_during_a_copy_is_one_line_and_130(world: World, rows: int) -> None:
     """Ctrl-C reaches the whole foreground process group (the JVM too) while the command (a small table: it copies
-    it itself) or a Spark task (more than DRIVER_PAGES) copies into a table the test holds locked: one line, exit 130,
+    it itself) or a Spark task (more than DRIVER_PAGES, on local[4]: two copy streams) copies into a table the test holds locked: one line, exit 130,
     no py4j log line or traceback, and the slot of the copy dropped."""
     pytest.importorskip("pyspark")
     big = f"big{rows}"  # the world is the module's: a table, publication and slot of each test's own
@@ -353,7 +353,7 @@ def test_ctrl_c_during_a_copy_is_one_line_and_130(world: World, rows: int) -> No
     with scratch_db(world.target.cluster, "ctrlc") as target:
         target.cluster.execute(f"CREATE TABLE {big} (id int PRIMARY KEY)", target.dbname)
         config = world.config(f"ctrlc{rows}", {"slot": f"ctrlc{rows}", "publications": [f"{big}pub"]}, target=target.url,
-                              spark={"master": "local[1]", "partitions": 1})
+                              spark={"master": "local[4]", "partitions": 1})
         with psycopg.connect(target.dsn) as lock:
             lock.execute(f"LOCK TABLE {big} IN EXCLUSIVE MODE")  # reads go on, the copy's writes wait
             proc = subprocess.Popen([applier_script(), "sync", "-q", "-c", str(config)], stdout=subprocess.PIPE,

@@ -114,7 +114,7 @@ def config_file(path: Path, src: ScratchDb, target_url: str, work: Path, **extra
         "target": {"url": target_url},
         "apply": {"work_dir": str(work), "retry_initial": 0.1, "retry_max": 1.0, "on_error": "stop",
                   "group_commit_delay": 0.05},
-        "spark": {"master": "local[2]", "partitions": 2},
+        "spark": {"master": "local[2]", "partitions": 2, **extra.get("spark", {})},
     })
 
 

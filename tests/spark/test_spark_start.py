@@ -3,7 +3,8 @@
 What a user relies on: the first Spark command leaves the driver JVM's class-data archive in the cache
 (``$XDG_CACHE_HOME/applier``: one archive, nothing half-written beside it); a later command's driver JVM maps it
 and runs with the JIT's C1 only and the serial collector; the commands do their work as before (sync copies,
-verify agrees). A sync whose tables are all small copies them itself and starts no JVM.
+verify agrees). A sync that copies every table itself (each small, or a master of one copy stream) starts no
+JVM.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from applier.migrate.sync import DRIVER_PAGES
 from applier.progress.migrate import migrate
 from tests.plugins.cli import PROBE, applier_script, clean_env, write_toml
 from tests.plugins.clusters import ScratchDb
@@ -64,11 +66,11 @@ def _config(tmp_path: Path, src: ScratchDb, dst: ScratchDb, slot: str, master: s
 
 def test_the_first_command_leaves_the_class_archive_that_the_next_one_maps(src: ScratchDb, dst: ScratchDb,
                                                                              tmp_path: Path) -> None:
-    # more than a sync copies in its driver (DRIVER_PAGES): a Spark job's
+    # more than a sync copies in its driver (DRIVER_PAGES), on a master of two copy streams: a Spark job's
     src.cluster.execute("CREATE TABLE t (id int PRIMARY KEY, v text); "
                         "INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 250000) g; "
                         "CREATE PUBLICATION pub FOR TABLE t", src.dbname)
-    cfg = _config(tmp_path, src, dst, "start", "local[1]", 1)
+    cfg = _config(tmp_path, src, dst, "start", "local[4]", 1)
     cache = tmp_path / "cache"
     env = {**clean_env(), "XDG_CACHE_HOME": str(cache)}
     env.pop("SPARK_SUBMIT_OPTS", None)
@@ -101,26 +103,33 @@ def test_the_first_command_leaves_the_class_archive_that_the_next_one_maps(src: 
                             "WHERE slot_name = 'start'", src.dbname)
 
 
-def test_a_sync_of_small_tables_starts_no_spark(src: ScratchDb, dst: ScratchDb, tmp_path: Path) -> None:
-    """Tables of at most DRIVER_PAGES each, on a local master, into a target whose control tables are current: the
-    command copies them itself (a Spark job costs more than such a copy), never imports pyspark (so starts no JVM)
-    nor pyarrow, alembic or SQLAlchemy, and ends with the rows and keys on the target."""
+@pytest.mark.parametrize(("master", "rows"), [("local[4]", 2000), ("local[2]", 300000)],
+                         ids=["small-tables", "one-copy-stream"])
+def test_a_sync_the_command_copies_itself_starts_no_spark(src: ScratchDb, dst: ScratchDb, tmp_path: Path, master: str,
+                                                          rows: int) -> None:
+    """On a local master, tables of at most DRIVER_PAGES each (on local[4], two copy streams), or of any size where
+    the master copies one stream at a time (local[2]), into a target whose control tables are current: the command
+    copies them itself (a Spark job costs more than a small copy, and would run one stream's task on this machine
+    anyway), never imports pyspark (so starts no JVM) nor pyarrow, alembic or SQLAlchemy, and ends with the rows and
+    keys on the target."""
     src.cluster.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE TABLE u (id int PRIMARY KEY); "
-                        "INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 2000) g; "
+                        f"INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, {rows}) g; "
                         "INSERT INTO u SELECT generate_series(1, 10); CREATE PUBLICATION pub FOR TABLE t, u", src.dbname)
+    [(pages,)] = src.cluster.execute("SELECT pg_relation_size('t') / 8192", src.dbname)
+    assert (pages > DRIVER_PAGES) == (rows > 2000), pages
     migrate(dst.url)
-    cfg = _config(tmp_path, src, dst, "small", "local[2]", 2)
+    cfg = _config(tmp_path, src, dst, "small", master, 2)
     modules = tmp_path / "modules.txt"
     try:
         sync = subprocess.run([sys.executable, "-c", PROBE, str(modules), "sync", "-q", "-c", str(cfg)],
                               capture_output=True, text=True, env=clean_env(), timeout=600, stdin=subprocess.DEVNULL)
         assert sync.returncode == 0, sync.stderr
-        assert "synced 2,010 rows in 2 tables" in sync.stdout, sync.stdout
+        assert f"synced {rows + 10:,} rows in 2 tables" in sync.stdout, sync.stdout
         loaded = set(modules.read_text().split())
         assert "applier.migrate.sync" in loaded  # the list is the real one
         assert sorted(m for m in loaded if m.split(".")[0] in ("pyspark", "py4j", "pyarrow", "alembic",
                                                                "sqlalchemy")) == []
-        assert dst.cluster.execute("SELECT count(*), sum(id) FROM t", dst.dbname) == [(2000, 2001000)]
+        assert dst.cluster.execute("SELECT count(*), sum(id) FROM t", dst.dbname) == [(rows, rows * (rows + 1) // 2)]
         assert dst.cluster.execute("SELECT conrelid::regclass::text FROM pg_constraint WHERE contype = 'p' "
                                    "AND conrelid::regclass::text IN ('t', 'u') ORDER BY 1", dst.dbname) == [
             ("t",), ("u",)]

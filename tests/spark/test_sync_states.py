@@ -425,11 +425,12 @@ def test_a_sync_stopped_while_it_builds_the_keys_is_rerun_and_ends_with_them(spa
     forever before; the interrupt reaching the Spark job is not taken for a failed copy and retried, as it was when
     PySpark's clean-up replaced it with py4j's broken connection), the sync is not complete and a is left marked as
     owing its keys; the next sync restarts, copies a again and builds them, ending equal to the source. b, made by the user beforehand (as `pg_dump --schema-only` makes it),
-    keeps its own index and gets nothing built. (a is small: the driver copies it; b is more than that: a Spark job.)"""
+    keeps its own index and gets nothing built. (a is small: the driver copies it; b is more than that, on a master of two copy streams: a Spark job.)"""
     src.cluster.execute(SOURCE + "INSERT INTO b SELECT g, g FROM generate_series(20001, 300000) g;", src.dbname)
     dst.cluster.execute("CREATE TABLE b (id integer PRIMARY KEY, n integer NOT NULL); CREATE INDEX b_by_n ON b (n)",
                         dst.dbname)
-    cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work")
+    # local[4]: two copy streams, so b is a Spark job (a master of one stream has the driver copy every table)
+    cfg_file = config_file(tmp_path / "applier.toml", src, dst.url, tmp_path / "work", spark={"master": "local[4]"})
     keyed = "SELECT table_name FROM applier_keys_owed WHERE table_oid = 'a'::regclass::oid"
     said_file = tmp_path / "sync.err"
     with said_file.open("w") as said_to:

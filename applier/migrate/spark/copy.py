@@ -36,10 +36,12 @@ back instead of writing into a table that a newer run has emptied.
   ``synchronous_commit = off`` (``applier.migrate.sync`` makes everything durable with its last commit),
   ``session_replication_role = replica`` when the role may (no triggers, no foreign-key checks, as for
   replicated rows).
-- A PostgreSQL target's small table on a local master (``applier.migrate.sync.by_spark``: at most ``DRIVER_PAGES``
-  pages, every leaf and TOAST weighed in) is copied by the driver itself, as one task of the job above would copy it
-  (``copy_pg_partitions``: the same groups, records and run check): the task would run on this machine anyway, and
-  a job's fixed cost (scheduling it, a round trip to a Python worker: about 0.1 s) is more than such a copy takes.
+- On a local master, a PostgreSQL target's small table (``applier.migrate.sync.by_spark``: at most ``DRIVER_PAGES``
+  pages, every leaf and TOAST weighed in), and every table where the master copies one stream at a time, is copied by
+  the driver itself, as the one task of the job above would copy it (``copy_pg_partitions``: the same groups,
+  records and run check): the task would run on this machine anyway, and a job's fixed cost (scheduling it, a round
+  trip to a Python worker: about 0.1 s; the first job's JVM and Python worker: seconds) is more than such a copy
+  takes, or all that Spark would add to it.
   A sync whose tables are all small starts no Spark at all. On a cluster every table is a job (its executors are
   where the copy is meant to run).
 - SQLite target (a file of the driver's; no Spark): its readers and one writer, ``applier.migrate.spark.sqlitecopy``;

@@ -129,13 +129,18 @@ def local_threads(master: str) -> int:
 
 
 def copy_streams(spark: Any) -> int:
-    """How many partitions a copy streams at once: a cluster's task slots (``task_slots``); on a local master half
-    its threads, at least one. Each stream keeps its task's Python process busy relaying COPY data, and the servers'
-    two backends of that stream need about as much again when they share the machine (the usual reason to copy with
-    a local master): more streams than that only fight over the CPUs (bench/README.md, sync: on 2 CPUs, 2 streams
-    were 8-13 % slower than 1)."""
-    slots = task_slots(spark)
-    return max(1, slots // 2) if is_local(context_of(spark).master) else slots
+    """How many partitions a copy streams at once: a cluster's task slots (``task_slots``); on a local master
+    ``local_copy_streams``."""
+    master = context_of(spark).master
+    return local_copy_streams(master) if is_local(master) else task_slots(spark)
+
+
+def local_copy_streams(master: str) -> int:
+    """How many partitions a copy streams at once on local master ``master``: half its threads, at least one. Each
+    stream keeps its task's Python process busy relaying COPY data, and the servers' two backends of that stream need
+    about as much again when they share the machine (the usual reason to copy with a local master): more streams than
+    that only fight over the CPUs (bench/README.md, sync: on 2 CPUs, 2 streams were 8-13 % slower than 1)."""
+    return max(1, local_threads(master) // 2)
 
 
 def _log4j_file() -> str:
