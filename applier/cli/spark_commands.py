@@ -117,7 +117,9 @@ def verify(
     def go() -> Any:
         cfg = _config(config, dsn, slot, publication, target, master, partitions)
         check_spark_target(cfg)  # before Spark starts: a refusal is one line, no JVM started
-        spark = SparkStart(cfg, sql=True)  # starts once the checks pass, while the target catches up
+        # starts once the checks pass, while the target catches up (a PostgreSQL target on a local master: once
+        # a table needs Spark, `applier.migrate.spark.verify`)
+        spark = SparkStart(cfg, sql=True)
         # here, not at the top: start-up time (only sync/verify load alembic/SQLAlchemy and pyspark)
         from applier.migrate.spark.verify import verify as do_verify
 

@@ -1,10 +1,11 @@
-"""Spark jobs that fail, as an operator sees them: ``applier sync`` and ``applier verify`` as subprocesses.
+"""Tables that cannot be read, as an operator sees it: ``applier sync`` and ``applier verify`` as subprocesses.
 
-What a user relies on: when a table's Spark tasks raise (here: the source role may not read
-table ``b``, a real ``permission denied`` in the executors), ``sync`` ends with one line naming the
+What a user relies on: when a table cannot be read (here: the source role may not read table ``b``, a real
+``permission denied``, met by the command itself or in Spark's executors), ``sync`` ends with one line naming the
 table and the cause, exit 2, and drops the slot it created (an incomplete copy's slot only holds
 WAL); ``verify`` says it could not compare that table (one line naming it and the cause), exits 2
-and never says the two sides differ; with ``-v`` the traceback and Spark's warnings are logged.
+and never says the two sides differ; with ``-v`` the traceback is logged, and Spark's warnings where a Spark task
+failed.
 A table that differs beside one that could not be compared is a verdict: ``verify`` exits 1 and its
 last line names both; a target table that does not exist differs (that verdict is checked on the report
 in this process: the command prints its lines and exits with its status). Small tables are compared together
@@ -55,8 +56,8 @@ def limited_role(src: ScratchDb) -> Iterator[str]:
         src.cluster.execute(f"DROP OWNED BY {role}; DROP ROLE {role}", src.dbname)
 
 
-def _config_file(path: Path, dsn: str, target_url: str) -> Path:
-    values = {"source": {"dsn": dsn, "slot": "applier", "publications": ["pub"]}, "target": {"url": target_url},
+def _config_file(path: Path, dsn: str, target_url: str, slot: str = "applier") -> Path:
+    values = {"source": {"dsn": dsn, "slot": slot, "publications": ["pub"]}, "target": {"url": target_url},
               "apply": {"work_dir": str(path.parent / "work")}, "spark": {"master": "local[1]", "partitions": 2}}
     path.write_text("".join(f"[{section}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in keys.items())
                             for section, keys in values.items()))
@@ -84,8 +85,8 @@ def tracebacks_of_ours(stderr: str) -> list[str]:
     return [b for b in blocks if not all("/pyspark" in f for f in re.findall(r'File "([^"]+)"', b))]
 
 
-def test_failing_spark_jobs_give_one_line_per_table_and_exit_2(spark, src: ScratchDb, dst: ScratchDb,
-                                                                limited_role: str, tmp_path: Path) -> None:
+def test_a_table_that_cannot_be_read_is_one_line_and_exit_2(spark, src: ScratchDb, dst: ScratchDb,
+                                                             limited_role: str, tmp_path: Path) -> None:
     dsn = src.cluster.dsn(src.dbname, user=limited_role)
     cfg_file = _config_file(tmp_path / "applier.toml", dsn, dst.url)
 
@@ -113,8 +114,23 @@ def test_failing_spark_jobs_give_one_line_per_table_and_exit_2(spark, src: Scrat
     assert out[-1] == "verify: could not compare public.b (of 2 tables): no verdict"
     assert "DIFFER" not in res.stdout and not tracebacks_of_ours(res.stderr) and " WARN " not in res.stderr
 
-    # -v: the cause's traceback (the executor's Python error inside it) and Spark's warnings
+    # -v: the cause's traceback (the servers' sums on a local master are the command's own queries)
     res = _applier("-v", "verify", "-c", str(cfg_file), cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert f"public.b: could not compare: {DENIED}" in res.stdout.splitlines()
+    assert "DEBUG applier.verify: comparing public.b failed" in res.stderr
+    assert "Traceback (most recent call last)" in res.stderr and "permission denied for table b" in res.stderr
+
+    # a SQLite target's rows are read by Spark's tasks: b's fail there, the same line; -v adds the executor's Python
+    # error inside the traceback and Spark's warnings
+    lite = tmp_path / "lite"
+    lite.mkdir()
+    lite_file = _config_file(lite / "applier.toml", dsn, f"sqlite:///{lite / 'replica.db'}", slot="lite")
+    src.cluster.execute(f"GRANT SELECT ON b TO {limited_role}", src.dbname)
+    assert sync(make_config(src, f"sqlite:///{lite / 'replica.db'}", lite / "work", slot="lite",
+                            **{"source.dsn": dsn}), spark=spark).rows == 5000
+    src.cluster.execute(f"REVOKE SELECT ON b FROM {limited_role}", src.dbname)
+    res = _applier("-v", "verify", "-c", str(lite_file), cwd=lite)
     assert res.returncode == 2, res.stdout + res.stderr
     assert f"public.b: could not compare: {DENIED}" in res.stdout.splitlines()
     assert "DEBUG applier.verify: comparing public.b failed" in res.stderr

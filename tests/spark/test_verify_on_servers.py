@@ -5,7 +5,9 @@ its event log show them): verifying a large table reads into Spark only the rows
 differ, yet the report names every differing key (a changed value, a missing row, an extra row) with both
 sides' values, as before. A table whose target column is declared otherwise is compared by reading its rows
 (the canonical text of a value may depend on its type), and still agrees. Small tables are hashed together, in
-one Spark job (a job per table would cost a schema of many small tables more than their rows).
+one Spark job (a job per table would cost a schema of many small tables more than their rows). On a local master
+the command asks the servers for those sums itself: verifying tables that agree runs no Spark job and needs no
+Java, and a difference is still named from the rows Spark reads of its ranges.
 
 verify runs in this process on the shared session (``spark``): the report's lines and status are what
 ``applier verify`` prints and exits with (tests/spark/test_failures.py runs the command); the records read
@@ -23,6 +25,7 @@ import pytest
 from applier.config import Config
 from applier.migrate.spark.verify import VerifyReport, verify
 from applier.migrate.sync import sync
+from tests.plugins.cli import run_cli, write_toml
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config
 
@@ -100,9 +103,11 @@ SMALL = "".join(f"CREATE TABLE s{i} (id int PRIMARY KEY, v text); "
 
 def test_small_tables_are_hashed_on_the_servers_in_one_job(spark, src: ScratchDb, dst: ScratchDb,
                                                           tmp_path: Path) -> None:
+    """On a cluster master the servers' sums are a Spark job (on a local master the driver asks for them: the test
+    below); the config names a cluster, the shared local session runs its jobs."""
     src.cluster.execute(SMALL, src.dbname)
-    cfg = make_config(src, dst.url, tmp_path / "work")
-    assert sync(cfg, spark=spark).rows == 500
+    assert sync(make_config(src, dst.url, tmp_path / "work"), spark=spark).rows == 500
+    cfg = make_config(src, dst.url, tmp_path / "work", **{"spark.master": "spark://cluster.invalid:7077"})
 
     report, read, jobs = _verify(spark, cfg)
     assert report.status == 0 and len(report.tables) == 5, report.lines()
@@ -115,3 +120,28 @@ def test_small_tables_are_hashed_on_the_servers_in_one_job(spark, src: ScratchDb
     assert "  (id)=('42'): v: source 's42', target 'changed'" in out, out
     assert out[-1] == "verify: the source and the target DIFFER in public.s3 (1 of 5 tables)"
     assert 0 < read <= 2 * 100 and jobs > 1  # then s3's differing range, read by its job 2
+
+
+def test_on_a_local_master_tables_that_agree_are_verified_without_spark(spark, src: ScratchDb, dst: ScratchDb,
+                                                                       tmp_path: Path) -> None:
+    """`applier verify` on a local master, a PostgreSQL target: the servers' sums are the command's own queries, so
+    tables that agree are verified with no Java to start Spark with (a Spark start would fail: exit 2); one range
+    that differs is read into Spark (job 2, on the shared session here) and its key named."""
+    src.cluster.execute(SMALL, src.dbname)
+    assert sync(make_config(src, dst.url, tmp_path / "work"), spark=spark).rows == 500
+    cfg_file = write_toml(tmp_path / "applier.toml", {
+        "source": {"dsn": src.dsn, "slot": "applier", "publications": ["pub"]}, "target": {"url": dst.url},
+        "apply": {"work_dir": str(tmp_path / "work")}, "spark": {"master": "local[2]", "partitions": 2}})
+    res = run_cli("verify", "-c", str(cfg_file), env={"JAVA_HOME": str(tmp_path / "no-java")}, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout.splitlines()
+    assert [line for line in out if line.startswith("public.")] == [
+        f"public.s{i}: OK, 100 rows, 1024 key ranges agree" for i in range(5)], res.stdout
+    assert out[-1] == "verify: the source and the target agree"
+
+    dst.cluster.execute("DELETE FROM s1 WHERE id = 7", dst.dbname)
+    report, read, jobs = _verify(spark, make_config(src, dst.url, tmp_path / "work"))
+    out = report.lines()
+    assert "  (id)=('7'): missing on the target; source row {id: '7', v: 's7'}" in out, out
+    assert out[-1] == "verify: the source and the target DIFFER in public.s1 (1 of 5 tables)"
+    assert 0 < read <= 2 * 100 and jobs >= 1  # only s1's differing range, read by its job 2

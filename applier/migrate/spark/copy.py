@@ -118,7 +118,11 @@ _PY_WORKER = re.compile(r"Error from python worker:\s*(.*?)\s*PYTHONPATH was:", 
 
 
 def spark_error_line(exc: BaseException) -> str:
-    """The Python error at the bottom of a failed Spark job's message, else its first line."""
+    """The Python error at the bottom of a failed Spark job's message, else its first line; a server's error that
+    the driver met running a job's tasks itself (``applier.migrate.spark.rangehash.in_threads``) as the same
+    error in a task would read."""
+    if isinstance(exc, psycopg.Error):
+        return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0].strip()}"
     text = str(exc)
     lines = text.splitlines()
     m = _PY_WORKER.search(text)

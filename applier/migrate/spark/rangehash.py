@@ -24,14 +24,17 @@ Scheduling: one Spark job per table, or per batch of small tables (``tables_rang
 costs more than a small table's sums); the items are the ctid page ranges of both sides of each table
 (``applier.migrate.spark.source.ctid_ranges``), a task runs every k-th item (k: the session's task
 slots), each in its own connection (the source's in the exported snapshot, ``pg_in_snapshot``) and
-returns the partial sums of its page range; the driver adds them up. Spark sees only those sums.
+returns the partial sums of its page range; the driver adds them up. Spark sees only those sums. On a
+local master the driver runs the same tasks itself, one thread each (the work is the servers', the
+threads wait on them): Spark would only schedule them on this machine, after its JVM had started.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -42,6 +45,8 @@ KEY_BITS = 10  # 1024 key ranges, as the Spark path
 RANGES = 1 << KEY_BITS
 
 Sums = tuple[int, int, int]  # rows, sum of the first hash halves, sum of the second
+T = TypeVar("T")
+U = TypeVar("U")
 
 
 def row_text(columns: Sequence[str]) -> str:
@@ -103,22 +108,52 @@ def range_sums(spark: Any, source: dict[str, Any], target: dict[str, Any]) -> tu
     return tables_range_sums(spark, [(source, target)])[0]
 
 
-def tables_range_sums(spark: Any, tables: Sequence[tuple[dict[str, Any], dict[str, Any]]]
+def tables_range_sums(spark: Any, tables: Sequence[tuple[dict[str, Any], dict[str, Any]]], threads: int = 0
                       ) -> list[tuple[dict[int, Sums], dict[int, Sums]]]:
     """``range_sums`` of several tables (each its source and target ``hash_plan``) in one Spark job, in their
-    order; a failure of any raises Spark's exception."""
+    order; a failure of any raises Spark's exception. ``spark`` None: the driver runs the job's tasks itself,
+    ``threads`` at once (``in_threads``), and a failure raises the task's own exception."""
     plans = [[source, target] for source, target in tables]
     items = [(t, side, i) for t, pair in enumerate(plans) for side in (0, 1) for i in range(len(pair[side]["ranges"]))]
-    tasks = max(1, min(len(items), task_slots(spark)))
-    sc = spark.sparkContext
-    parts = sc.parallelize([items[i::tasks] for i in range(tasks)], tasks).flatMap(
-        functools.partial(_sums_of, plans)).collect()
+    tasks = max(1, min(len(items), task_slots(spark) if spark is not None else threads))
+    groups = [items[i::tasks] for i in range(tasks)]
+    work = functools.partial(_sums_of, plans)
+    if spark is None:
+        parts = [part for done in in_threads(work, groups) for part in done]
+    else:
+        parts = spark.sparkContext.parallelize(groups, tasks).flatMap(work).collect()
     out: list[tuple[dict[int, Sums], dict[int, Sums]]] = [({}, {}) for _ in plans]
     for t, side, b, (n, s1, s2) in parts:
         sums = out[t][side]
         n0, a0, b0 = sums.get(b, (0, 0, 0))
         sums[b] = (n0 + n, a0 + s1, b0 + s2)
     return out
+
+
+def in_threads(work: Callable[[T], U], items: Sequence[T]) -> list[U]:
+    """``work(item)`` of every item, each in a thread of its own, in their order; the first failure (in the
+    order of ``items``) is raised once all have ended. The threads are daemons: an interrupt of the caller
+    (Ctrl-C) ends the command without waiting for them (their servers end their queries when the process's
+    connections close), as cancelling a Spark job does."""
+    results: list[Any] = [None] * len(items)
+    failed: list[BaseException | None] = [None] * len(items)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = work(items[i])
+        except BaseException as exc:  # noqa: BLE001 - raised by the caller's thread, below
+            failed[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"applier-verify-sums-{i}", daemon=True)
+               for i in range(len(items))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for exc in failed:
+        if exc is not None:
+            raise exc
+    return results
 
 
 def server_encoding(conn: psycopg.Connection[Any]) -> str:

@@ -48,9 +48,10 @@ when that job fails, each of its tables is compared alone, so that a failure nam
 PostgreSQL target (``compare_on_servers``): when every compared column has the same type on both
 sides and the two servers share an encoding, job 1 runs on the servers instead
 (``applier.migrate.spark.rangehash``: per range of the md5 of the key's canonical text, the row count
-and hash sums, computed by each server over its page ranges, in Spark tasks that see only those sums);
-the driver compares the ranges, and job 2 reads only the rows of the differing ranges (the filter runs
-on the servers). Otherwise (a column declared differently on the target, a SQLite target) the rows
+and hash sums, computed by each server over its page ranges, in Spark tasks that see only those sums, or
+on a local master in the driver's threads, and Spark starts only once some table needs it: verifying
+tables that agree starts no JVM); the driver compares the ranges, and job 2 reads only the rows of the
+differing ranges (the filter runs on the servers). Otherwise (a column declared differently on the target, a SQLite target) the rows
 are read into Spark as above. Either way: 1024 key ranges, the same report.
 
 A target column that a column list leaves out (it exists on the source) and
@@ -90,6 +91,8 @@ from applier.migrate.spark.copy import spark_error_line
 from applier.migrate.spark.session import (
     begin,
     check_spark_target,
+    is_local,
+    local_threads,
     reraise_interrupt,
     spark_for,
     spark_of,
@@ -98,6 +101,7 @@ from applier.migrate.spark.session import (
 from applier.migrate.sync import TargetDb, count_in_snapshot, read_tables_in_snapshot, slot_row
 from applier.source.base import Source, SourceError
 from applier.source.walsender import WalSender
+from applier.targets.backends import backend_of
 from applier.text import quote_ident
 from applier.url import Kind
 
@@ -461,24 +465,33 @@ def differing_keys(src: Any, tgt: Any, columns: list[str], key: list[str], targe
                           "source_count": r["a_n"] or 0, "target_count": r["b_n"] or 0})
 
 
-def compare_on_servers(spark: Any, tables: list[Compared], kind: Kind, max_keys: int) -> list[TableResult]:
+def compare_on_servers(session: Callable[[], Any], tables: list[Compared], kind: Kind, max_keys: int,
+                       threads: int = 0) -> list[TableResult]:
     """Compare tables of a target of ``kind`` that keeps the source's types (PostgreSQL) with the per-range sums
-    computed on the servers (``applier.migrate.spark.rangehash``), all of them in one Spark job; only the rows of
-    the differing ranges are read, by job 2 of each table that differs. TableResults in the order of ``tables``;
-    a failure raises (as ``compare``)."""
+    computed on the servers (``applier.migrate.spark.rangehash``), all of them in one Spark job, or with ``threads``
+    (a local master) by the driver itself, that many at once; only the rows of the differing ranges are read, by
+    job 2 of each table that differs. ``session()`` is Spark, asked for only when a job needs it: with
+    ``threads``, when some table differs. TableResults in the order of ``tables``; a failure raises (as
+    ``compare``)."""
     # start-up time: pyspark
     from applier.migrate.spark.rangehash import RANGES, bucket_filter, hash_plan, tables_range_sums
     from applier.migrate.spark.source import read_table  # start-up time: pyspark, pyarrow
 
     plans = [[json.loads(t.source_plan), json.loads(t.target_plan)] for t in tables]
     names = ", ".join(t.label for t in tables)
-    sc = spark.sparkContext
-    sc.setJobDescription(f"applier verify: {names} (key ranges hashed on the servers)")
+    described: list[Any] = []  # the SparkContext whose jobs are described, once Spark is asked for
+
+    def spark() -> Any:
+        if not described:
+            described.append(session().sparkContext)
+            described[0].setJobDescription(f"applier verify: {names} (key ranges hashed on the servers)")
+        return session()
+
     try:
         t0 = time.monotonic()
         hashed = [[hash_plan(p, p["columns"], [quote_ident(k) for k in t.key]) for p in pair]
                   for t, pair in zip(tables, plans, strict=True)]
-        sums = tables_range_sums(spark, [(a, b) for a, b in hashed])
+        sums = tables_range_sums(None if threads else spark(), [(a, b) for a, b in hashed], threads)
         log.debug("%s: key ranges compared on the servers in %.1fs", names, time.monotonic() - t0)
         results = []
         for t, pair, (a, b) in zip(tables, plans, sums, strict=True):
@@ -494,12 +507,13 @@ def compare_on_servers(spark: Any, tables: list[Compared], kind: Kind, max_keys:
             for p in pair:  # only the rows of the differing ranges (a table without a key: its row is its key)
                 only = bucket_filter([quote_ident(k) for k in t.key] or p["columns"], differing)
                 narrowed = json.dumps({**p, "where": f"({p['where']}) AND {only}" if p.get("where") else only})
-                sides.append(prepared(read_table(spark, "applier_pg", narrowed), len(t.columns), key_idx))
+                sides.append(prepared(read_table(spark(), "applier_pg", narrowed), len(t.columns), key_idx))
             differing_keys(sides[0], sides[1], t.columns, t.key, kind, max_keys, res)
             log.debug("%s: differing keys found in %.1fs", t.label, time.monotonic() - t0)
         return results
     finally:
-        sc.setJobDescription(None)
+        for sc in described:
+            sc.setJobDescription(None)
 
 
 # -- the command ---------------------------------------------------------------------------------
@@ -576,8 +590,21 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
         ws = WalSender(cfg.source["dsn"], connect_timeout=cfg.source["connect_timeout"])
     except SourceError as exc:
         raise ConfigError(f"{cfg.where('source', 'dsn')}: {exc}") from None
+    # a PostgreSQL target on a local master: the driver runs the servers' sums itself, as many at once as the master
+    # has threads, and Spark starts only when a table needs it (some key range differs, or its rows are compared
+    # in Spark); verifying tables that agree then starts no JVM
+    master = cfg.spark["master"]
+    threads = local_threads(master) if is_local(master) and backend_of(cfg).keeps_types else 0
+    started: list[Any] = []
+
+    def session() -> Any:
+        if not started:
+            started.append(spark_of(spark) if spark is not None else spark_for(cfg))
+        return started[0]
+
     try:
-        begin(spark)  # a background start of Spark: the checks passed
+        if not threads:
+            begin(spark)  # a background start of Spark: the checks passed
         from applier.migrate.spark.rangehash import same_types, server_encoding, target_types  # start-up: pyspark
         from applier.migrate.spark.source import pg_plan  # start-up time: pyspark
 
@@ -591,12 +618,11 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
             raise ConfigError(f"the target is at {applied}, past the snapshot's {point}: something else applied "
                               f"changes meanwhile; stop `applier run` and verify again")
         report = VerifyReport(str(point), str(applied), summary.transactions)
-        spark = spark_of(spark) if spark is not None else spark_for(cfg)
         tables = read_tables_in_snapshot(cfg, info.snapshot_name)
         target = TargetDb(cfg)
         kind = target.backend.kind
-        batch = _Batch(report, lambda items: compare(spark, items, kind, max_keys))
-        servers = _Batch(report, lambda items: compare_on_servers(spark, items, kind, max_keys))
+        batch = _Batch(report, lambda items: compare(session(), items, kind, max_keys))
+        servers = _Batch(report, lambda items: compare_on_servers(session, items, kind, max_keys, threads))
         try:
             same_encoding = False  # PostgreSQL on both sides: the key ranges can be hashed on the servers
             if target.backend.keeps_types:
