@@ -43,7 +43,8 @@ def sync(
         "--table", "-t", help="Copy just this published table (schema.name; repeatable) at a new snapshot and join "
         "it to the running replica (after a completed sync; `applier run` may keep running).")] = None,
 ) -> None:
-    """Initial copy: slot with a snapshot, target tables, every published table copied with Spark.
+    """Initial copy: slot with a snapshot, target tables, every published table copied by Spark (small tables, and
+    every table on a local master that copies one stream at a time, by this process).
 
     With --table: a table added to the publication later is copied at a fresh snapshot and joined to the
     stream; its changes committed before that snapshot are skipped by the apply engine, later ones applied.
@@ -64,9 +65,10 @@ def sync(
         from applier.targets.backends import backend_of  # start-up time of the other commands (~0.1 s)
 
         # a PostgreSQL target is copied by Spark tasks (a SQLite one, and on a local master a small table or any
-        # where the master copies one stream at a time, by the driver alone: `applier.migrate.sync.by_spark`): for the full sync its SparkContext starts in the background once the checks pass (on a
-        # local master once the published tables are read and one needs it), while the rest of the command reads
-        # the catalogs (`sync --table`, whose refusals are the common way out, starts it when it copies)
+        # where the master copies one stream at a time, by the driver alone: `applier.migrate.sync.by_spark`): for
+        # the full sync its SparkContext starts in the background once the checks pass (on a local master once the
+        # published tables are read and one needs it), while the rest of the command reads the catalogs
+        # (`sync --table`, whose refusals are the common way out, starts it when it copies)
         spark = SparkStart(cfg, sql=False) if backend_of(cfg).copies_by_spark and not table else None
         # here, not at the top: start-up time (sync loads pyspark and alembic only when it needs them)
         from applier.migrate.add_table import sync_tables

@@ -16,13 +16,16 @@ are summed from Spark's status store over the stages of verify's own jobs.
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from applier.config import Config
+from applier.migrate.spark.rangehash import Running
 from applier.migrate.spark.verify import VerifyReport, verify
 from applier.migrate.sync import sync
 from tests.plugins.cli import run_cli, write_toml
@@ -145,3 +148,45 @@ def test_on_a_local_master_tables_that_agree_are_verified_without_spark(spark, s
     assert "  (id)=('7'): missing on the target; source row {id: '7', v: 's7'}" in out, out
     assert out[-1] == "verify: the source and the target DIFFER in public.s1 (1 of 5 tables)"
     assert 0 < read <= 2 * 100 and jobs >= 1  # only s1's differing range, read by its job 2
+
+
+def test_spark_that_cannot_start_fails_the_command_not_a_table(spark, src: ScratchDb, dst: ScratchDb,
+                                                               tmp_path: Path) -> None:
+    """Tables to be read into Spark (a column declared otherwise on the target) and no Java: the command fails with
+    one line, Spark's start as the cause (exit 2, no traceback); no table is reported as not compared for it."""
+    src.cluster.execute(SMALL, src.dbname)
+    assert sync(make_config(src, dst.url, tmp_path / "work"), spark=spark).rows == 500
+    dst.cluster.execute("ALTER TABLE s1 ALTER COLUMN v TYPE varchar(40); ALTER TABLE s3 ALTER COLUMN v TYPE "
+                        "varchar(40)", dst.dbname)
+    cfg_file = write_toml(tmp_path / "applier.toml", {
+        "source": {"dsn": src.dsn, "slot": "applier", "publications": ["pub"]}, "target": {"url": dst.url},
+        "apply": {"work_dir": str(tmp_path / "work")}, "spark": {"master": "local[2]", "partitions": 2}})
+    res = run_cli("verify", "-c", str(cfg_file), env={"JAVA_HOME": str(tmp_path / "no-java")}, timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.splitlines()[-1] == (
+        "applier: error: Spark could not start with master 'local[2]': [JAVA_GATEWAY_EXITED] Java gateway process "
+        "exited before sending its port number.; Spark needs Java 17 (JAVA_HOME, or java on the PATH)"), res.stderr
+    assert "Traceback" not in res.stderr and "could not compare" not in res.stdout + res.stderr, res.stderr
+
+
+def test_the_drivers_tasks_stop_together_when_one_fails(src: ScratchDb) -> None:
+    """The servers' sums run by the driver (a local master): when one task fails, the queries of the others under
+    way are cancelled (the servers stop, the failure is raised at once), as a Spark job ends its tasks."""
+    running = Running()
+
+    def work(seconds: float) -> float:
+        with psycopg.connect(src.dsn, autocommit=True) as conn, running.holding(conn):
+            if seconds < 0:
+                time.sleep(1)  # the others' queries are under way
+                conn.execute("SELECT 1 / 0")
+            conn.execute("SELECT pg_sleep(%s)", [seconds])
+        return seconds
+
+    assert running.run(work, [0.1, 0.2]) == [0.1, 0.2]
+    running = Running()
+    started = time.monotonic()
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        running.run(work, [60, 60, -1])
+    assert time.monotonic() - started < 30
+    assert src.cluster.execute("SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep%%' "
+                               "AND state = 'active'", src.dbname) == [(0,)]

@@ -13,7 +13,8 @@ copy under way (the sync row, or the table's ``applier_sync_tables`` row for ``s
 PostgreSQL): a task of a killed run that still runs on a cluster, or a straggler of a failed attempt, rolls
 back instead of writing into a table that a newer run has emptied.
 
-- PostgreSQL target: one Spark job per table (but a small one on a local master: below), as many tasks as the session streams at once
+- PostgreSQL target: one Spark job per table (on a local master not a small one, nor any where the master copies one
+  stream at a time: below), as many tasks as the session streams at once
   (``applier.migrate.spark.session.copy_streams``: a cluster's task slots, half a local master's threads; a
   Spark task costs tens of milliseconds), each with a slice of consecutive partitions (``task_groups``):
   Spark spreads the tasks over the executors (local or a cluster), retries them (a retried task skips its
@@ -42,7 +43,7 @@ back instead of writing into a table that a newer run has emptied.
   records and run check): the task would run on this machine anyway, and a job's fixed cost (scheduling it, a round
   trip to a Python worker: about 0.1 s; the first job's JVM and Python worker: seconds) is more than such a copy
   takes, or all that Spark would add to it.
-  A sync whose tables are all small starts no Spark at all. On a cluster every table is a job (its executors are
+  A sync that copies every table so starts no Spark at all. On a cluster every table is a job (its executors are
   where the copy is meant to run).
 - SQLite target (a file of the driver's; no Spark): its readers and one writer, ``applier.migrate.spark.sqlitecopy``;
   a partition is at most ``SQLITE_PART_PAGES`` heap pages (``partitions_for``: about a second of writing).
@@ -117,12 +118,19 @@ _PY_RAISED = re.compile(r"^([A-Za-z_][\w.]*): (.+)$")  # the line ending a Pytho
 _PY_WORKER = re.compile(r"Error from python worker:\s*(.*?)\s*PYTHONPATH was:", re.S)  # it died before running
 
 
+def driver_error_line(exc: BaseException) -> str:
+    """An error the driver met running a job's tasks itself (a small copy, ``applier.migrate.spark.rangehash``'s
+    sums on a local master), as the same error in a Spark task reads (``spark_error_line``): its class and, for a
+    server's error, its message alone (its DETAIL, CONTEXT and a COPY line may quote the rows' values)."""
+    said = exc.diag.message_primary if isinstance(exc, psycopg.Error) else None
+    return f"{type(exc).__name__}: {said or one_line(exc)}"
+
+
 def spark_error_line(exc: BaseException) -> str:
     """The Python error at the bottom of a failed Spark job's message, else its first line; a server's error that
-    the driver met running a job's tasks itself (``applier.migrate.spark.rangehash.in_threads``) as the same
-    error in a task would read."""
+    the driver met itself as ``driver_error_line`` says it."""
     if isinstance(exc, psycopg.Error):
-        return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0].strip()}"
+        return driver_error_line(exc)
     text = str(exc)
     lines = text.splitlines()
     m = _PY_WORKER.search(text)
@@ -232,10 +240,7 @@ def copy_partitions(spark: Any, plan: CopyPlan, done: Collection[int], label: st
                 return copy_pg_partitions(plan, task_groups(plan, parts, 1)[0])
             return copy_sqlite_partitions(plan, parts)
         except Exception as exc:  # noqa: BLE001 - either end's error, as one line
-            # a server's error: its message alone, as a Spark task's is reported (its DETAIL, CONTEXT and the
-            # COPY line may quote the rows' values)
-            said = exc.diag.message_primary if isinstance(exc, psycopg.Error) else None
-            raise CopyError(f"copying {label} failed: {type(exc).__name__}: {said or one_line(exc)}") from exc
+            raise CopyError(f"copying {label} failed: {driver_error_line(exc)}") from exc
     sc = context_of(spark)
     sc.setJobDescription(f"applier sync: copy {label}")
     work = task_groups(plan, parts, copy_streams(spark))

@@ -31,9 +31,10 @@ threads wait on them): Spark would only schedule them on this machine, after its
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import psycopg
@@ -89,14 +90,15 @@ def hash_plan(plan: dict[str, Any], columns: list[str], key: list[str], bits: in
     return {**plan, "columns": exprs, "keyed": bool(key), "bits": bits}
 
 
-def _sums_of(tables: list[list[dict[str, Any]]], items: list[tuple[int, int, int]]
-             ) -> list[tuple[int, int, int, Sums]]:
-    """(table, side, bucket, sums) of page ranges ``items`` ((table, side, range index)): a Spark task's work."""
+def _sums_of(tables: list[list[dict[str, Any]]], items: list[tuple[int, int, int]],
+             running: Running | None = None) -> list[tuple[int, int, int, Sums]]:
+    """(table, side, bucket, sums) of page ranges ``items`` ((table, side, range index)): a Spark task's work, or
+    a driver's thread's (its connection in ``running`` while it queries, to be cancelled)."""
     out = []
     for table, side, index in items:
         plan = tables[table][side]
         lo, hi = plan["ranges"][index]
-        with pg_in_snapshot(plan, index) as conn:
+        with pg_in_snapshot(plan, index) as conn, running.holding(conn) if running else contextlib.nullcontext():
             for b, n, s1, s2 in conn.execute(sums_query(plan, lo, hi)):
                 out.append((table, side, int(b), (int(n), int(s1), int(s2))))
     return out
@@ -112,16 +114,17 @@ def tables_range_sums(spark: Any, tables: Sequence[tuple[dict[str, Any], dict[st
                       ) -> list[tuple[dict[int, Sums], dict[int, Sums]]]:
     """``range_sums`` of several tables (each its source and target ``hash_plan``) in one Spark job, in their
     order; a failure of any raises Spark's exception. ``spark`` None: the driver runs the job's tasks itself,
-    ``threads`` at once (``in_threads``), and a failure raises the task's own exception."""
+    ``threads`` at once (``Running``), and a failure raises the task's own exception."""
     plans = [[source, target] for source, target in tables]
     items = [(t, side, i) for t, pair in enumerate(plans) for side in (0, 1) for i in range(len(pair[side]["ranges"]))]
     tasks = max(1, min(len(items), task_slots(spark) if spark is not None else threads))
     groups = [items[i::tasks] for i in range(tasks)]
-    work = functools.partial(_sums_of, plans)
     if spark is None:
-        parts = [part for done in in_threads(work, groups) for part in done]
+        running = Running()
+        parts = [part for done in running.run(functools.partial(_sums_of, plans, running=running), groups)
+                 for part in done]
     else:
-        parts = spark.sparkContext.parallelize(groups, tasks).flatMap(work).collect()
+        parts = spark.sparkContext.parallelize(groups, tasks).flatMap(functools.partial(_sums_of, plans)).collect()
     out: list[tuple[dict[int, Sums], dict[int, Sums]]] = [({}, {}) for _ in plans]
     for t, side, b, (n, s1, s2) in parts:
         sums = out[t][side]
@@ -130,30 +133,65 @@ def tables_range_sums(spark: Any, tables: Sequence[tuple[dict[str, Any], dict[st
     return out
 
 
-def in_threads(work: Callable[[T], U], items: Sequence[T]) -> list[U]:
-    """``work(item)`` of every item, each in a thread of its own, in their order; the first failure (in the
-    order of ``items``) is raised once all have ended. The threads are daemons: an interrupt of the caller
-    (Ctrl-C) ends the command without waiting for them (their servers end their queries when the process's
-    connections close), as cancelling a Spark job does."""
-    results: list[Any] = [None] * len(items)
-    failed: list[BaseException | None] = [None] * len(items)
+class Running:
+    """A job's tasks run by the driver (``run``), each in a thread of its own, with the connections they query on
+    (``holding``): when the caller is interrupted (Ctrl-C) or a task fails, the queries under way are cancelled,
+    as Spark's job would end its tasks, so that the servers stop hashing and the failure is raised at once."""
 
-    def run(i: int) -> None:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._conns: set[psycopg.Connection[Any]] = set()
+        self._stopped = False
+
+    @contextlib.contextmanager
+    def holding(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
+        """``conn``'s queries are cancelled if the job stops while it is held (at once if it has stopped)."""
+        with self._lock:
+            if self._stopped:
+                raise psycopg.errors.QueryCanceled("the job stopped")
+            self._conns.add(conn)
         try:
-            results[i] = work(items[i])
-        except BaseException as exc:  # noqa: BLE001 - raised by the caller's thread, below
-            failed[i] = exc
+            yield
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"applier-verify-sums-{i}", daemon=True)
-               for i in range(len(items))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for exc in failed:
-        if exc is not None:
-            raise exc
-    return results
+    def stop(self) -> None:
+        """Cancel the queries under way, and any a task starts from now on."""
+        with self._lock:
+            self._stopped = True
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(psycopg.Error):
+                conn.cancel()
+
+    def run(self, work: Callable[[T], U], items: Sequence[T]) -> list[U]:
+        """``work(item)`` of every item, each in a daemon thread, in their order; the first failure (the one that
+        stopped the others, whose cancelled queries fail after it) is raised once every thread has ended."""
+        results: list[Any] = [None] * len(items)
+        failed: list[BaseException] = []
+
+        def one(i: int) -> None:
+            try:
+                results[i] = work(items[i])
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller's thread, below
+                with self._lock:
+                    failed.append(exc)
+                self.stop()
+
+        threads = [threading.Thread(target=one, args=(i,), name=f"applier-verify-sums-{i}", daemon=True)
+                   for i in range(len(items))]
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        except BaseException:
+            self.stop()  # an interrupt: the servers' queries end (the threads, daemons, end with them)
+            raise
+        if failed:
+            raise failed[0]
+        return results
 
 
 def server_encoding(conn: psycopg.Connection[Any]) -> str:

@@ -100,6 +100,10 @@ COMMON_CONF = {
 }
 
 
+class SparkStartError(ConfigError):
+    """Spark's driver could not start: the command's one line (exit 2), not a table's failure."""
+
+
 def is_local(master: str) -> bool:
     """True for local, local[N], local[*], local[N,F]."""
     return master == "local" or master.startswith("local[")
@@ -265,6 +269,10 @@ def spark_context(master: str = "local[*]", app_name: str = "applier") -> Any:
     os.environ.update(SPARK_SUBMIT_OPTS=_driver_opts(local, archive), SPARK_HOME=_spark_home())
     try:
         sc = SparkContext.getOrCreate(conf)
+    except Exception as exc:  # noqa: BLE001 - its launcher failed (no Java, a master it cannot reach): one line
+        said = " ".join(str(exc).split())
+        hint = "; Spark needs Java 17 (JAVA_HOME, or java on the PATH)" if "JAVA_GATEWAY_EXITED" in said else ""
+        raise SparkStartError(f"Spark could not start with master {master!r}: {said}{hint}") from exc
     finally:
         for name, was in saved.items():
             if was is None:

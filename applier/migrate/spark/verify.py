@@ -522,15 +522,45 @@ BATCH_PAGES = 1024  # a table of at most this many pages (8 MB) is read by one t
 BATCH_TABLES = 64  # at most this many tables in one job
 
 
+class _LazySpark:
+    """Spark for the comparisons that need it: ``spark`` (a SparkSession, a ``SparkStart`` of one, or None: one
+    started for the config's master) once first asked for (``get``); ``begin`` starts a ``SparkStart`` in the
+    background ahead of that. A start that failed is ``error``, raised again to every later ask: ``_Batch`` lets it
+    through (the command fails as it did when Spark could not start; no table is marked not compared for it, and
+    Spark is not started again for each table)."""
+
+    def __init__(self, spark: Any, cfg: Config) -> None:
+        self.spark = spark
+        self.cfg = cfg
+        self.session: Any = None
+        self.error: Exception | None = None
+
+    def begin(self) -> None:
+        begin(self.spark)
+
+    def get(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        if self.session is None:
+            try:
+                self.session = spark_of(self.spark) if self.spark is not None else spark_for(self.cfg)
+            except Exception as exc:
+                self.error = exc
+                raise
+        return self.session
+
+
 class _Batch:
     """The tables of ``report`` waiting to be compared together (``compare_many``: ``compare`` or
     ``compare_on_servers``), each by its place in the report, whose result fills that place: when comparing
     several together fails, each is compared alone, so that a failure names its own table; a table's failure is
-    its result (``TableResult.error``), the others go on."""
+    its result (``TableResult.error``), the others go on. Spark's start failing (``spark``) is not a table's."""
 
-    def __init__(self, report: VerifyReport, compare_many: Callable[[list[Compared]], list[TableResult]]) -> None:
+    def __init__(self, report: VerifyReport, compare_many: Callable[[list[Compared]], list[TableResult]],
+                 spark: _LazySpark) -> None:
         self.report = report
         self.compare_many = compare_many
+        self.spark = spark
         self.waiting: list[tuple[int, Compared]] = []
 
     def add(self, place: int, table: Compared, small: bool) -> None:
@@ -554,6 +584,8 @@ class _Batch:
             results = self.compare_many(tables)
         except Exception as exc:  # noqa: BLE001 - one table's failure is reported, the others go on
             reraise_interrupt(exc)
+            if exc is self.spark.error:
+                raise
             if len(tables) > 1:
                 log.debug("comparing %s together failed: each alone", ", ".join(t.label for t in tables))
                 for place, table in zip(places, tables, strict=True):
@@ -571,8 +603,8 @@ class _Batch:
 def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = None,
            partitions: int | None = None) -> VerifyReport:
     """Compare every published table at one consistent moment (see the module header). ``spark``: a SparkSession
-    or a ``SparkStart`` of one (begun once the checks pass, waited for once the target is caught up), else one is
-    started then."""
+    or a ``SparkStart`` of one (begun once the checks pass; for a PostgreSQL target on a local master only once a
+    table is to be read into Spark; waited for when a comparison first needs it), else one is started then."""
     say = say or (lambda line: None)
     nparts = partitions or cfg.spark["partitions"]
     check_spark_target(cfg)
@@ -591,20 +623,14 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
     except SourceError as exc:
         raise ConfigError(f"{cfg.where('source', 'dsn')}: {exc}") from None
     # a PostgreSQL target on a local master: the driver runs the servers' sums itself, as many at once as the master
-    # has threads, and Spark starts only when a table needs it (some key range differs, or its rows are compared
-    # in Spark); verifying tables that agree then starts no JVM
+    # has threads, and Spark starts only when a table needs it (its rows are compared in Spark: begun then, in the
+    # background; some key range differs: started then); verifying tables that agree then starts no JVM
     master = cfg.spark["master"]
     threads = local_threads(master) if is_local(master) and backend_of(cfg).keeps_types else 0
-    started: list[Any] = []
-
-    def session() -> Any:
-        if not started:
-            started.append(spark_of(spark) if spark is not None else spark_for(cfg))
-        return started[0]
-
+    lazy = _LazySpark(spark, cfg)
     try:
         if not threads:
-            begin(spark)  # a background start of Spark: the checks passed
+            lazy.begin()  # a background start of Spark: the checks passed
         from applier.migrate.spark.rangehash import same_types, server_encoding, target_types  # start-up: pyspark
         from applier.migrate.spark.source import pg_plan  # start-up time: pyspark
 
@@ -621,8 +647,8 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
         tables = read_tables_in_snapshot(cfg, info.snapshot_name)
         target = TargetDb(cfg)
         kind = target.backend.kind
-        batch = _Batch(report, lambda items: compare(session(), items, kind, max_keys))
-        servers = _Batch(report, lambda items: compare_on_servers(session, items, kind, max_keys, threads))
+        batch = _Batch(report, lambda items: compare(lazy.get(), items, kind, max_keys), lazy)
+        servers = _Batch(report, lambda items: compare_on_servers(lazy.get, items, kind, max_keys, threads), lazy)
         try:
             same_encoding = False  # PostgreSQL on both sides: the key ranges can be hashed on the servers
             if target.backend.keeps_types:
@@ -661,6 +687,8 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                     [(c.name, c.type_schema, c.type_name, c.type_mod) for c in compared],
                     target_types(target.conn, qtarget))
                 report.tables.append(TableResult(res_name, shown, t.key_columns))
+                if not on_servers:
+                    lazy.begin()  # its rows are read into Spark: started in the background while others are planned
                 (servers if on_servers else batch).add(
                     len(report.tables) - 1, Compared(t.qualified, src_plan, tgt_plan, fmt, cols + nulls,
                                                      t.key_columns), small)
