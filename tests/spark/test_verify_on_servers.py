@@ -16,6 +16,9 @@ are summed from Spark's status store over the stages of verify's own jobs.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -28,7 +31,7 @@ from applier.config import Config
 from applier.migrate.spark.rangehash import Running
 from applier.migrate.spark.verify import VerifyReport, verify
 from applier.migrate.sync import sync
-from tests.plugins.cli import run_cli, write_toml
+from tests.plugins.cli import applier_script, clean_env, run_cli, write_toml
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config
 
@@ -190,3 +193,48 @@ def test_the_drivers_tasks_stop_together_when_one_fails(src: ScratchDb) -> None:
     assert time.monotonic() - started < 30
     assert src.cluster.execute("SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep%%' "
                                "AND state = 'active'", src.dbname) == [(0,)]
+
+
+def test_ctrl_c_while_the_servers_hash_ends_the_command_and_their_queries(spark, src: ScratchDb, dst: ScratchDb,
+                                                                          tmp_path: Path) -> None:
+    """Ctrl-C while the command's own threads wait on the servers' sums (a small table's, held back by a lock the
+    test takes once verify has planned that table, while a larger one is compared): one line, exit 130, and the
+    waiting query cancelled, not left to run once the lock is released."""
+    src.cluster.execute(SMALL.replace("CREATE PUBLICATION pub FOR TABLE s0, s1, s2, s3, s4;", "")
+                        + "CREATE TABLE t_big (id int PRIMARY KEY, v text); INSERT INTO t_big SELECT g, repeat('x', 80) "
+                        "FROM generate_series(1, 150000) g; CREATE PUBLICATION pub FOR TABLE s0, s1, s2, s3, s4, t_big;",
+                        src.dbname)
+    assert src.cluster.execute("SELECT pg_relation_size('t_big') / 8192 > 1024", src.dbname) == [(True,)]
+    assert sync(make_config(src, dst.url, tmp_path / "work"), spark=spark).rows == 150500
+    cfg_file = write_toml(tmp_path / "applier.toml", {
+        "source": {"dsn": src.dsn, "slot": "applier", "publications": ["pub"]}, "target": {"url": dst.url},
+        "apply": {"work_dir": str(tmp_path / "work")}, "spark": {"master": "local[2]", "partitions": 2}})
+    sums = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid() "
+            "AND query LIKE '%count(*), sum(%'")
+    with psycopg.connect(dst.dsn) as lock:
+        proc = subprocess.Popen([applier_script(), "verify", "-c", str(cfg_file)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=clean_env(), stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            assert proc.stderr is not None
+            # s2 is planned (its size read: that waits on the lock too); the small tables' sums come after t_big's
+            while (line := proc.stderr.readline()) and line.strip() != "comparing public.s2":
+                pass
+            assert line, "verify ended before it compared s2"
+            lock.execute("LOCK TABLE s2 IN ACCESS EXCLUSIVE MODE")
+            deadline = time.monotonic() + 120
+            while dst.cluster.execute(sums + " AND wait_event_type = 'Lock'", dst.dbname) != [(1,)]:
+                assert proc.poll() is None and time.monotonic() < deadline, "verify did not wait on s2's lock"
+                time.sleep(0.2)
+            os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert proc.returncode == 130, out + err
+        assert "Traceback" not in err and err.rstrip().splitlines()[-1] == "applier: interrupted", err
+        # cancelled while the lock is still held
+        assert dst.cluster.execute(sums + " AND state = 'active'", dst.dbname) == [(0,)]
+        lock.rollback()
+    assert src.cluster.execute(sums + " AND state = 'active'", src.dbname) == [(0,)]
