@@ -10,7 +10,6 @@ the logging (``-v``, ``--log-format json``).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import sqlite3
@@ -27,7 +26,7 @@ import pytest
 
 from applier.sandbox.clusters import find_install
 from tests.cli.test_config_errors import closed_port
-from tests.plugins.cli import applier_script, clean_env, invoke, run_cli, write_toml
+from tests.plugins.cli import applier_script, clean_env, ctrl_c, foreground, invoke, run_cli, write_toml
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 
 SECRET = "Sup3rSecret"
@@ -356,22 +355,15 @@ def test_ctrl_c_during_a_copy_is_one_line_and_130(world: World, rows: int) -> No
                               spark={"master": "local[4]", "partitions": 1})
         with psycopg.connect(target.dsn) as lock:
             lock.execute(f"LOCK TABLE {big} IN EXCLUSIVE MODE")  # reads go on, the copy's writes wait
-            proc = subprocess.Popen([applier_script(), "sync", "-q", "-c", str(config)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=clean_env(), stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
-            try:
+            with foreground("sync", "-q", "-c", str(config)) as proc:
                 deadline = time.monotonic() + 180
                 while not target.cluster.execute(
                         "SELECT 1 FROM pg_stat_activity WHERE datname = %s AND wait_event_type = 'Lock' "
                         "AND query LIKE 'COPY%%'", params=[target.dbname]):
-                    assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                    assert proc.poll() is None, proc.communicate()
+                    assert time.monotonic() < deadline, "the copy did not wait on the lock"
                     time.sleep(0.5)
-                os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
-                out, err = proc.communicate(timeout=120)
-            finally:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                out, err = ctrl_c(proc)
             lock.rollback()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "ERROR" not in err and "py4j" not in err, err

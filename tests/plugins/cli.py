@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,28 @@ def clean_env() -> dict[str, str]:
     """The environment for an applier subprocess, without APPLIER_* variables that would override the file
     (APPLIER_PURE_PYTHON, which picks the row path and is no config value, is kept)."""
     return {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_") or k == "APPLIER_PURE_PYTHON"}
+
+
+@contextlib.contextmanager
+def foreground(*args: str) -> Iterator[subprocess.Popen[str]]:
+    """``applier ARGS`` started as a terminal's foreground job (a process group of its own, which a Ctrl-C reaches
+    whole: the command and any JVM it starts), ``clean_env``, no stdin, stdout and stderr piped; killed with its
+    group at the end if it still runs."""
+    proc = subprocess.Popen([applier_script(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=clean_env(), stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def ctrl_c(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[str, str]:
+    """A terminal's Ctrl-C to a ``foreground`` command: SIGINT to its process group; its (stdout, stderr) once it
+    exited."""
+    os.killpg(proc.pid, signal.SIGINT)
+    return proc.communicate(timeout=timeout)
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120,

@@ -16,9 +16,6 @@ are summed from Spark's status store over the stages of verify's own jobs.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -31,7 +28,7 @@ from applier.config import Config
 from applier.migrate.spark.rangehash import Running
 from applier.migrate.spark.verify import VerifyReport, verify
 from applier.migrate.sync import sync
-from tests.plugins.cli import applier_script, clean_env, run_cli, write_toml
+from tests.plugins.cli import ctrl_c, foreground, run_cli, write_toml
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config
 
@@ -212,10 +209,7 @@ def test_ctrl_c_while_the_servers_hash_ends_the_command_and_their_queries(spark,
     sums = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid() "
             "AND query LIKE '%count(*), sum(%'")
     with psycopg.connect(dst.dsn) as lock:
-        proc = subprocess.Popen([applier_script(), "verify", "-c", str(cfg_file)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=clean_env(), stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-        try:
+        with foreground("verify", "-c", str(cfg_file)) as proc:
             assert proc.stderr is not None
             # s2 is planned (its size read: that waits on the lock too); the small tables' sums come after t_big's
             while (line := proc.stderr.readline()) and line.strip() != "comparing public.s2":
@@ -226,12 +220,7 @@ def test_ctrl_c_while_the_servers_hash_ends_the_command_and_their_queries(spark,
             while dst.cluster.execute(sums + " AND wait_event_type = 'Lock'", dst.dbname) != [(1,)]:
                 assert proc.poll() is None and time.monotonic() < deadline, "verify did not wait on s2's lock"
                 time.sleep(0.2)
-            os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
-            out, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            out, err = ctrl_c(proc, timeout=60)
         assert proc.returncode == 130, out + err
         assert "Traceback" not in err and err.rstrip().splitlines()[-1] == "applier: interrupted", err
         # cancelled while the lock is still held
