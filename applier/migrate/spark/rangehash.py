@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -46,6 +47,7 @@ KEY_BITS = 10  # 1024 key ranges, as the Spark path
 RANGES = 1 << KEY_BITS
 
 Sums = tuple[int, int, int]  # rows, sum of the first hash halves, sum of the second
+CANCEL_WAIT = 2.0  # seconds: a cancel request's wait for its server; how long an interrupt keeps cancelling
 T = TypeVar("T")
 U = TypeVar("U")
 
@@ -98,7 +100,8 @@ def _sums_of(tables: list[list[dict[str, Any]]], items: list[tuple[int, int, int
     for table, side, index in items:
         plan = tables[table][side]
         lo, hi = plan["ranges"][index]
-        with pg_in_snapshot(plan, index) as conn, running.holding(conn) if running else contextlib.nullcontext():
+        with pg_in_snapshot(plan, index) as conn, (
+                running.holding(conn) if running is not None else contextlib.nullcontext()):
             for b, n, s1, s2 in conn.execute(sums_query(plan, lo, hi)):
                 out.append((table, side, int(b), (int(n), int(s1), int(s2))))
     return out
@@ -157,13 +160,15 @@ class Running:
                 self._conns.discard(conn)
 
     def stop(self) -> None:
-        """Cancel the queries under way, and any a task starts from now on."""
+        """Cancel the queries under way, and any a task starts from now on. A server drops a cancel that reaches a
+        connection before its query does (registered, not yet sent): ``run`` calls this again until its threads
+        have ended."""
         with self._lock:
             self._stopped = True
             conns = list(self._conns)
         for conn in conns:
-            with contextlib.suppress(psycopg.Error):
-                conn.cancel()
+            with contextlib.suppress(psycopg.Error):  # the query ended meanwhile; a server that does not answer
+                conn.cancel_safe(timeout=CANCEL_WAIT)
 
     def run(self, work: Callable[[T], U], items: Sequence[T]) -> list[U]:
         """``work(item)`` of every item, each in a daemon thread, in their order; the first failure (the one that
@@ -185,9 +190,19 @@ class Running:
             for thread in threads:
                 thread.start()
             for thread in threads:
-                thread.join()
+                while thread.is_alive():
+                    thread.join(CANCEL_WAIT / 4)
+                    if self._stopped:
+                        self.stop()  # again: a cancel that came before its query was dropped
         except BaseException:
-            self.stop()  # an interrupt: the servers' queries end (the threads, daemons, end with them)
+            # an interrupt: the servers' queries end (the threads, daemons, end with them); cancelled again for a
+            # moment, as above, without holding the command up longer
+            self.stop()
+            deadline = time.monotonic() + CANCEL_WAIT
+            for thread in threads:
+                while thread.is_alive() and time.monotonic() < deadline:
+                    thread.join(CANCEL_WAIT / 4)
+                    self.stop()
             raise
         if failed:
             raise failed[0]

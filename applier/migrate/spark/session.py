@@ -270,9 +270,7 @@ def spark_context(master: str = "local[*]", app_name: str = "applier") -> Any:
     try:
         sc = SparkContext.getOrCreate(conf)
     except Exception as exc:  # noqa: BLE001 - its launcher failed (no Java, a master it cannot reach): one line
-        said = " ".join(str(exc).split())
-        hint = "; Spark needs Java 17 (JAVA_HOME, or java on the PATH)" if "JAVA_GATEWAY_EXITED" in said else ""
-        raise SparkStartError(f"Spark could not start with master {master!r}: {said}{hint}") from exc
+        raise _start_failed(master, exc) from exc
     finally:
         for name, was in saved.items():
             if was is None:
@@ -289,6 +287,22 @@ def spark_context(master: str = "local[*]", app_name: str = "applier") -> Any:
     if not local and os.environ.get("APPLIER_SPARK_SHIP", "1") != "0":
         sc.addPyFile(_applier_zip())
     return sc
+
+
+def _start_failed(master: str, exc: Exception) -> BaseException:
+    """What a failed ``SparkContext`` start raises: the interrupt that caused it (PySpark's clean-up may raise in its
+    place), else ``SparkStartError`` with the first line of the cause and, when no Java can be found, what Spark
+    needs (spark-submit's own lines, printed before, say the rest)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return KeyboardInterrupt()
+        seen = seen.__cause__ or seen.__context__
+    said = " ".join((str(exc).strip().splitlines() or [type(exc).__name__])[0].split())[:300]
+    home = os.environ.get("JAVA_HOME")
+    java = (Path(home) / "bin" / "java").exists() if home else shutil.which("java") is not None
+    hint = "" if java else "; no Java found: Spark needs Java 17 (JAVA_HOME, or java on the PATH)"
+    return SparkStartError(f"Spark could not start with master {master!r}: {said}{hint}")
 
 
 def spark_session(master: str = "local[*]", app_name: str = "applier") -> Any:
