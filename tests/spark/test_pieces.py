@@ -6,7 +6,8 @@ newlines, one-column tables of NULLs); canonical values of the SQLite mapping
 agree between a converted source value and what SQLite returns; constant
 defaults are told from expressions; ``StopBefore`` stops the stream exactly
 before the first transaction committed at or after its point; a Spark error is
-reduced to its Python cause.
+reduced to its Python cause; a Spark start that failed is one line (the Java hint only when no Java can be
+found), or the interrupt that caused it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from applier.migrate.schema import SourceColumn, SourceTable, default_is_constan
 from applier.migrate.spark.canonical import canon, canonical_rows_batch, display, sqlite_source_canonicalizer  # noqa: E402
 from applier.migrate.spark.copy import GROUP_PAGES, spark_error_line, task_groups  # noqa: E402
 from applier.migrate.spark.pgcopy import CopyPlan  # noqa: E402
-from applier.migrate.spark.session import copy_streams, task_slots  # noqa: E402
+from applier.migrate.spark.session import SparkStartError, _start_failed, copy_streams, task_slots  # noqa: E402
 from applier.migrate.spark.source import csv_batches, ctid_ranges  # noqa: E402
 from applier.migrate.spark.verify import StopBefore  # noqa: E402
 from applier.targets.sqlite.schema import sqlite_affinity, sqlite_declared_types  # noqa: E402
@@ -227,3 +228,29 @@ def test_task_groups_are_consecutive_partitions_of_bounded_size(pages: int, part
                                                                  streams: int, want: list[list[list[int]]],
                                                                  weight: float) -> None:
     assert task_groups(_copy_plan(pages, partitions, weight), list(parts), streams) == want
+
+
+def test_a_failed_spark_start_is_one_line_or_its_interrupt(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    launcher = RuntimeError("[JAVA_GATEWAY_EXITED] Java gateway process exited before sending its port number.\n"
+                            "\tat org.apache.spark.deploy.SparkSubmit.main(SparkSubmit.scala)")
+    java = tmp_path / "jdk" / "bin" / "java"
+    java.parent.mkdir(parents=True)
+    java.touch()
+    monkeypatch.setenv("JAVA_HOME", str(tmp_path / "jdk"))  # a Java there: the launcher failed for another reason
+    said = _start_failed("local[2]", launcher)
+    assert isinstance(said, SparkStartError) and str(said) == (
+        "Spark could not start with master 'local[2]': [JAVA_GATEWAY_EXITED] Java gateway process exited before "
+        "sending its port number.")
+    monkeypatch.setenv("JAVA_HOME", str(tmp_path / "none"))
+    assert str(_start_failed("local[2]", launcher)).endswith(
+        "; no Java found: Spark needs Java 17 (JAVA_HOME, or java on the PATH)")
+    # PySpark's clean-up after a Ctrl-C raising in the interrupt's place: the interrupt
+    assert not isinstance(_start_failed("local[2]", RuntimeError("Answer from Java side is empty")), KeyboardInterrupt)
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("Answer from Java side is empty")  # noqa: B904 - as PySpark's clean-up raises it
+    except RuntimeError as exc:
+        cleanup = exc
+    assert isinstance(_start_failed("local[2]", cleanup), KeyboardInterrupt)
