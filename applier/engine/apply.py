@@ -69,7 +69,7 @@ from applier.engine.holding import transaction_of
 from applier.engine.joingate import JoinGate, Place
 from applier.engine.newtables import NewTables
 from applier.engine.relation import RawMessage, RelationMap
-from applier.engine.spool import SpoolSet, records
+from applier.engine.spool import SpoolError, SpoolSet, records
 from applier.engine.tally import CommitObserver, Stats, Tally
 from applier.engine.twophase import TwoPhase
 from applier.engine.txn import Skip, SourceTxn, rolled_back, rolled_back_on_error
@@ -564,7 +564,11 @@ class ApplyEngine:
 
     def handle_stream_start(self, m: StreamStart) -> None:
         """Open (or, for a first segment, replace) the spool of the streamed transaction."""
-        self.spools.open(m.xid, m.first_segment)
+        try:
+            self.spools.open(m.xid, m.first_segment)
+        except SpoolError:
+            self.spool_failed()
+            raise
         self.stream_xid = m.xid
 
     def handle_stream_stop(self, m: StreamStop) -> None:
@@ -575,8 +579,18 @@ class ApplyEngine:
         """Append a change of the open stream block to its spool."""
         assert self.stream_xid is not None and raw is not None
         sub = getattr(m, "xid", None)
-        sp = self.spools.open(self.stream_xid, False)
-        sp.append(sub if sub is not None else self.stream_xid, raw, True)
+        try:
+            self.spools.open(self.stream_xid, False).append(sub if sub is not None else self.stream_xid, raw, True)
+        except SpoolError:
+            self.spool_failed()
+            raise
+
+    def spool_failed(self) -> None:
+        """A spool that cannot be written (a full ``apply.work_dir``) fails the streamed transaction, not the
+        target: the source transactions the open group holds whole are committed before the error ends the
+        session, so they do not wait for room a later transaction needs (the native subscriber has committed each
+        at its own Commit). Stream blocks come between transactions, so the group holds no partial one."""
+        self.idle()
 
     def handle_stream_abort(self, m: StreamAbort) -> None:
         """Discard a subtransaction's spooled changes, or the whole transaction's."""

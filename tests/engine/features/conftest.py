@@ -119,10 +119,10 @@ class Rig(TargetSide):
         """The slot's pending messages, decoded (does not consume)."""
         return [msg for msg, _ in self.received()]
 
-    def received(self) -> list[tuple[PgOutputMessage, bytes]]:
+    def received(self, **extra: Any) -> list[tuple[PgOutputMessage, bytes]]:
         """The slot's pending messages with their bytes, as the runner hands them to the engine (does not
-        consume)."""
-        src = open_peek_source(self.cfg())
+        consume); ``extra``: config keys, as ``cfg`` takes them (e.g. source_streaming=True)."""
+        src = open_peek_source(self.cfg(**extra))
         decoder = Decoder()
         msgs = []
         try:
@@ -137,7 +137,8 @@ class Rig(TargetSide):
         """An apply engine on a new session of the configured target, at its applied position (``kw``: the
         engine's options); the caller closes ``engine.target``."""
         target = opener.open(self.cfg())
-        return ApplyEngine(target, applied=target.read_progress().lsn, work_dir=self.tmp / "spool", **kw)
+        kw.setdefault("work_dir", self.tmp / "spool")
+        return ApplyEngine(target, applied=target.read_progress().lsn, **kw)
 
     def progress_lsn(self) -> LSN:
         """The applied position recorded on the target."""

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from applier.decoder.messages import Commit, StreamStart
+from applier.engine.spool import SpoolFull
 from applier.lsn import LSN
 from tests.engine.test_crash import Daemon, wait_streaming
 from tests.plugins.cli import applier_script, clean_env, run_cli
@@ -101,6 +103,30 @@ def test_full_spool_disk_stops_catchup_in_one_line_and_resumes_once_there_is_roo
         rig.src("SELECT count(*), count(DISTINCT id), sum(length(pad)) FROM t")
     assert rig.tgt("SELECT count(*) FROM t")[0][0] == BIG_ROWS + 1
     assert spool_files(small_work_dir) == []
+
+
+def test_a_full_spool_disk_commits_the_transactions_received_before_the_streamed_one_first(
+        cli_rig: Rig, small_work_dir: Path) -> None:
+    """A group of transactions still open when a later streamed transaction's spool fills the disk is committed
+    before the error: what came before is not held back by room the later one needs. The server's own messages,
+    handed to the engine in one go (as a catch-up reads a burst), so the group is still open at the failure."""
+    rig = cli_rig
+    streamed_table(rig)  # (0, 'small'), committed before the big one
+    rig.src("INSERT INTO t VALUES (-1, 'small too')")
+    big_transaction(rig)
+    received = rig.received(source_streaming=True)
+    commits = [m for m, _ in received if isinstance(m, Commit)]
+    assert len(commits) == 2 and any(isinstance(m, StreamStart) for m, _ in received)
+    engine = rig.engine(work_dir=small_work_dir, group_delay=60.0)  # nothing commits the group but the engine
+    try:
+        with pytest.raises(SpoolFull, match="no space left for spool file"):
+            for m, raw in received:
+                engine.handle(m, raw)
+    finally:
+        engine.close()
+        engine.target.close()
+    assert rig.tgt("SELECT id FROM t ORDER BY id") == [(-1,), (0,)]
+    assert rig.progress_lsn() == commits[-1].end_lsn  # the position of the last whole transaction, in the same commit
 
 
 def test_full_spool_disk_is_waited_out_by_the_daemon(cli_rig: Rig, small_work_dir: Path, tmp_path: Path) -> None:
