@@ -10,10 +10,39 @@ Which tests run is unchanged, only their order.
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Mapping
 
 import pytest
 
 pytest_plugins = ["tests.plugins.clusters"]
+
+SHM = "/dev/shm"
+SHM_ROOM = 4 << 30  # free on the tmpfs: the suite's temporary files peak at ~2.2 GB (16 clusters, spools, SQLite files)
+MEMORY_ROOM = 8 << 30  # available memory besides: the workers' Spark JVMs take ~6 GB at their peak
+
+
+def memory_tmp(environ: Mapping[str, str], shm: str = SHM) -> str | None:
+    """Where the tests' temporary files go when TMPDIR does not say: a tmpfs (``shm``) with room, or None (the
+    system's default). Why: the suite is CPU-bound, and on a virtual machine's disk writing a file costs the CPU
+    5-10 times what it costs in memory (a CREATE DATABASE, 300 files: ~0.3 s of the server's CPU); the
+    clusters' data directories, the SQLite files and the spools are all made under it. The whole suite, 4
+    workers on 2 CPUs: 1,361 s on the disk, 1,253 s on /dev/shm."""
+    if environ.get("TMPDIR") or not os.path.isdir(shm) or not os.access(shm, os.W_OK | os.X_OK):
+        return None
+    try:
+        st = os.statvfs(shm)
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return shm if st.f_bavail * st.f_frsize >= SHM_ROOM and available >= MEMORY_ROOM else None
+
+
+# Before any temporary directory is made: the xdist workers, the servers and the commands the tests start inherit it.
+if (_tmp := memory_tmp(os.environ)) is not None:
+    os.environ["TMPDIR"] = _tmp
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 # tests that take tens of seconds each: the Spark jobs and the SIGKILL loops
 SLOW = ("tests/spark/", "tests/engine/test_crash.py", "tests/engine/twophase/test_crash_2pc.py",

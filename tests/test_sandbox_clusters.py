@@ -5,7 +5,9 @@ No mocks: every test starts actual PostgreSQL processes for each available major
 
 from __future__ import annotations
 
+import os
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import psycopg
 import pytest
 
 from applier.sandbox.clusters import Cluster, PgInstall, find_install, find_installs
+from tests.conftest import SHM, memory_tmp
 from tests.plugins.clusters import ScratchDb
 
 
@@ -156,3 +159,13 @@ def test_drop_database_with_active_slot(pg_source: Cluster) -> None:
         if recv.poll() is None:
             recv.kill()
             recv.wait()
+
+
+def test_the_tests_temporary_files_go_to_memory_unless_tmpdir_says_otherwise(tmp_path: Path) -> None:
+    """tests/conftest.py's choice: a tmpfs with room when TMPDIR is not set; TMPDIR, or the default, otherwise."""
+    assert memory_tmp({"TMPDIR": str(tmp_path)}) is None  # the user's choice stands
+    assert memory_tmp({}, shm=str(tmp_path / "missing")) is None
+    # what conftest chose reaches this worker's temporary files (the servers' directories are made the same way)
+    assert str(tmp_path).startswith(os.path.realpath(tempfile.gettempdir()) + "/")
+    if os.environ.get("TMPDIR") == SHM:
+        assert tempfile.gettempdir() == SHM

@@ -138,9 +138,12 @@ def test_sync_and_verify_on_a_standalone_cluster(standalone: Standalone, src: Sc
     src.cluster.execute(SOURCE, src.dbname)
     cfg = _config_file(tmp_path / "applier.toml", src, dst.url, standalone.url)
 
-    res = _applier("sync", "-c", str(cfg), cwd=tmp_path)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    res = _applier("sync", "-c", str(cfg), cwd=tmp_path, TMPDIR=str(tmp))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "synced 8,000 rows in 2 tables" in res.stdout, res.stdout
+    assert not list(tmp.glob("applier-*.zip"))  # the package shipped to the executors ends with the process
     assert dst.cluster.execute("SELECT count(*), sum(id) FROM a", dst.dbname) == [(5000, 5000 * 5001 // 2)]
 
     # the operator's spark.pyspark.python wins: a Python with applier's dependencies but not applier (shipped)
