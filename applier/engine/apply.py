@@ -601,12 +601,23 @@ class ApplyEngine:
         else:
             sp = self.spools.spools.get(m.xid)
             if sp is not None:
-                sp.abort_sub(m.subxid)
+                try:
+                    sp.abort_sub(m.subxid)  # writes what is buffered first
+                except SpoolError:
+                    self.spool_failed()
+                    raise
 
     def handle_stream_commit(self, m: StreamCommit) -> None:
         """Apply the spooled changes in order as one source transaction, then drop the spool."""
         sp = self.spools.pop(m.xid)
         txn = SourceTxn(m.xid, m.commit_lsn, self.should_skip(m.commit_lsn), m.commit_time)
+        if sp is not None and txn.skip is None:
+            try:
+                sp.flush()  # before the transaction is in hand: its last buffered changes may not fit either
+            except SpoolError:
+                sp.remove()
+                self.spool_failed()
+                raise
         self.txn = txn
         if self.pending_since is None:
             self.pending_since = sp.opened if sp is not None else PG_EPOCH_UNIX + m.commit_time / 1_000_000

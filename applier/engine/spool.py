@@ -92,7 +92,8 @@ class Spool:
             raise self._failed(exc) from exc
         self.count += 1
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Write what is buffered to the file (SpoolError if it cannot be written)."""
         try:
             self._f.flush()
         except OSError as exc:
@@ -119,14 +120,14 @@ class Spool:
         off = self.first_offset.get(subxid)
         if off is None:
             return
-        self._flush()
+        self.flush()
         self._f.truncate(off)
         self._f.seek(off)
         self.first_offset = {x: o for x, o in self.first_offset.items() if o < off}
 
     def messages(self) -> Iterator[tuple[bool, bytes]]:
         """The spooled (in_stream, message) pairs in order, read from disk as they are used."""
-        self._flush()
+        self.flush()
         with open(self.path, "rb") as f:
             while True:
                 head = f.read(_HEAD.size)
@@ -137,7 +138,7 @@ class Spool:
 
     def read_all(self) -> bytes:
         """The whole spool as bytes (records as ``records`` reads them)."""
-        self._flush()
+        self.flush()
         return self.path.read_bytes()
 
     def remove(self) -> None:

@@ -492,6 +492,6 @@ def _applier_zip() -> str:
             for src in sorted(root.rglob("*.py")):
                 zf.write(src, Path("applier") / src.relative_to(root))
         _ZIP.append(name)
-        # Spark serves its own copy (SparkFiles) to the executors and the driver's path: this one ends with the process
+        # Spark's file server reads this file whenever an executor fetches it, which happens while this process lives
         atexit.register(Path(name).unlink, missing_ok=True)
     return _ZIP[0]

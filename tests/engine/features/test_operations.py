@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pty
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from applier.decoder.messages import Commit, StreamStart
+from applier.decoder.messages import Commit, StreamCommit, StreamStart
 from applier.engine.spool import SpoolFull
 from applier.lsn import LSN
 from tests.engine.test_crash import Daemon, wait_streaming
@@ -105,15 +106,21 @@ def test_full_spool_disk_stops_catchup_in_one_line_and_resumes_once_there_is_roo
     assert spool_files(small_work_dir) == []
 
 
+@pytest.mark.parametrize("when", ["spooling", "at-its-commit"])
 def test_a_full_spool_disk_commits_the_transactions_received_before_the_streamed_one_first(
-        cli_rig: Rig, small_work_dir: Path) -> None:
+        cli_rig: Rig, small_work_dir: Path, when: str) -> None:
     """A group of transactions still open when a later streamed transaction's spool fills the disk is committed
     before the error: what came before is not held back by room the later one needs. The server's own messages,
-    handed to the engine in one go (as a catch-up reads a burst), so the group is still open at the failure."""
+    handed to the engine in one go (as a catch-up reads a burst), so the group is still open at the failure: while
+    the stream is spooled (a transaction four times the disk), or at its Stream Commit (one that fits, the disk
+    filled by something else meanwhile: the spool's last buffered changes are written then)."""
     rig = cli_rig
     streamed_table(rig)  # (0, 'small'), committed before the big one
     rig.src("INSERT INTO t VALUES (-1, 'small too')")
-    big_transaction(rig)
+    if when == "spooling":
+        big_transaction(rig)
+    else:
+        rig.src(f"INSERT INTO t SELECT g, repeat(md5(g::text), {PAD // 32}) FROM generate_series(1, 350) g")
     received = rig.received(source_streaming=True)
     commits = [m for m, _ in received if isinstance(m, Commit)]
     assert len(commits) == 2 and any(isinstance(m, StreamStart) for m, _ in received)
@@ -121,12 +128,19 @@ def test_a_full_spool_disk_commits_the_transactions_received_before_the_streamed
     try:
         with pytest.raises(SpoolFull, match="no space left for spool file"):
             for m, raw in received:
+                if isinstance(m, StreamCommit):
+                    (small_work_dir / "filler").write_bytes(b"x" * shutil.disk_usage(small_work_dir).free)
+                    f = engine.spools.spools[m.xid]._f  # what it still buffers needs a page the disk lacks
+                    size = os.fstat(f.fileno()).st_size
+                    assert f.tell() - size > -size % 4096, "the spool's tail fits its last page: change the rows"
                 engine.handle(m, raw)
+        assert engine.stats.kept[:2] == (2, 2)  # the summary's: two transactions of a row each, committed
     finally:
         engine.close()
         engine.target.close()
     assert rig.tgt("SELECT id FROM t ORDER BY id") == [(-1,), (0,)]
     assert rig.progress_lsn() == commits[-1].end_lsn  # the position of the last whole transaction, in the same commit
+    assert spool_files(small_work_dir) == []
 
 
 def test_full_spool_disk_is_waited_out_by_the_daemon(cli_rig: Rig, small_work_dir: Path, tmp_path: Path) -> None:
