@@ -180,23 +180,33 @@ class ApplyEngine:
         return self.txn is not None or self.stream_xid is not None
 
     def handle(self, msg: PgOutputMessage, raw: bytes = b"") -> None:
-        """Apply one message; ``raw`` is its bytes (streamed and table-kept prepared changes are spooled)."""
-        kind = type(msg)
-        if self.stream_xid is not None and kind is not StreamStop and kind is not StreamStart:
-            self.spool_change(msg, raw)
-            return
-        txn = self.txn
-        if txn is not None and txn.spool is not None and not txn.skip and kind in _SPOOLED_IN_PREPARE:
-            txn.spool.append(txn.xid, raw, False)
-            if kind is not Relation and kind is not Type:
+        """Apply one message; ``raw`` is its bytes (streamed and table-kept prepared changes are spooled). A spool
+        that cannot be written (a full ``apply.work_dir``) fails the streamed transaction, not the target: the
+        source transactions the open group holds whole are committed before the error ends the session, so they do
+        not wait for room a later transaction needs (the native subscriber has committed each at its own Commit).
+        The spool's writes all happen between transactions (stream blocks, a Stream Commit's before its transaction
+        is in hand), so the group holds no partial one; a prepared transaction's spool fails with one in hand, and
+        ``idle`` then commits nothing."""
+        try:
+            kind = type(msg)
+            if self.stream_xid is not None and kind is not StreamStop and kind is not StreamStart:
+                self.spool_change(msg, raw)
                 return
-        if kind is Relation or kind is Type:
-            self.raw_message = (False, raw)
-        self.raw = raw
-        handler = self._handlers.get(kind)
-        if handler is None:
-            raise self.unhandled(msg)
-        handler(msg)
+            txn = self.txn
+            if txn is not None and txn.spool is not None and not txn.skip and kind in _SPOOLED_IN_PREPARE:
+                txn.spool.append(txn.xid, raw, False)
+                if kind is not Relation and kind is not Type:
+                    return
+            if kind is Relation or kind is Type:
+                self.raw_message = (False, raw)
+            self.raw = raw
+            handler = self._handlers.get(kind)
+            if handler is None:
+                raise self.unhandled(msg)
+            handler(msg)
+        except SpoolError:
+            self.idle()
+            raise
 
     def unhandled(self, msg: PgOutputMessage) -> FinalError:
         """The error of a message kind the engine has no handler for: the same in every session (final), naming
@@ -564,11 +574,7 @@ class ApplyEngine:
 
     def handle_stream_start(self, m: StreamStart) -> None:
         """Open (or, for a first segment, replace) the spool of the streamed transaction."""
-        try:
-            self.spools.open(m.xid, m.first_segment)
-        except SpoolError:
-            self.spool_failed()
-            raise
+        self.spools.open(m.xid, m.first_segment)
         self.stream_xid = m.xid
 
     def handle_stream_stop(self, m: StreamStop) -> None:
@@ -579,18 +585,8 @@ class ApplyEngine:
         """Append a change of the open stream block to its spool."""
         assert self.stream_xid is not None and raw is not None
         sub = getattr(m, "xid", None)
-        try:
-            self.spools.open(self.stream_xid, False).append(sub if sub is not None else self.stream_xid, raw, True)
-        except SpoolError:
-            self.spool_failed()
-            raise
-
-    def spool_failed(self) -> None:
-        """A spool that cannot be written (a full ``apply.work_dir``) fails the streamed transaction, not the
-        target: the source transactions the open group holds whole are committed before the error ends the
-        session, so they do not wait for room a later transaction needs (the native subscriber has committed each
-        at its own Commit). Stream blocks come between transactions, so the group holds no partial one."""
-        self.idle()
+        sp = self.spools.open(self.stream_xid, False)
+        sp.append(sub if sub is not None else self.stream_xid, raw, True)
 
     def handle_stream_abort(self, m: StreamAbort) -> None:
         """Discard a subtransaction's spooled changes, or the whole transaction's."""
@@ -601,31 +597,22 @@ class ApplyEngine:
         else:
             sp = self.spools.spools.get(m.xid)
             if sp is not None:
-                try:
-                    sp.abort_sub(m.subxid)  # writes what is buffered first
-                except SpoolError:
-                    self.spool_failed()
-                    raise
+                sp.abort_sub(m.subxid)
 
     def handle_stream_commit(self, m: StreamCommit) -> None:
         """Apply the spooled changes in order as one source transaction, then drop the spool."""
         sp = self.spools.pop(m.xid)
         txn = SourceTxn(m.xid, m.commit_lsn, self.should_skip(m.commit_lsn), m.commit_time)
-        if sp is not None and txn.skip is None:
-            try:
+        try:
+            if sp is not None and txn.skip is None:
                 sp.flush()  # before the transaction is in hand: its last buffered changes may not fit either
-            except SpoolError:
-                sp.remove()
-                self.spool_failed()
-                raise
-        self.txn = txn
-        if self.pending_since is None:
-            self.pending_since = sp.opened if sp is not None else PG_EPOCH_UNIX + m.commit_time / 1_000_000
-        if sp is not None:
-            try:
-                if txn.skip is None:
-                    self.replay(sp.messages())
-            finally:
+            self.txn = txn
+            if self.pending_since is None:
+                self.pending_since = sp.opened if sp is not None else PG_EPOCH_UNIX + m.commit_time / 1_000_000
+            if sp is not None and txn.skip is None:
+                self.replay(sp.messages())
+        finally:
+            if sp is not None:
                 sp.remove()
         self.finish_txn(txn, m.end_lsn, m.commit_time)
 

@@ -189,24 +189,25 @@ class Running:
         try:
             for thread in threads:
                 thread.start()
-            for thread in threads:
-                while thread.is_alive():
-                    thread.join(CANCEL_WAIT / 4)
-                    if self._stopped:
-                        self.stop()  # again: a cancel that came before its query was dropped
+            self._join(threads)
         except BaseException:
-            # an interrupt: the servers' queries end (the threads, daemons, end with them); cancelled again for a
-            # moment, as above, without holding the command up longer
+            # an interrupt: the servers' queries end (the threads, daemons, end with them), cancelled again for a
+            # moment without holding the command up longer
             self.stop()
-            deadline = time.monotonic() + CANCEL_WAIT
-            for thread in threads:
-                while thread.is_alive() and time.monotonic() < deadline:
-                    thread.join(CANCEL_WAIT / 4)
-                    self.stop()
+            self._join(threads, time.monotonic() + CANCEL_WAIT)
             raise
         if failed:
             raise failed[0]
         return results
+
+    def _join(self, threads: list[threading.Thread], deadline: float | None = None) -> None:
+        """Wait for ``threads`` to end (until ``deadline``, if given); once stopped, cancel again every little while:
+        a cancel that reached a connection before its query did was dropped by the server."""
+        for thread in threads:
+            while thread.is_alive() and (deadline is None or time.monotonic() < deadline):
+                thread.join(CANCEL_WAIT / 4)
+                if self._stopped:
+                    self.stop()
 
 
 def server_encoding(conn: psycopg.Connection[Any]) -> str:

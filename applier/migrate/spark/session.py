@@ -166,8 +166,7 @@ class ClassArchive:
     unusable (another classpath) starts without it, silently."""
 
     def __init__(self, spark_home: str) -> None:
-        java = os.path.realpath(os.path.join(os.environ["JAVA_HOME"], "bin", "java") if os.environ.get("JAVA_HOME")
-                                else shutil.which("java") or "java")
+        java = os.path.realpath(java_path() or "java")
         # a JVM writes an archive of its own on top of the JDK's (without it, one asked to write does not start)
         self.writable = any((Path(java).parent.parent / "lib" / "server" / name).is_file()
                             for name in ("classes.jsa", "classes_nocoops.jsa"))
@@ -289,6 +288,13 @@ def spark_context(master: str = "local[*]", app_name: str = "applier") -> Any:
     return sc
 
 
+def java_path() -> str | None:
+    """The java that Spark's launcher runs: ``$JAVA_HOME/bin/java`` when JAVA_HOME is set (it may not exist), else
+    the one on the PATH, or None."""
+    home = os.environ.get("JAVA_HOME")
+    return os.path.join(home, "bin", "java") if home else shutil.which("java")
+
+
 def _start_failed(master: str, exc: Exception) -> BaseException:
     """What a failed ``SparkContext`` start raises: the interrupt that caused it (PySpark's clean-up may raise in its
     place), else ``SparkStartError`` with the first line of the cause and, when no Java can be found, what Spark
@@ -299,9 +305,8 @@ def _start_failed(master: str, exc: Exception) -> BaseException:
             return KeyboardInterrupt()
         seen = seen.__cause__ or seen.__context__
     said = " ".join((str(exc).strip().splitlines() or [type(exc).__name__])[0].split())[:300]
-    home = os.environ.get("JAVA_HOME")
-    java = (Path(home) / "bin" / "java").exists() if home else shutil.which("java") is not None
-    hint = "" if java else "; no Java found: Spark needs Java 17 (JAVA_HOME, or java on the PATH)"
+    java = java_path()
+    hint = "" if java and Path(java).exists() else "; no Java found: Spark needs Java 17 (JAVA_HOME, or java on the PATH)"
     return SparkStartError(f"Spark could not start with master {master!r}: {said}{hint}")
 
 
