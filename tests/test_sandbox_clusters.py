@@ -74,6 +74,32 @@ def test_cluster_lifecycle(pg_install: PgInstall) -> None:
     cluster.stop()  # idempotent
 
 
+def test_statements_on_postgres_share_one_connection_and_each_starts_a_fresh_session(pg_install: PgInstall) -> None:
+    """``execute`` on the maintenance database keeps its connection (no server process started per statement), yet
+    each statement finds the session as a new connection would: no setting, lock, temporary table or open
+    transaction of the one before; a session the server ended, a restart and a crash are each followed by a new
+    connection."""
+    with Cluster(pg_install, name="kept") as cluster:
+        [(kept, name)] = cluster.execute("SELECT pg_backend_pid(), current_setting('application_name')")
+        cluster.execute("SET application_name = 'left'; SELECT pg_advisory_lock(7); CREATE TEMP TABLE tt ()")
+        assert cluster.execute("SELECT pg_backend_pid(), current_setting('application_name'), to_regclass('tt'), "
+                               "(SELECT count(*) FROM pg_locks WHERE locktype = 'advisory')") == [(kept, name, None, 0)]
+        for _ in range(8):  # more than psycopg's prepare threshold: what the reset drops was never prepared
+            assert cluster.execute("SELECT pg_backend_pid()") == [(kept,)]
+        cluster.execute("BEGIN; CREATE TABLE half ()")  # a transaction left open ends with its connection
+        assert cluster.execute("SELECT to_regclass('half'), pg_backend_pid() <> %s", params=[kept]) == [(None, True)]
+
+        [(kept,)] = cluster.execute("SELECT pg_backend_pid()")
+        with psycopg.connect(cluster.dsn(), autocommit=True) as other:
+            other.execute("SELECT pg_terminate_backend(%s, 5000)", [kept])
+        assert cluster.execute("SELECT pg_backend_pid() <> %s", params=[kept]) == [(True,)]
+        cluster.restart()
+        assert cluster.execute("SELECT 1") == [(1,)]
+        cluster.kill()
+        cluster.start()
+        assert cluster.execute("SELECT 1") == [(1,)]
+
+
 def test_restart_kill_and_recover(pg_install: PgInstall) -> None:
     with Cluster(pg_install, name="crash") as cluster:
         cluster.execute("CREATE TABLE t (x int)")

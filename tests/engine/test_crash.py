@@ -245,10 +245,11 @@ class Daemon:
 
 
 def slot_state(source: ScratchDb, slot: str) -> tuple[int | None, LSN]:
-    """(active walsender pid or None, confirmed_flush_lsn) of the slot."""
+    """(active walsender pid or None, confirmed_flush_lsn) of the slot (read from the maintenance database: the
+    cluster's kept connection, not a connection a look)."""
     pid, confirmed = source.cluster.execute(
         "SELECT active_pid, confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-        source.dbname, [slot])[0]
+        params=[slot])[0]
     return pid, LSN.parse(confirmed)
 
 
@@ -281,8 +282,7 @@ def target_in_transaction(target: Target) -> bool:
             db.close()
     return bool(target.db.cluster.execute(
         "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid() "
-        "AND backend_type = 'client backend' AND xact_start IS NOT NULL", target.db.dbname,
-        [target.db.dbname])[0][0])
+        "AND backend_type = 'client backend' AND xact_start IS NOT NULL", params=[target.db.dbname])[0][0])
 
 
 def catchup(config: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:

@@ -275,16 +275,18 @@ def test_killed_halfway_then_rerun(src: ScratchDb, dst: ScratchDb, spark: Any, t
     proc = subprocess.Popen([applier_script(), "repair", "-c", str(cfg_file), "--table", "public.t1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
                             stdin=subprocess.DEVNULL)
+    watch = psycopg.connect(libpq_dsn(dst.url), autocommit=True)  # one connection for the looks, not one a look
     try:
         deadline = time.monotonic() + 180
         while proc.poll() is None and time.monotonic() < deadline:
-            if target_exec(dst.url, "SELECT count(*) FROM applier_repairs")[0][0] >= 1:
+            if watch.execute("SELECT count(*) FROM applier_repairs").fetchone() >= (1,):
                 running = status(make_config(src, dst.url, tmp_path / "work"))["repairs"]
                 proc.send_signal(signal.SIGKILL)
                 break
             time.sleep(0.01)
         proc.wait(30)
     finally:
+        watch.close()
         lock.close()
     assert proc.returncode == -signal.SIGKILL, proc.communicate()
     assert target_exec(dst.url, "SELECT state FROM applier_sync_tables") == [("repairing",)]

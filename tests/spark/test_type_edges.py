@@ -171,13 +171,12 @@ def _tables(stored: list[str]) -> list[tuple[str, list[str]]]:
     return [(f"t_{n}", ["v", "a"]) for n in stored] + [("every", [c for n in stored for c in (f"v_{n}", f"a_{n}")])]
 
 
-def _printed(dsn: str, table: str, columns: list[str]) -> list[tuple[Any, ...]]:
+def _printed(conn: psycopg.Connection[Any], table: str, columns: list[str]) -> list[tuple[Any, ...]]:
     """The rows of ``table`` as the output functions print them (NULL as None), by id (``format``: a value's output
     function; ``::text`` is not always that, e.g. xml's declaration)."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        printed = ", ".join(f"CASE WHEN {c} IS NOT NULL THEN format('%s', {c}) END" for c in columns)
-        return conn.execute(f"SELECT id, {printed} "
-                            f"FROM {table} ORDER BY id").fetchall()
+    printed = ", ".join(f"CASE WHEN {c} IS NOT NULL THEN format('%s', {c}) END" for c in columns)
+    return conn.execute(f"SELECT id, {printed} FROM {table} ORDER BY id").fetchall()
+
 
 
 def test_every_builtin_type_into_postgres(spark, source_db: ScratchDb, target_db: ScratchDb, pg_install: Any,
@@ -187,8 +186,9 @@ def test_every_builtin_type_into_postgres(spark, source_db: ScratchDb, target_db
     formats = {t.table: t.copy_format for t in res.tables}
     assert formats == {f"public.t_{n}": "text" if n in TEXT_COPIED else "binary" for n in stored} | {
         "public.every": "text"}
-    for table, columns in _tables(stored):
-        assert _printed(target_db.dsn, table, columns) == _printed(source_db.dsn, table, columns), table
+    with psycopg.connect(source_db.dsn, autocommit=True) as src, psycopg.connect(target_db.dsn, autocommit=True) as dst:
+        for table, columns in _tables(stored):
+            assert _printed(dst, table, columns) == _printed(src, table, columns), table
 
 
 def test_every_builtin_type_streamed_in_binary_mode_into_postgres(spark, source_db: ScratchDb, target_db: ScratchDb,
@@ -204,9 +204,10 @@ def test_every_builtin_type_streamed_in_binary_mode_into_postgres(spark, source_
                               + "INSERT INTO every SELECT id + 100, m, " + ", ".join(
                                   f"v_{n}, a_{n}" for n in stored) + " FROM every", source_db.dbname)
     Runner(cfg, catchup=True).run()
-    for table, columns in _tables(stored):
-        want = _printed(source_db.dsn, table, columns)
-        assert len(want) > 2 and _printed(target_db.dsn, table, columns) == want, table
+    with psycopg.connect(source_db.dsn, autocommit=True) as src, psycopg.connect(target_db.dsn, autocommit=True) as dst:
+        for table, columns in _tables(stored):
+            want = _printed(src, table, columns)
+            assert len(want) > 2 and _printed(dst, table, columns) == want, table
 
 
 def _sqlite_value(typname: str, text: str | None) -> Any:
@@ -229,13 +230,15 @@ def test_every_builtin_type_into_sqlite(spark, source_db: ScratchDb, pg_install:
     db = tmp_path / "replica.db"
     sync(make_config(source_db, f"sqlite:///{db}", tmp_path / "work", partitions=1), spark=spark)
     lite = sqlite3.connect(db)
+    pinned = psycopg.connect(pinned_dsn(source_db.dsn), autocommit=True)
     try:
         for table, columns in _tables(stored):
             kinds = [c[2:] if c.startswith("v_") else "_" for c in columns] if table == "every" else \
                 [table[2:], "_"]
             want = [(r[0], *(_sqlite_value(k, v) for k, v in zip(kinds, r[1:], strict=True)))
-                    for r in _printed(pinned_dsn(source_db.dsn), table, columns)]
+                    for r in _printed(pinned, table, columns)]
             got = lite.execute(f"SELECT id, {', '.join(columns)} FROM {table} ORDER BY id").fetchall()
             assert got == want, table
     finally:
         lite.close()
+        pinned.close()
