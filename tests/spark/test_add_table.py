@@ -437,6 +437,10 @@ def test_refused_while_the_running_stream_lacks_the_publication(spark: Any, src:
         assert daemon.wait(60) == 0
 
 
+# The hold is seen only if the daemon reads the COMMIT PREPARED while the copy still runs (a few seconds of Spark): on
+# a loaded machine the copy can end first (once in a CI run: the transaction then applied as after any copy, the
+# target equal, no message), so the test may run again; the outcome is checked in full every time.
+@pytest.mark.flaky(reruns=1)
 def test_prepared_transaction_committed_during_the_copy(spark: Any, src: ScratchDb, tmp_path: Path) -> None:
     """A two-phase stream into SQLite keeps a prepared transaction until COMMIT PREPARED and applies it then, at
     its commit LSN. Committed while `sync --table` copies the table it changes (after the copy's snapshot), its
