@@ -24,12 +24,17 @@ Invariants:
 * A cluster never outlives its process: a per-instance ``weakref.finalize``
   (which also runs at interpreter exit) stops the server and removes the
   directory if the cluster created it.
-* ``execute`` gives every statement a session as fresh as a new connection's. On
-  the maintenance database ``postgres`` the statements share one kept
+* ``execute`` on the maintenance database ``postgres`` shares one kept
   connection (a connection costs the server some 5-10 ms of CPU here, and the
-  test suite makes tens of thousands): ``DISCARD ALL`` after each, and a new
-  one when the server was restarted, the session ended or left a transaction
-  open, or another thread holds it.
+  test suite makes tens of thousands): ``DISCARD ALL`` after each statement
+  (settings, prepared statements, temporary tables, advisory locks), and a new
+  connection when the server was restarted, the session ended or left a
+  transaction open, or another thread holds it. What DISCARD ALL leaves is
+  not fresh: settings given by ``ALTER ROLE/DATABASE … SET`` or a reload since
+  the connection was made, a replication origin set up for the session, a
+  temporary replication slot; run such statements on another database or
+  connection. A session ended by the server an instant before a statement
+  fails it (no retry).
 """
 
 from __future__ import annotations
@@ -298,6 +303,13 @@ def _postmaster_pid(datadir: Path) -> int | None:
     return pid if pid > 0 and _pid_alive(pid) else None
 
 
+def _readable(fd: int) -> bool:
+    """True if ``fd`` has something to read now (``poll``: any fd number, where ``select`` stops at 1024)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 def _wait_gone(pid: int, timeout: float) -> bool:
     """Wait until ``pid`` is dead; False on timeout."""
     deadline = time.monotonic() + timeout
@@ -511,7 +523,8 @@ class Cluster:
         dbname: str = "postgres",
         params: Sequence[Any] | Mapping[str, Any] | None = None,
     ) -> list[tuple[Any, ...]]:
-        """Run one statement in autocommit, in a session as fresh as a new connection's; its rows, or [] if none."""
+        """Run one statement in autocommit; its rows, or [] if none. On ``postgres``, the kept connection (see the
+        module header: reset after each statement), else a new one."""
         if dbname == _MAINTENANCE_DB and self._kept_lock.acquire(blocking=False):
             try:
                 conn = self._kept_session()
@@ -530,8 +543,7 @@ class Cluster:
         """The kept connection to ``postgres``, made anew when there is none, the postmaster changed (a restart, a
         crash) or the server wrote to it while it was idle (the session was ended: nothing else comes unasked)."""
         conn, pid = self._kept, self.pid
-        if conn is not None and (conn.closed or pid != self._kept_pid
-                                 or select.select([conn.fileno()], [], [], 0)[0]):
+        if conn is not None and (conn.closed or pid != self._kept_pid or _readable(conn.fileno())):
             self._drop_kept()
             conn = None
         if conn is None:

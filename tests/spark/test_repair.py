@@ -272,10 +272,10 @@ def test_killed_halfway_then_rerun(src: ScratchDb, dst: ScratchDb, spark: Any, t
     # the damaged row of the last key range locked: the repair's last transaction waits for it, after its first
     lock = psycopg.connect(libpq_dsn(dst.url))
     lock.execute(f"SELECT id FROM t1 WHERE id % 3 = 0 ORDER BY {bucket_of(['id'])} DESC LIMIT 1 FOR UPDATE")
+    watch = psycopg.connect(libpq_dsn(dst.url), autocommit=True)  # one connection for the looks, not one a look
     proc = subprocess.Popen([applier_script(), "repair", "-c", str(cfg_file), "--table", "public.t1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
                             stdin=subprocess.DEVNULL)
-    watch = psycopg.connect(libpq_dsn(dst.url), autocommit=True)  # one connection for the looks, not one a look
     try:
         deadline = time.monotonic() + 180
         while proc.poll() is None and time.monotonic() < deadline:
@@ -286,6 +286,8 @@ def test_killed_halfway_then_rerun(src: ScratchDb, dst: ScratchDb, spark: Any, t
             time.sleep(0.01)
         proc.wait(30)
     finally:
+        if proc.poll() is None:
+            proc.kill()
         watch.close()
         lock.close()
     assert proc.returncode == -signal.SIGKILL, proc.communicate()
