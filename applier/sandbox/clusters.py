@@ -74,7 +74,7 @@ _UNPRIVILEGED_USERS = ("postgres", "nobody")
 _START_ATTEMPTS = 3
 _PG_CTL_TIMEOUT_S = 60
 _LOG_TAIL_LINES = 20
-_MAINTENANCE_DB = "postgres"  # the database ``execute`` keeps a connection to
+_MAINTENANCE_DB = "postgres"  # every method's default database, the one ``execute`` keeps a connection to
 
 _DEFAULT_SETTINGS: dict[str, str] = {
     "listen_addresses": "127.0.0.1",
@@ -479,7 +479,7 @@ class Cluster:
         _kill_postmaster(self.datadir)
 
     def standby(self, name: str, settings: dict[str, str] | None = None, slot: str | None = None,
-                dbname: str = "postgres") -> Cluster:
+                dbname: str = _MAINTENANCE_DB) -> Cluster:
         """A streaming standby of this running cluster, started: ``pg_basebackup -R`` (as the server user), then
         ``primary_conninfo`` naming ``dbname`` (slot synchronization needs one) and, with ``slot``, a physical
         slot made on this cluster as its ``primary_slot_name``; ``settings`` go into its configuration."""
@@ -507,20 +507,20 @@ class Cluster:
             raise RuntimeError(f"pg_ctl promote of {self.name} failed with exit code {proc.returncode}: "
                                f"{proc.stdout}{proc.stderr}")
 
-    def dsn(self, dbname: str = "postgres", **extra: str) -> str:
+    def dsn(self, dbname: str = _MAINTENANCE_DB, **extra: str) -> str:
         """libpq conninfo for ``dbname`` as superuser ``postgres``, plus ``extra`` keys."""
         params = {"host": "127.0.0.1", "port": str(self.port), "user": "postgres"}
         params.update(dbname=dbname, **extra)
         return " ".join(f"{k}={_conninfo_quote(str(v))}" for k, v in params.items())
 
-    def url(self, dbname: str = "postgres") -> str:
+    def url(self, dbname: str = _MAINTENANCE_DB) -> str:
         """SQLAlchemy URL for ``dbname`` using the psycopg 3 driver."""
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{quote(dbname, safe='')}"
 
     def execute(
         self,
         query: str | sql.Composable,
-        dbname: str = "postgres",
+        dbname: str = _MAINTENANCE_DB,
         params: Sequence[Any] | Mapping[str, Any] | None = None,
     ) -> list[tuple[Any, ...]]:
         """Run one statement in autocommit; its rows, or [] if none. On ``postgres``, the kept connection (see the

@@ -178,7 +178,6 @@ def _printed(conn: psycopg.Connection[Any], table: str, columns: list[str]) -> l
     return conn.execute(f"SELECT id, {printed} FROM {table} ORDER BY id").fetchall()
 
 
-
 def test_every_builtin_type_into_postgres(spark, source_db: ScratchDb, target_db: ScratchDb, pg_install: Any,
                                           tmp_path: Path) -> None:
     stored = _make_source(source_db, pg_install.version)
