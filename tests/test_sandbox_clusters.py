@@ -100,6 +100,34 @@ def test_statements_on_postgres_share_one_connection_and_each_starts_a_fresh_ses
         assert cluster.execute("SELECT 1") == [(1,)]
 
 
+def test_each_database_keeps_its_connection_yet_sees_new_defaults_and_can_be_a_template(pg_install: PgInstall) -> None:
+    """``execute`` keeps a connection per database; what ``ALTER DATABASE/ROLE … SET`` gives new sessions reaches
+    the next statement; a database it keeps a connection to can still be copied (``CREATE DATABASE … TEMPLATE``)
+    and dropped without ``FORCE``; ``release`` leaves the database without a session of ours."""
+    with Cluster(pg_install, name="keptdbs") as cluster:
+        cluster.create_database("a")
+        [(kept,)] = cluster.execute("SELECT pg_backend_pid()", "a")
+        assert cluster.execute("SELECT pg_backend_pid()", "a") == [(kept,)]
+        assert cluster.execute("SELECT pg_backend_pid() <> %s", params=[kept]) == [(True,)]  # postgres: its own
+
+        cluster.execute("ALTER DATABASE a SET work_mem = '7MB'")
+        assert cluster.execute("SELECT current_setting('work_mem')", "a") == [("7MB",)]
+        cluster.execute("ALTER ROLE postgres IN DATABASE a SET work_mem = '9MB'", "a")
+        assert cluster.execute("SELECT current_setting('work_mem')", "a") == [("9MB",)]
+        cluster.execute("ALTER ROLE postgres IN DATABASE a RESET work_mem")
+
+        cluster.execute("CREATE TABLE t AS SELECT 1 AS x", "a")
+        cluster.execute("CREATE DATABASE b TEMPLATE a")
+        assert cluster.execute("SELECT x FROM t", "b") == [(1,)]
+        cluster.execute("DROP DATABASE b")
+
+        cluster.execute("SELECT 1", "a")
+        cluster.release("a")
+        assert cluster.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = 'a'") == [(0,)]
+        cluster.drop_database("a")
+        assert cluster.execute("SELECT count(*) FROM pg_database WHERE datname IN ('a', 'b')") == [(0,)]
+
+
 def test_restart_kill_and_recover(pg_install: PgInstall) -> None:
     with Cluster(pg_install, name="crash") as cluster:
         cluster.execute("CREATE TABLE t (x int)")

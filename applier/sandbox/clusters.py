@@ -24,17 +24,21 @@ Invariants:
 * A cluster never outlives its process: a per-instance ``weakref.finalize``
   (which also runs at interpreter exit) stops the server and removes the
   directory if the cluster created it.
-* ``execute`` on the maintenance database ``postgres`` shares one kept
-  connection (a connection costs the server some 5-10 ms of CPU here, and the
-  test suite makes tens of thousands): ``DISCARD ALL`` after each statement
-  (settings, prepared statements, temporary tables, advisory locks), and a new
-  connection when the server was restarted, the session ended or left a
-  transaction open, or another thread holds it. What DISCARD ALL leaves is
-  not fresh: settings given by ``ALTER ROLE/DATABASE … SET`` or a reload since
-  the connection was made, a replication origin set up for the session, a
-  temporary replication slot; run such statements on another database or
-  connection. A session ended by the server an instant before a statement
-  fails it (no retry).
+* ``execute`` keeps one connection per database (a connection costs the
+  server some 5-10 ms of CPU here, and the test suite makes tens of
+  thousands), yet each statement finds the session as a new connection
+  would: ``DISCARD ALL`` after it (settings, prepared statements, temporary
+  tables, advisory locks), and a new connection when the server was
+  restarted, the session was ended or left a transaction open, or what new
+  sessions start with (``ALTER ROLE/DATABASE … SET``) changed. Another
+  thread's statements get connections of their own. What DISCARD ALL leaves
+  is not fresh: a replication origin set up for the session, a temporary
+  replication slot; run such statements on a connection of their own. A
+  session ended by the server an instant before a statement fails it (no
+  retry). A kept connection is a session on its database: a test that
+  counts them, or needs the database unused, calls ``release`` first
+  (``drop_database`` does; a statement refused because a database is in use
+  runs again once they are closed).
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ _UNPRIVILEGED_USERS = ("postgres", "nobody")
 _START_ATTEMPTS = 3
 _PG_CTL_TIMEOUT_S = 60
 _LOG_TAIL_LINES = 20
-_MAINTENANCE_DB = "postgres"  # every method's default database, the one ``execute`` keeps a connection to
+_MAINTENANCE_DB = "postgres"  # every method's default database
 
 _DEFAULT_SETTINGS: dict[str, str] = {
     "listen_addresses": "127.0.0.1",
@@ -310,6 +314,56 @@ def _readable(fd: int) -> bool:
     return bool(poller.poll(0))
 
 
+# What a new session takes from the catalog (``ALTER DATABASE/ROLE … SET``): a kept session made before a change of it
+# would not have it, so it is made anew when this reads otherwise than when it was connected.
+_SESSION_DEFAULTS = ("SELECT coalesce(string_agg(format('%s/%s=%s', setdatabase, setrole, setconfig), ';' "
+                     "ORDER BY setdatabase, setrole), '') FROM pg_db_role_setting")
+
+
+class _KeptSession:
+    """A connection ``Cluster.execute`` keeps to one database, and what tells whether it still gives each statement
+    a session as a new connection would."""
+
+    __slots__ = ("_defaults", "_postmaster", "conn")
+
+    def __init__(self, dsn: str, postmaster: int | None) -> None:
+        # nothing prepared by psycopg (prepare_threshold): DISCARD ALL would drop it behind its back
+        self.conn: psycopg.Connection[Any] = psycopg.connect(dsn, autocommit=True, connect_timeout=10,
+                                                             prepare_threshold=None)
+        self._postmaster = postmaster
+        self._defaults = self._read_defaults()
+
+    def _read_defaults(self) -> Any:
+        row = self.conn.execute(_SESSION_DEFAULTS).fetchone()
+        return row[0] if row else None
+
+    def usable(self, postmaster: int | None) -> bool:
+        """False when the postmaster changed (a restart, a crash), the server wrote to the idle connection (the
+        session was ended: nothing else comes unasked) or what new sessions start with changed."""
+        if self.conn.closed or postmaster != self._postmaster or _readable(self.conn.fileno()):
+            return False
+        try:
+            return bool(self._read_defaults() == self._defaults)
+        except psycopg.Error:
+            return False
+
+    def reset(self) -> bool:
+        """After a statement: the session reset (``DISCARD ALL``: settings, prepared statements, temporary tables,
+        advisory locks, cursors, LISTEN); False when it cannot be (a transaction left open, the connection lost)."""
+        try:
+            if self.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+                self.conn.execute("DISCARD ALL")
+                return True
+        except psycopg.Error:
+            pass
+        return False
+
+    def close(self) -> None:
+        """Close the connection (the server may be gone)."""
+        with contextlib.suppress(Exception):
+            self.conn.close()
+
+
 def _wait_gone(pid: int, timeout: float) -> bool:
     """Wait until ``pid`` is dead; False on timeout."""
     deadline = time.monotonic() + timeout
@@ -393,7 +447,6 @@ class Cluster:
         "_finalizer",
         "_kept",
         "_kept_lock",
-        "_kept_pid",
         "_owns_dir",
         "_requested_dir",
         "_settings",
@@ -425,8 +478,7 @@ class Cluster:
         self.datadir = Path()
         self._owns_dir = False
         self._finalizer: weakref.finalize[Any, Any] | None = None
-        self._kept: psycopg.Connection[Any] | None = None  # execute's connection to ``postgres``
-        self._kept_pid: int | None = None  # the postmaster it was made with
+        self._kept: dict[str, _KeptSession] = {}  # execute's connections, by database
         self._kept_lock = threading.Lock()
         self._prepare_dir()
 
@@ -462,7 +514,7 @@ class Cluster:
 
     def stop(self, mode: str = "fast") -> None:
         """Stop the server (``pg_ctl -m mode``) and remove the directory if we made it; idempotent."""
-        self._drop_kept()
+        self._release()
         if self._finalizer is None or not self._finalizer.detach():
             return
         remove = self.base_dir if self._owns_dir else None
@@ -470,7 +522,7 @@ class Cluster:
 
     def restart(self) -> None:
         """Stop (fast) and start again, keeping the data."""
-        self._drop_kept()
+        self._release()
         _shutdown(self.install.bin("pg_ctl"), self.datadir, "fast", self._user, None)
         self.start()
 
@@ -523,52 +575,53 @@ class Cluster:
         dbname: str = _MAINTENANCE_DB,
         params: Sequence[Any] | Mapping[str, Any] | None = None,
     ) -> list[tuple[Any, ...]]:
-        """Run one statement in autocommit; its rows, or [] if none. On ``postgres``, the kept connection (see the
-        module header: reset after each statement), else a new one."""
-        if dbname == _MAINTENANCE_DB and self._kept_lock.acquire(blocking=False):
+        """Run one statement in autocommit on ``dbname``'s kept connection (see the module header: a session as
+        fresh as a new connection's); its rows, or [] if none. A statement refused because other sessions use a
+        database (``CREATE DATABASE … TEMPLATE``, ``DROP DATABASE``, a rename) runs again once the kept
+        connections are closed. A new connection when another thread holds the kept ones."""
+        if not self._kept_lock.acquire(blocking=False):
+            return self._execute_once(query, dbname, params)
+        try:
             try:
-                conn = self._kept_session()
-                try:
-                    cur = conn.execute(query, params)  # type: ignore[arg-type]
-                    return cur.fetchall() if cur.description is not None else []
-                finally:
-                    self._reset_kept(conn)
-            finally:
-                self._kept_lock.release()
+                return self._execute_kept(query, dbname, params)
+            except psycopg.errors.ObjectInUse:
+                if len(self._kept) < 2:  # no other session of ours that could be in the way
+                    raise
+                self._release()
+                return self._execute_kept(query, dbname, params)
+        finally:
+            self._kept_lock.release()
+
+    def release(self, dbname: str | None = None) -> None:
+        """Close ``execute``'s kept connection to ``dbname`` (every one without it): for a test that counts a
+        database's sessions or needs it unused."""
+        with self._kept_lock:
+            self._release(dbname)
+
+    def _release(self, dbname: str | None = None) -> None:
+        for name in [dbname] if dbname is not None else list(self._kept):
+            kept = self._kept.pop(name, None)
+            if kept is not None:
+                kept.close()
+
+    def _execute_once(self, query: str | sql.Composable, dbname: str,
+                      params: Sequence[Any] | Mapping[str, Any] | None) -> list[tuple[Any, ...]]:
         with psycopg.connect(self.dsn(dbname), autocommit=True, connect_timeout=10) as conn:
             cur = conn.execute(query, params)  # type: ignore[arg-type]
             return cur.fetchall() if cur.description is not None else []
 
-    def _kept_session(self) -> psycopg.Connection[Any]:
-        """The kept connection to ``postgres``, made anew when there is none, the postmaster changed (a restart, a
-        crash) or the server wrote to it while it was idle (the session was ended: nothing else comes unasked)."""
-        conn, pid = self._kept, self.pid
-        if conn is not None and (conn.closed or pid != self._kept_pid or _readable(conn.fileno())):
-            self._drop_kept()
-            conn = None
-        if conn is None:
-            # nothing prepared by psycopg (prepare_threshold): DISCARD ALL would drop it behind its back
-            conn = self._kept = psycopg.connect(self.dsn(), autocommit=True, connect_timeout=10, prepare_threshold=None)
-            self._kept_pid = pid
-        return conn
-
-    def _reset_kept(self, conn: psycopg.Connection[Any]) -> None:
-        """After a statement: the session reset (settings, prepared statements, temporary tables, advisory locks),
-        or the connection dropped when a transaction is still open or the reset fails."""
+    def _execute_kept(self, query: str | sql.Composable, dbname: str,
+                      params: Sequence[Any] | Mapping[str, Any] | None) -> list[tuple[Any, ...]]:
+        kept = self._kept.get(dbname)
+        if kept is None or not kept.usable(self.pid):
+            self._release(dbname)
+            kept = self._kept[dbname] = _KeptSession(self.dsn(dbname), self.pid)
         try:
-            if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
-                conn.execute("DISCARD ALL")
-                return
-        except psycopg.Error:
-            pass
-        self._drop_kept()
-
-    def _drop_kept(self) -> None:
-        """Close the kept connection, if any (the server may be gone)."""
-        conn, self._kept, self._kept_pid = self._kept, None, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
+            cur = kept.conn.execute(query, params)  # type: ignore[arg-type]
+            return cur.fetchall() if cur.description is not None else []
+        finally:
+            if not kept.reset():
+                self._release(dbname)
 
     def create_database(self, name: str) -> None:
         """CREATE DATABASE ``name``; raises if it exists."""
@@ -610,6 +663,7 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"replication slots of {name!r} still in use after {timeout}s")
             time.sleep(0.05)
+        self.release(name)
         self.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
     def __enter__(self) -> Cluster:

@@ -102,6 +102,7 @@ def test_catchup_imports_no_heavy_library(source: ScratchDb, pg_target_db: Scrat
 def sessions(db: ScratchDb) -> int:
     """Sessions ever opened to ``db`` (``pg_stat_database.sessions``: plain connections, not walsenders), once none
     is left (a backend reports its session before it leaves ``pg_stat_activity``); read from another database."""
+    db.cluster.release(db.dbname)  # the test's own kept session
     deadline = time.monotonic() + 30
     with psycopg.connect(db.cluster.dsn("postgres"), autocommit=True) as conn:
         while conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND backend_type = "
