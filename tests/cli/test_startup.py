@@ -17,11 +17,9 @@ from __future__ import annotations
 import sqlite3
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
 import typer.main
 
@@ -99,21 +97,6 @@ def test_catchup_imports_no_heavy_library(source: ScratchDb, pg_target_db: Scrat
     assert sorted(m for m in loaded if any(m == u or m.startswith(u + ".") for u in unused)) == []
 
 
-def sessions(db: ScratchDb) -> int:
-    """Sessions ever opened to ``db`` (``pg_stat_database.sessions``: plain connections, not walsenders), once none
-    is left (a backend reports its session before it leaves ``pg_stat_activity``); read from another database."""
-    db.cluster.release(db.dbname)  # the test's own kept session
-    deadline = time.monotonic() + 30
-    with psycopg.connect(db.cluster.dsn("postgres"), autocommit=True) as conn:
-        while conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND backend_type = "
-                           "'client backend'", [db.dbname]).fetchone() != (0,):
-            assert time.monotonic() < deadline, f"sessions on {db.dbname} do not end"
-            time.sleep(0.05)
-        row = conn.execute("SELECT sessions FROM pg_stat_database WHERE datname = %s", [db.dbname]).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 def test_catchup_connects_to_each_database_as_few_times_as_it_can(source: ScratchDb, pg_target_db: ScratchDb,
                                                                   tmp_path: Path, kind: str) -> None:
@@ -121,7 +104,7 @@ def test_catchup_connects_to_each_database_as_few_times_as_it_can(source: Scratc
     session on the source (the checks, then the goal) and, on a PostgreSQL target, two (the checks', on which the
     claim is then taken, and the session's that applies), as an operator counts them in pg_stat_database."""
     config, _ = prepare(source, pg_target_db, tmp_path, kind, f"conns_{kind}")
-    before = sessions(source), sessions(pg_target_db)
+    before = source.sessions(), pg_target_db.sessions()
 
     r = subprocess.run([sys.executable, "-c", "from applier.cli.main import main; main()", "catchup", "-c",
                         str(config)], capture_output=True, text=True, timeout=120, env=clean_env(),
@@ -129,7 +112,7 @@ def test_catchup_connects_to_each_database_as_few_times_as_it_can(source: Scratc
 
     assert r.returncode == 0, r.stderr
     assert "applied 0 transactions" in r.stdout
-    after = sessions(source), sessions(pg_target_db)
+    after = source.sessions(), pg_target_db.sessions()
     assert (after[0] - before[0], after[1] - before[1]) == (1, 2 if kind == "postgresql" else 0)
 
 

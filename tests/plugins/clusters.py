@@ -12,6 +12,7 @@ afterwards.
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +34,20 @@ class ScratchDb:
     def url(self) -> str:
         """SQLAlchemy URL of this database."""
         return self.cluster.url(self.dbname)
+
+    def sessions(self) -> int:
+        """Sessions ever opened to this database (``pg_stat_database.sessions``: plain connections, not
+        walsenders), once none is left (a backend reports its session before it leaves ``pg_stat_activity``; the
+        test's own kept session closed first); read from another database."""
+        self.cluster.release(self.dbname)
+        deadline = time.monotonic() + 30
+        while self.cluster.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND backend_type = "
+                                   "'client backend'", params=[self.dbname]) != [(0,)]:
+            assert time.monotonic() < deadline, f"sessions on {self.dbname} do not end"
+            time.sleep(0.05)
+        [(opened,)] = self.cluster.execute("SELECT sessions FROM pg_stat_database WHERE datname = %s",
+                                           params=[self.dbname])
+        return int(opened)
 
 
 class ClusterPool:

@@ -129,19 +129,25 @@ def test_small_tables_are_hashed_on_the_servers_in_one_job(spark, src: ScratchDb
 def test_on_a_local_master_tables_that_agree_are_verified_without_spark(spark, src: ScratchDb, dst: ScratchDb,
                                                                        tmp_path: Path) -> None:
     """`applier verify` on a local master, a PostgreSQL target: the servers' sums are the command's own queries, so
-    tables that agree are verified with no Java to start Spark with (a Spark start would fail: exit 2); one range
-    that differs is read into Spark (job 2, on the shared session here) and its key named."""
+    tables that agree are verified with no Java to start Spark with (a Spark start would fail: exit 2), with a
+    connection a side for the sums of all the tables; one range that differs is read into Spark (job 2, on the
+    shared session here) and its key named."""
     src.cluster.execute(SMALL, src.dbname)
     assert sync(make_config(src, dst.url, tmp_path / "work"), spark=spark).rows == 500
     cfg_file = write_toml(tmp_path / "applier.toml", {
         "source": {"dsn": src.dsn, "slot": "applier", "publications": ["pub"]}, "target": {"url": dst.url},
         "apply": {"work_dir": str(tmp_path / "work")}, "spark": {"master": "local[2]", "partitions": 2}})
+    before = src.sessions(), dst.sessions()
     res = run_cli("verify", "-c", str(cfg_file), env={"JAVA_HOME": str(tmp_path / "no-java")}, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout.splitlines()
     assert [line for line in out if line.startswith("public.")] == [
         f"public.s{i}: OK, 100 rows, 1024 key ranges agree" for i in range(5)], res.stdout
     assert out[-1] == "verify: the source and the target agree"
+    # each side's sums of the five tables on one connection (local[2]: two threads, a side each), not one a table:
+    # with the command's own (its checks, the snapshot's catalog), 7 sessions a side (11 when it was one a table)
+    opened = src.sessions() - before[0], dst.sessions() - before[1]
+    assert max(opened) <= 7, opened
 
     dst.cluster.execute("DELETE FROM s1 WHERE id = 7", dst.dbname)
     report, read, jobs = _verify(spark, make_config(src, dst.url, tmp_path / "work"))
