@@ -640,7 +640,7 @@ def by_spark(target: Backend, master: str, size_pages: int) -> bool:
 class KeyBuilder:
     """Builds the keys that table creation left for after the copy (``Backend.keys_after_copy``, as pg_dump and
     pgcopydb build indexes after the data): each table's as soon as its copy is over, while the next tables copy,
-    up to ``jobs`` tables at once, each on a target connection of its own (``TargetDb.build_keys``).
+    up to ``jobs`` tables at once, each worker on a target connection of its own (``TargetDb.build_keys``).
 
     Its workers are daemon threads: a command that stops (Ctrl-C, an error) exits without waiting for a build
     (``close`` cancels those under way; one that cannot be reached is ended by the server when its connection
@@ -669,31 +669,42 @@ class KeyBuilder:
             worker.start()
 
     def _work(self) -> None:
-        while (job := self._queue.get()) is not None:
-            future, table, label = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(self._build(table, label))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter (``ended``)
-                future.set_exception(exc)
+        """A worker's builds, one after another on one target connection (made at its first build; made anew after
+        a build that failed on it)."""
+        held: list[TargetDb] = []
+        try:
+            while (job := self._queue.get()) is not None:
+                future, table, label = job
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    future.set_result(self._build(held, table, label))
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiter (``ended``)
+                    future.set_exception(exc)
+        finally:
+            for target in held:
+                target.close()
 
-    def _build(self, table: SourceTable, label: str) -> tuple[str | None, str | None]:
-        """The table's keys built (or none owed): (the failure's line, the line saying they were built)."""
+    def _build(self, held: list[TargetDb], table: SourceTable, label: str) -> tuple[str | None, str | None]:
+        """The table's keys built (or none owed) on the worker's connection ``held`` (empty: none yet): (the
+        failure's line, the line saying they were built)."""
         started = time.monotonic()
         try:
-            target = TargetDb(self.cfg)
+            if not held:
+                held.append(TargetDb(self.cfg))
+            target = held[0]
             with self._lock:
                 if self._closed:  # closed while this build connected: cancelled before it starts
-                    target.close()
                     return None, None
                 self._building.add(target)
             try:
                 built = target.build_keys(table)
+            except BaseException:
+                held.pop().close()  # in whatever state the failure left it
+                raise
             finally:
                 with self._lock:
                     self._building.discard(target)
-                target.close()
         except ConfigError as exc:  # SchemaError: names the table and the statement
             return str(exc), None
         except psycopg.Error as exc:

@@ -496,3 +496,21 @@ def test_a_replica_identity_index_on_columns_not_published_is_not_built(spark, s
     assert [r[0] for r in dst.cluster.execute("SELECT indexname FROM pg_indexes WHERE tablename = 'r'",
                                               dst.dbname)] == ["r_pkey"]
     assert dst.cluster.execute("SELECT * FROM applier_keys_owed", dst.dbname) == []
+
+
+def test_the_keys_of_many_tables_are_built_on_a_connection_a_worker(src: ScratchDb, dst: ScratchDb,
+                                                                     tmp_path: Path) -> None:
+    """A sync of many small tables, each creating its primary key after its copy (the command copies them itself):
+    the key builds reuse their worker's target connection, so the target sees a session a table for its copy and a
+    few for the command, not two a table, as an operator counts them in ``pg_stat_database``."""
+    n = 12
+    src.cluster.execute("; ".join(f"CREATE TABLE k{i} (id int PRIMARY KEY, v text); "
+                                  f"INSERT INTO k{i} SELECT g, 'v' FROM generate_series(1, 20) g" for i in range(n))
+                        + "; CREATE PUBLICATION pub FOR ALL TABLES", src.dbname)
+    before = dst.sessions()
+    assert sync(make_config(src, dst.url, tmp_path / "work")).rows == n * 20
+    opened = dst.sessions() - before
+    assert dst.cluster.execute("SELECT count(*) FROM pg_constraint WHERE contype = 'p' "
+                               "AND conrelid::regclass::text LIKE 'k%'", dst.dbname) == [(n,)]
+    assert dst.cluster.execute("SELECT count(*) FROM applier_keys_owed", dst.dbname) == [(0,)]
+    assert opened <= n + 6, opened
