@@ -621,6 +621,7 @@ def copy_tables(cfg: Config, target: TargetDb, tables: list[SourceTable], run: s
 
 
 KEY_JOBS = 4  # tables whose keys are built at once, at most (``KeyBuilder``)
+KEYS_IDLE_S = 10.0  # seconds a key-building worker keeps its target connection while no build waits (``KeyBuilder``)
 # pages (8 kB, weighed as ``applier.migrate.spark.copy.GROUP_PAGES``) of a PostgreSQL target's table that a sync on a
 # local master copies in the driver (``by_spark``): 8 MiB, about a quarter of a second of copying, a few Spark jobs'
 # fixed cost
@@ -669,11 +670,12 @@ class KeyBuilder:
             worker.start()
 
     def _work(self) -> None:
-        """A worker's builds, one after another on one target connection (made at its first build; made anew after
-        a build that failed on it)."""
+        """A worker's builds, one after another on one target connection (made at its first build, made anew after a
+        build that failed on it; closed when the next build is ``KEYS_IDLE_S`` away: a large table's copy may take
+        hours, no session is left idle that long)."""
         held: list[TargetDb] = []
         try:
-            while (job := self._queue.get()) is not None:
+            while (job := self._next(held)) is not None:
                 future, table, label = job
                 if not future.set_running_or_notify_cancel():
                     continue
@@ -684,6 +686,15 @@ class KeyBuilder:
         finally:
             for target in held:
                 target.close()
+
+    def _next(self, held: list[TargetDb]) -> tuple[Future[tuple[str | None, str | None]], SourceTable, str] | None:
+        """The next job (None: stop); the held connection closed once none came for ``KEYS_IDLE_S``."""
+        try:
+            return self._queue.get(timeout=KEYS_IDLE_S)
+        except queue.Empty:
+            while held:
+                held.pop().close()
+            return self._queue.get()
 
     def _build(self, held: list[TargetDb], table: SourceTable, label: str) -> tuple[str | None, str | None]:
         """The table's keys built (or none owed) on the worker's connection ``held`` (empty: none yet): (the

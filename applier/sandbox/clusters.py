@@ -31,14 +31,17 @@ Invariants:
   tables, advisory locks), and a new connection when the server was
   restarted, the session was ended or left a transaction open, or what new
   sessions start with (``ALTER ROLE/DATABASE … SET``) changed. Another
-  thread's statements get connections of their own. What DISCARD ALL leaves
-  is not fresh: a replication origin set up for the session, a temporary
-  replication slot; run such statements on a connection of their own. A
-  session ended by the server an instant before a statement fails it (no
-  retry). A kept connection is a session on its database: a test that
+  thread's statements get connections of their own. Not fresh: what DISCARD
+  ALL leaves (a replication origin set up for the session, a temporary
+  replication slot: run such statements on a connection of their own), and
+  what is checked only when a session starts (``ALLOW_CONNECTIONS``,
+  ``CONNECTION LIMIT``, ``CONNECT`` privilege: a kept session outlives a
+  refusal). A session ended by the server an instant before a statement fails
+  it (no retry). A kept connection is a session on its database: a test that
   counts them, or needs the database unused, calls ``release`` first
-  (``drop_database`` does; a statement refused because a database is in use
-  runs again once they are closed).
+  (``drop_database`` does, and ``execute`` before ``CREATE DATABASE …
+  TEMPLATE``, ``DROP DATABASE`` or a rename, which PostgreSQL would refuse
+  after waiting 5 s).
 """
 
 from __future__ import annotations
@@ -314,6 +317,10 @@ def _readable(fd: int) -> bool:
     return bool(poller.poll(0))
 
 
+# Statements that PostgreSQL refuses, after waiting 5 s, while another session is connected to the database they name.
+_WANTS_DATABASE_UNUSED = re.compile(
+    r"\s*(DROP\s+DATABASE|ALTER\s+DATABASE\s.*\sRENAME\s+TO|CREATE\s+DATABASE\s.*\sTEMPLATE\s)", re.I | re.S)
+
 # What a new session takes from the catalog (``ALTER DATABASE/ROLE … SET``): a kept session made before a change of it
 # would not have it, so it is made anew when this reads otherwise than when it was connected.
 _SESSION_DEFAULTS = ("SELECT coalesce(string_agg(format('%s/%s=%s', setdatabase, setrole, setconfig), ';' "
@@ -576,16 +583,21 @@ class Cluster:
         params: Sequence[Any] | Mapping[str, Any] | None = None,
     ) -> list[tuple[Any, ...]]:
         """Run one statement in autocommit on ``dbname``'s kept connection (see the module header: a session as
-        fresh as a new connection's); its rows, or [] if none. A statement refused because other sessions use a
-        database (``CREATE DATABASE … TEMPLATE``, ``DROP DATABASE``, a rename) runs again once the kept
-        connections are closed. A new connection when another thread holds the kept ones."""
+        fresh as a new connection's); its rows, or [] if none. Before ``CREATE DATABASE … TEMPLATE``, ``DROP
+        DATABASE`` or a rename, the kept connections to other databases are closed; a statement refused because
+        other sessions use a database (one those words miss) runs again once they are. A new connection when
+        another thread holds the kept ones."""
         if not self._kept_lock.acquire(blocking=False):
             return self._execute_once(query, dbname, params)
         try:
+            text = query if isinstance(query, str) else query.as_string()
+            if _WANTS_DATABASE_UNUSED.match(text):  # refused after 5 s while a session is on it: ours go first
+                for other in [name for name in self._kept if name != dbname]:
+                    self._release(other)
             try:
                 return self._execute_kept(query, dbname, params)
-            except psycopg.errors.ObjectInUse:
-                if len(self._kept) < 2:  # no other session of ours that could be in the way
+            except psycopg.errors.ObjectInUse as exc:
+                if len(self._kept) < 2 or "being accessed by other users" not in str(exc):  # not ours in the way
                     raise
                 self._release()
                 return self._execute_kept(query, dbname, params)

@@ -46,16 +46,29 @@ def range_query(plan: dict[str, Any], lo: int | None, hi: int | None) -> str:
     return q + (" WHERE " + " AND ".join(conds) if conds else "")
 
 
+def pg_connect(plan: dict[str, Any], index: int) -> psycopg.Connection[Any]:
+    """An autocommit connection for partition ``index`` of a ``pg_plan`` (pinned settings, ``<app> p<index>``)."""
+    return psycopg.connect(pinned_dsn(plan["dsn"], f"{plan['app']} p{index}"), autocommit=True)
+
+
+@contextlib.contextmanager
+def snapshot_transaction(conn: psycopg.Connection[Any], plan: dict[str, Any]) -> Iterator[psycopg.Connection[Any]]:
+    """A read-only repeatable-read transaction on autocommit ``conn`` that sees the plan's snapshot (if it has one);
+    committed on success (an exported snapshot can be taken again by the next one, while its exporter lives)."""
+    conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+    if plan.get("snapshot"):
+        conn.execute(psql.SQL("SET TRANSACTION SNAPSHOT {}").format(psql.Literal(plan["snapshot"])))
+    yield conn
+    conn.execute("COMMIT")
+
+
 @contextlib.contextmanager
 def pg_in_snapshot(plan: dict[str, Any], index: int) -> Iterator[psycopg.Connection[Any]]:
-    """A connection for partition ``index`` of a ``pg_plan`` (pinned settings, ``<app> p<index>``), inside a
-    read-only repeatable-read transaction that sees the plan's snapshot (if it has one); committed on success."""
-    conn = psycopg.connect(pinned_dsn(plan["dsn"], f"{plan['app']} p{index}"), autocommit=True)
+    """A connection for partition ``index`` of a ``pg_plan`` (``pg_connect``), inside a ``snapshot_transaction``;
+    closed at the end."""
+    conn = pg_connect(plan, index)
     try:
-        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-        if plan.get("snapshot"):
-            conn.execute(psql.SQL("SET TRANSACTION SNAPSHOT {}").format(psql.Literal(plan["snapshot"])))
-        yield conn
-        conn.execute("COMMIT")
+        with snapshot_transaction(conn, plan):
+            yield conn
     finally:
         conn.close()

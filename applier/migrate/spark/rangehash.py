@@ -23,10 +23,11 @@ server's version or byte order.
 Scheduling: one Spark job per table, or per batch of small tables (``tables_range_sums``: a Spark job
 costs more than a small table's sums); the items are the ctid page ranges of both sides of each table
 (``applier.migrate.spark.source.ctid_ranges``), a task runs every k-th item (k: the session's task
-slots) on one connection a side (the source's in the exported snapshot, ``pg_in_snapshot``; the target's
-in one repeatable-read transaction) and returns the partial sums of its page ranges; the driver adds them up. Spark sees only those sums. On a
-local master the driver runs the same tasks itself, one thread each (the work is the servers', the
-threads wait on them): Spark would only schedule them on this machine, after its JVM had started.
+slots) on one connection a side, a range a transaction (the source's in the exported snapshot,
+``snapshot_transaction``), and returns the partial sums of its page ranges; the driver adds them up.
+Spark sees only those sums. On a local master the driver runs the same tasks itself, one thread each
+(the work is the servers', the threads wait on them): Spark would only schedule them on this machine,
+after its JVM had started.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any, TypeVar
 
 import psycopg
 
-from applier.migrate.spark.pgread import pg_in_snapshot, range_query
+from applier.migrate.spark.pgread import pg_connect, range_query, snapshot_transaction
 from applier.migrate.spark.session import task_slots
 
 KEY_BITS = 10  # 1024 key ranges, as the Spark path
@@ -96,19 +97,20 @@ def _sums_of(tables: list[list[dict[str, Any]]], items: list[tuple[int, int, int
              running: Running | None = None) -> list[tuple[int, int, int, Sums]]:
     """(table, side, bucket, sums) of page ranges ``items`` ((table, side, range index)): a Spark task's work, or
     a driver's thread's (its connection in ``running`` while it queries, to be cancelled). The ranges of one server
-    and snapshot are read on one connection, in one transaction (a connection costs each side several ms, and a
-    verify of many small tables has two ranges a table)."""
+    are read on one connection (a connection costs each side several ms, and a verify of many small tables has two
+    ranges a table), each in a transaction of its own in the plan's snapshot (no lock nor transaction held between
+    them)."""
     out = []
     with contextlib.ExitStack() as opened:
-        conns: dict[tuple[str, str | None], psycopg.Connection[Any]] = {}
+        conns: dict[str, psycopg.Connection[Any]] = {}
         for table, side, index in items:
             plan = tables[table][side]
             lo, hi = plan["ranges"][index]
-            where = (plan["dsn"], plan.get("snapshot"))
-            conn = conns.get(where)
+            conn = conns.get(plan["dsn"])
             if conn is None:
-                conn = conns[where] = opened.enter_context(pg_in_snapshot(plan, index))
-            with running.holding(conn) if running is not None else contextlib.nullcontext():
+                conn = conns[plan["dsn"]] = opened.enter_context(contextlib.closing(pg_connect(plan, index)))
+            with snapshot_transaction(conn, plan), (
+                    running.holding(conn) if running is not None else contextlib.nullcontext()):
                 for b, n, s1, s2 in conn.execute(sums_query(plan, lo, hi)):
                     out.append((table, side, int(b), (int(n), int(s1), int(s2))))
     return out
