@@ -102,8 +102,8 @@ def test_statements_on_postgres_share_one_connection_and_each_starts_a_fresh_ses
 
 def test_each_database_keeps_its_connection_yet_sees_new_defaults_and_can_be_a_template(pg_install: PgInstall) -> None:
     """``execute`` keeps a connection per database; what ``ALTER DATABASE/ROLE … SET`` gives new sessions reaches
-    the next statement; a database it keeps a connection to can still be copied (``CREATE DATABASE … TEMPLATE``)
-    and dropped without ``FORCE``; ``release`` leaves the database without a session of ours."""
+    the next statement; a database it keeps a connection to can still be copied (``CREATE DATABASE … TEMPLATE``),
+    renamed and dropped without ``FORCE``, at once; ``release`` leaves the database without a session of ours."""
     with Cluster(pg_install, name="keptdbs") as cluster:
         cluster.create_database("a")
         [(kept,)] = cluster.execute("SELECT pg_backend_pid()", "a")
@@ -119,13 +119,15 @@ def test_each_database_keeps_its_connection_yet_sees_new_defaults_and_can_be_a_t
         cluster.execute("CREATE TABLE t AS SELECT 1 AS x", "a")
         cluster.execute("CREATE DATABASE b TEMPLATE a")
         assert cluster.execute("SELECT x FROM t", "b") == [(1,)]
-        cluster.execute("DROP DATABASE b")
+        cluster.execute("ALTER DATABASE b RENAME TO c")
+        assert cluster.execute("SELECT x FROM t", "c") == [(1,)]
+        cluster.execute("DROP DATABASE c")
 
         cluster.execute("SELECT 1", "a")
         cluster.release("a")
         assert cluster.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = 'a'") == [(0,)]
         cluster.drop_database("a")
-        assert cluster.execute("SELECT count(*) FROM pg_database WHERE datname IN ('a', 'b')") == [(0,)]
+        assert cluster.execute("SELECT count(*) FROM pg_database WHERE datname IN ('a', 'b', 'c')") == [(0,)]
 
 
 def test_restart_kill_and_recover(pg_install: PgInstall) -> None:

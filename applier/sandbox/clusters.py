@@ -40,8 +40,8 @@ Invariants:
   it (no retry). A kept connection is a session on its database: a test that
   counts them, or needs the database unused, calls ``release`` first
   (``drop_database`` does, and ``execute`` before ``CREATE DATABASE …
-  TEMPLATE``, ``DROP DATABASE`` or a rename, which PostgreSQL would refuse
-  after waiting 5 s).
+  TEMPLATE``, ``DROP DATABASE``, a rename or a move, which PostgreSQL would
+  refuse after waiting 5 s).
 """
 
 from __future__ import annotations
@@ -319,12 +319,20 @@ def _readable(fd: int) -> bool:
 
 # Statements that PostgreSQL refuses, after waiting 5 s, while another session is connected to the database they name.
 _WANTS_DATABASE_UNUSED = re.compile(
-    r"\s*(DROP\s+DATABASE|ALTER\s+DATABASE\s.*\sRENAME\s+TO|CREATE\s+DATABASE\s.*\sTEMPLATE\s)", re.I | re.S)
+    r"\s*(DROP\s+DATABASE|ALTER\s+DATABASE\s.*\s(RENAME\s+TO|SET\s+TABLESPACE)|CREATE\s+DATABASE\s.*\sTEMPLATE\s)",
+    re.I | re.S)
 
 # What a new session takes from the catalog (``ALTER DATABASE/ROLE … SET``): a kept session made before a change of it
 # would not have it, so it is made anew when this reads otherwise than when it was connected.
 _SESSION_DEFAULTS = ("SELECT coalesce(string_agg(format('%s/%s=%s', setdatabase, setrole, setconfig), ';' "
                      "ORDER BY setdatabase, setrole), '') FROM pg_db_role_setting")
+
+
+def _rows(conn: psycopg.Connection[Any], query: str | sql.Composable,
+          params: Sequence[Any] | Mapping[str, Any] | None) -> list[tuple[Any, ...]]:
+    """One statement's rows on ``conn``, or [] if it returns none."""
+    cur = conn.execute(query, params)  # type: ignore[arg-type]
+    return cur.fetchall() if cur.description is not None else []
 
 
 class _KeptSession:
@@ -584,9 +592,9 @@ class Cluster:
     ) -> list[tuple[Any, ...]]:
         """Run one statement in autocommit on ``dbname``'s kept connection (see the module header: a session as
         fresh as a new connection's); its rows, or [] if none. Before ``CREATE DATABASE … TEMPLATE``, ``DROP
-        DATABASE`` or a rename, the kept connections to other databases are closed; a statement refused because
-        other sessions use a database (one those words miss) runs again once they are. A new connection when
-        another thread holds the kept ones."""
+        DATABASE``, a rename or a move, the kept connections to other databases are closed; a statement refused
+        because other sessions use a database (one those words miss) runs again once they are. A new connection
+        when another thread holds the kept ones."""
         if not self._kept_lock.acquire(blocking=False):
             return self._execute_once(query, dbname, params)
         try:
@@ -619,8 +627,7 @@ class Cluster:
     def _execute_once(self, query: str | sql.Composable, dbname: str,
                       params: Sequence[Any] | Mapping[str, Any] | None) -> list[tuple[Any, ...]]:
         with psycopg.connect(self.dsn(dbname), autocommit=True, connect_timeout=10) as conn:
-            cur = conn.execute(query, params)  # type: ignore[arg-type]
-            return cur.fetchall() if cur.description is not None else []
+            return _rows(conn, query, params)
 
     def _execute_kept(self, query: str | sql.Composable, dbname: str,
                       params: Sequence[Any] | Mapping[str, Any] | None) -> list[tuple[Any, ...]]:
@@ -629,8 +636,7 @@ class Cluster:
             self._release(dbname)
             kept = self._kept[dbname] = _KeptSession(self.dsn(dbname), self.pid)
         try:
-            cur = kept.conn.execute(query, params)  # type: ignore[arg-type]
-            return cur.fetchall() if cur.description is not None else []
+            return _rows(kept.conn, query, params)
         finally:
             if not kept.reset():
                 self._release(dbname)
