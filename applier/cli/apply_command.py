@@ -1,8 +1,8 @@
 """``applier catchup`` and ``applier run`` without typer: the apply commands' body, and a short way in to it.
 
-Why: typer builds a pydantic validator for every option of the command it runs; importing typer
-and pydantic and building those costs ~70 ms, near a third of a one-shot catch-up's start when
-there is nothing to apply (bench/startup.py). ``parse`` recognizes the plain command lines of the two apply commands; the
+Why: importing the typer app (typer, rich, every command's module) costs ~40 ms of CPU, a good part of
+a one-shot catch-up's start when there is nothing to apply (bench/startup.py); typer 0.29 and later
+would add a pydantic validator built for every option (~0.15 s: pyproject.toml keeps typer below 0.29). ``parse`` recognizes the plain command lines of the two apply commands; the
 ``applier`` entry point (``applier.cli.main``) runs those here and hands every other command line
 to the typer app, which defines the command line.
 

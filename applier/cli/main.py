@@ -1,8 +1,8 @@
 """The entry point of the ``applier`` script.
 
 A plain ``applier catchup`` or ``applier run`` command line runs without typer
-(``applier.cli.apply_command``: typer and the pydantic it builds validators with are a
-third of a one-shot catch-up's start); every other command line, ``--help`` and
+(``applier.cli.apply_command``: importing the typer app is a good part of a one-shot
+catch-up's start); every other command line, ``--help`` and
 the usage errors included, goes to the typer app (``applier.cli.app``).
 """
 
@@ -24,7 +24,7 @@ def main() -> None:
         if call is not None:
             apply_command.run(call)
             return
-        # here, not at the top: start-up time (catchup and run above do without typer and pydantic)
+        # here, not at the top: start-up time (catchup and run above do without typer)
         from applier.cli.app import app
 
         app()

@@ -1,6 +1,6 @@
 """``applier catchup`` starts without the heavy libraries (issue 14): structure, not timing.
 
-typer (and the pydantic validators it builds for every option), SQLAlchemy, alembic and rich
+typer (and, from typer 0.29, the pydantic validators it builds for every option), SQLAlchemy, alembic and rich
 cost a few tenths of a second to import; the apply commands need none of them. The first test runs
 a real ``applier catchup`` (the script's entry point, a real source, a SQLite or PostgreSQL target,
 one row to apply) in a subprocess that lists the modules it imported, and checks the row arrived

@@ -67,9 +67,10 @@ def _config(tmp_path: Path, src: ScratchDb, dst: ScratchDb, slot: str, master: s
 def test_the_first_command_leaves_the_class_archive_that_the_next_one_maps(src: ScratchDb, dst: ScratchDb,
                                                                              tmp_path: Path) -> None:
     # more than a sync copies in its driver (DRIVER_PAGES), on a master of two copy streams: a Spark job's
-    src.cluster.execute("CREATE TABLE t (id int PRIMARY KEY, v text); "
+    src.cluster.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE TABLE u (id int PRIMARY KEY, v text); "
                         "INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 250000) g; "
-                        "CREATE PUBLICATION pub FOR TABLE t", src.dbname)
+                        "INSERT INTO u SELECT g, 'u' || g FROM generate_series(1, 10) g; "
+                        "CREATE PUBLICATION pub FOR TABLE t, u", src.dbname)
     cfg = _config(tmp_path, src, dst, "start", "local[4]", 1)
     cache = tmp_path / "cache"
     env = {**clean_env(), "XDG_CACHE_HOME": str(cache)}
@@ -78,15 +79,15 @@ def test_the_first_command_leaves_the_class_archive_that_the_next_one_maps(src: 
         sync = subprocess.run([applier_script(), "sync", "-q", "-c", str(cfg)], capture_output=True, text=True,
                               env=env, timeout=600, stdin=subprocess.DEVNULL)
         assert sync.returncode == 0, sync.stderr
-        assert "synced 250,000 rows in 1 tables" in sync.stdout
+        assert "synced 250,010 rows in 2 tables" in sync.stdout, sync.stdout
         archives = sorted(p.name for p in (cache / "applier").iterdir())
         assert len(archives) == 1 and archives[0].startswith("spark-driver-") and archives[0].endswith(".jsa"), \
             archives
         archive = cache / "applier" / archives[0]
 
-        # a column declared otherwise on the target: its rows are read into Spark (a table that the servers find
-        # equal would need no Spark on a local master)
-        dst.cluster.execute("ALTER TABLE t ALTER COLUMN v TYPE varchar(40)", dst.dbname)
+        # a column declared otherwise on the target: that table's rows are read into Spark (t, which the servers
+        # find equal, needs no Spark on a local master; u's 10 rows start the driver all the same)
+        dst.cluster.execute("ALTER TABLE u ALTER COLUMN v TYPE varchar(40)", dst.dbname)
         verify = subprocess.Popen([applier_script(), "verify", "-c", str(cfg)], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
         try:
@@ -98,6 +99,7 @@ def test_the_first_command_leaves_the_class_archive_that_the_next_one_maps(src: 
                 verify.wait()
         assert verify.returncode == 0, out + err
         assert out.splitlines()[-1] == "verify: the source and the target agree", out
+        assert "public.t: OK, 250,000 rows" in out and "public.u: OK, 10 rows" in out, out
         assert "-XX:TieredStopAtLevel=1" in cmdline and "-XX:+UseSerialGC" in cmdline, cmdline
         assert str(archive) in maps, f"{archive} not mapped by the driver JVM: {cmdline}"
         assert sorted(p.name for p in (cache / "applier").iterdir()) == archives
