@@ -1,11 +1,10 @@
 """Tables that cannot be read, as an operator sees it: ``applier sync`` and ``applier verify`` as subprocesses.
 
 What a user relies on: when a table cannot be read (here: the source role may not read table ``b``, a real
-``permission denied``, met by the command itself or in Spark's executors), ``sync`` ends with one line naming the
+``permission denied``, met by the command itself or by Spark), ``sync`` ends with one line naming the
 table and the cause, exit 2, and drops the slot it created (an incomplete copy's slot only holds
 WAL); ``verify`` says it could not compare that table (one line naming it and the cause), exits 2
-and never says the two sides differ; with ``-v`` the traceback is logged, and Spark's warnings where a Spark task
-failed.
+and never says the two sides differ; with ``-v`` the traceback is logged.
 A table that differs beside one that could not be compared is a verdict: ``verify`` exits 1 and its
 last line names both; a target table that does not exist differs (that verdict is checked on the report
 in this process: the command prints its lines and exits with its status). Small tables are compared together
@@ -121,8 +120,8 @@ def test_a_table_that_cannot_be_read_is_one_line_and_exit_2(spark, src: ScratchD
     assert "DEBUG applier.verify: comparing public.b failed" in res.stderr
     assert "Traceback (most recent call last)" in res.stderr and "permission denied for table b" in res.stderr
 
-    # a SQLite target's rows are read by Spark's tasks: b's fail there, the same line; -v adds the executor's Python
-    # error inside the traceback and Spark's warnings
+    # a SQLite target's rows are read into Spark (a table this small by the driver, verify.read_here): b's read
+    # fails, the same line; -v adds the traceback
     lite = tmp_path / "lite"
     lite.mkdir()
     lite_file = _config_file(lite / "applier.toml", dsn, f"sqlite:///{lite / 'replica.db'}", slot="lite")
@@ -135,7 +134,6 @@ def test_a_table_that_cannot_be_read_is_one_line_and_exit_2(spark, src: ScratchD
     assert f"public.b: could not compare: {DENIED}" in res.stdout.splitlines()
     assert "DEBUG applier.verify: comparing public.b failed" in res.stderr
     assert "Traceback (most recent call last)" in res.stderr and "permission denied for table b" in res.stderr
-    assert " WARN TaskSetManager: Lost task" in res.stderr, res.stderr[-3000:]
 
 
 def test_verify_names_a_difference_beside_a_table_it_could_not_compare(spark, src: ScratchDb, dst: ScratchDb,

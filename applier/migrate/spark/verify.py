@@ -43,7 +43,10 @@ its partitions'; the target's own rows likewise), in Spark:
 Small tables (``BATCH_PAGES``) are compared together, up to ``BATCH_TABLES`` in one job 1 (a Spark job
 costs a second or two whatever its size: one per table would cost a schema of many small tables more than
 its rows), told apart by their place in the batch, on either path below (those of each path together);
-when that job fails, each of its tables is compared alone, so that a failure names its own table.
+when that job fails, each of its tables is compared alone, so that a failure names its own table. Tables of
+at most ``DRIVER_PAGES`` in all (what a sync copies in its driver) are read by the driver and handed to Spark as
+Arrow data (``read_here``): a Python process planning each side's scan and Python workers reading it cost more
+than their rows.
 
 PostgreSQL target (``compare_on_servers``): when every compared column has the same type on both
 sides and the two servers share an encoding, job 1 runs on the servers instead
@@ -98,7 +101,7 @@ from applier.migrate.spark.session import (
     spark_of,
     task_slots,
 )
-from applier.migrate.sync import TargetDb, count_in_snapshot, read_tables_in_snapshot, slot_row
+from applier.migrate.sync import DRIVER_PAGES, TargetDb, count_in_snapshot, read_tables_in_snapshot, slot_row
 from applier.source.base import Source, SourceError
 from applier.source.walsender import WalSender
 from applier.targets.backends import backend_of
@@ -339,23 +342,33 @@ class Compared:
     target_format: str
     columns: list[str]
     key: list[str]
+    pages: int  # the source table's (``read_here``)
 
-    def sides(self, spark: Any) -> tuple[Any, Any]:
-        """Both sides' rows, ``prepared``."""
-        from applier.migrate.spark.source import read_table  # start-up time: pyspark, pyarrow
+    def sides(self, spark: Any, here: bool = False) -> tuple[Any, Any]:
+        """Both sides' rows, ``prepared``; ``here``: read in the driver (``read_tables_here``)."""
+        from applier.migrate.spark.source import read_table, read_tables_here  # start-up time: pyspark, pyarrow
 
         key_idx = [self.columns.index(k) for k in self.key]
-        return tuple(prepared(read_table(spark, fmt, plan), len(self.columns), key_idx)
+        return tuple(prepared(read_tables_here(spark, [(fmt, plan)]).drop("t") if here
+                              else read_table(spark, fmt, plan), len(self.columns), key_idx)
                      for fmt, plan in (("applier_pg", self.source_plan), (self.target_format, self.target_plan)))
 
 
+def read_here(tables: list[Compared]) -> bool:
+    """Whether ``tables`` are read in the driver (``read_tables_here``): at most ``DRIVER_PAGES`` of source pages
+    in all, the size of a table that a sync copies in its driver (a Python process planning each side's scan and
+    the Python workers reading it cost a local verify's first job more than such tables' rows)."""
+    return sum(t.pages for t in tables) <= DRIVER_PAGES
+
+
 def placed(spark: Any, tables: list[Compared]) -> tuple[Any, Any]:
-    """Both sides' rows of several tables, each side one scan (``read_tables``): the table's place ``t`` in
-    ``tables``, its key range, and row hashes as ``prepared`` makes them for the table alone (the key, hence the
-    range, is the same; the row hash covers the widest table's columns, the missing ones NULL on both sides)."""
+    """Both sides' rows of several tables, each side one scan (``read_tables``, or ``read_tables_here``: ``read_here``):
+    the table's place ``t`` in ``tables``, its key range, and row hashes as ``prepared`` makes them for the table
+    alone (the key, hence the range, is the same; the row hash covers the widest table's columns, the missing ones
+    NULL on both sides)."""
     from pyspark.sql import functions as F
 
-    from applier.migrate.spark.source import read_tables  # start-up time: pyspark, pyarrow
+    from applier.migrate.spark.source import read_tables, read_tables_here  # start-up time: pyspark, pyarrow
 
     width = max(len(t.columns) for t in tables)
     tagged = tagged_values(width)
@@ -368,7 +381,7 @@ def placed(spark: Any, tables: list[Compared]) -> tuple[Any, Any]:
     out = []
     for fmt_plan in ([("applier_pg", t.source_plan) for t in tables],
                      [(t.target_format, t.target_plan) for t in tables]):
-        df = read_tables(spark, fmt_plan, task_slots(spark))
+        df = read_tables_here(spark, fmt_plan) if read_here(tables) else read_tables(spark, fmt_plan, task_slots(spark))
         out.append(df.select("t", F.shiftrightunsigned(F.xxhash64(key), 64 - KEY_BITS).cast("int").alias("bucket"),
                              F.xxhash64(row).alias("h"), F.hash(row).alias("m")))
     return out[0], out[1]
@@ -387,7 +400,7 @@ def compare(spark: Any, tables: list[Compared], kind: Kind, max_keys: int) -> li
     log.debug("comparing %d table(s): %s", len(tables), names)
     try:
         # not cached: caching slows down job 1 (the common case: all agree) more than a second read costs job 2
-        alone = tables[0].sides(spark) if len(tables) == 1 else None  # read again by job 2 if it differs
+        alone = tables[0].sides(spark, read_here(tables)) if len(tables) == 1 else None  # read again by job 2 if it differs
         rows = ([s.select(F.lit(0).alias("t"), "bucket", "h", "m") for s in alone] if alone is not None
                 else list(placed(spark, tables)))
 
@@ -409,7 +422,7 @@ def compare(spark: Any, tables: list[Compared], kind: Kind, max_keys: int) -> li
         for t, res, buckets in zip(tables, results, differing, strict=True):
             res.differing_ranges = len(buckets)
             if buckets:
-                src, tgt = alone if alone is not None else t.sides(spark)
+                src, tgt = alone if alone is not None else t.sides(spark, read_here([t]))
                 differing_keys(src.where(F.col("bucket").isin(buckets)), tgt.where(F.col("bucket").isin(buckets)),
                                t.columns, t.key, kind, max_keys, res)
                 log.debug("%s: differing keys found in %.1fs", t.label, time.monotonic() - t0)
@@ -691,7 +704,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                     lazy.begin()  # its rows are read into Spark: started in the background while others are planned
                 (servers if on_servers else batch).add(
                     len(report.tables) - 1, Compared(t.qualified, src_plan, tgt_plan, fmt, cols + nulls,
-                                                     t.key_columns), small)
+                                                     t.key_columns, t.pages), small)
             batch.flush()
             servers.flush()
         finally:
