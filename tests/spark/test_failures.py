@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from applier.migrate.spark import verify as verify_module
 from applier.migrate.spark.verify import verify
 from applier.migrate.sync import sync
 from tests.plugins.cli import run_cli, toml_value
@@ -169,18 +170,23 @@ def test_verify_names_a_difference_beside_a_table_it_could_not_compare(spark, sr
 
 
 def test_a_table_failing_among_small_ones_read_into_spark_is_named_alone(spark, src: ScratchDb, limited_role: str,
-                                                                           tmp_path: Path) -> None:
+                                                                           tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A SQLite target: the rows of a and b are read into Spark in one job (small tables together); b's read fails,
-    so each is compared alone: a agrees, b is named with the cause (no verdict), as on the servers above."""
+    so each is compared alone: a agrees, b is named with the cause (no verdict), as on the servers above. Both ways
+    the rows reach Spark: read by the driver (tables this small), and by Spark's tasks (larger ones: forced here by
+    a limit of 0 pages)."""
     dsn = src.cluster.dsn(src.dbname, user=limited_role)
     cfg = make_config(src, f"sqlite:///{tmp_path / 'replica.db'}", tmp_path / "work", **{"source.dsn": dsn})
     src.cluster.execute(f"GRANT SELECT ON b TO {limited_role}", src.dbname)
     assert sync(cfg, spark=spark).rows == 5000
     src.cluster.execute(f"REVOKE SELECT ON b FROM {limited_role}", src.dbname)
 
-    report = verify(cfg, spark=spark)
-    out = report.lines()
-    assert report.status == 2, out
-    assert "public.a: OK, 3,000 rows, 1024 key ranges agree" in out, out
-    assert f"public.b: could not compare: {DENIED}" in out, out
-    assert out[-1] == "verify: could not compare public.b (of 2 tables): no verdict"
+    for driver_pages in (verify_module.DRIVER_PAGES, 0):
+        monkeypatch.setattr(verify_module, "DRIVER_PAGES", driver_pages)
+        report = verify(cfg, spark=spark)
+        out = report.lines()
+        assert report.status == 2, (driver_pages, out)
+        assert "public.a: OK, 3,000 rows, 1024 key ranges agree" in out, (driver_pages, out)
+        assert f"public.b: could not compare: {DENIED}" in out, (driver_pages, out)
+        assert out[-1] == "verify: could not compare public.b (of 2 tables): no verdict"

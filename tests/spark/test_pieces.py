@@ -15,6 +15,7 @@ from __future__ import annotations
 import sqlite3
 import struct
 
+import pyarrow as pa
 import pytest
 
 pytest.importorskip("pyspark")
@@ -198,6 +199,19 @@ def test_spark_error_line_names_a_workers_python_that_does_not_start() -> None:
     assert spark_error_line(RuntimeError(text)) == (
         "the workers' Python failed: /usr/bin/python3: No module named pyspark (point spark.pyspark.python or "
         "PYSPARK_PYTHON at a Python 3.11 with pyspark, psycopg and pyarrow)")
+
+
+def test_spark_error_line_names_the_class_of_what_the_driver_met_reading_rows(tmp_path) -> None:
+    """verify reads small tables in its driver: a SQLite or Arrow error met there reads as the same error in a
+    Spark task would (its class, then its message)."""
+    conn = sqlite3.connect(tmp_path / "t.db")
+    with pytest.raises(sqlite3.Error) as lite:
+        conn.execute("SELECT * FROM gone")
+    conn.close()
+    assert spark_error_line(lite.value) == "OperationalError: no such table: gone"
+    with pytest.raises(pa.ArrowInvalid) as arrow:
+        pa.array([1, "x"])
+    assert spark_error_line(arrow.value).startswith("ArrowInvalid: Could not convert 'x'")
 
 
 def test_task_slots_of_the_session_are_its_local_threads(spark) -> None:

@@ -35,7 +35,7 @@ from tests.spark.conftest import make_config
 
 pytest.importorskip("pyspark")
 
-ROWS = 60_000  # over DRIVER_PAGES (8 MB): a table verify would read with Spark's tasks
+ROWS = 60_000  # big is over DRIVER_PAGES (8 MB): read into Spark, its rows would be read by Spark's tasks
 DECLARED = 5_000
 
 SOURCE = f"""
@@ -81,8 +81,8 @@ def test_verify_hashes_key_ranges_on_the_servers_and_names_the_differing_keys(
     assert report.lines()[-3:] == [f"public.big: OK, {ROWS:,} rows, 1024 key ranges agree",
                                    f"public.declared: OK, {DECLARED:,} rows, 1024 key ranges agree",
                                    "verify: the source and the target agree"]
-    # no Spark task read a row: declared's (small: read by the driver, verify.read_here) nor big's (too large for
-    # that: a task would have read it had it not been summed on the servers)
+    # no Spark task read a row: declared's are read by the driver (small: verify.read_here), and big is summed on
+    # the servers (were it read into Spark instead, its size would have Spark's tasks read it: counted here)
     assert read == 0
     [(pages,)] = src.cluster.execute("SELECT pg_relation_size('big') / 8192", src.dbname)
     assert pages > DRIVER_PAGES, pages

@@ -126,10 +126,14 @@ def driver_error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {said or one_line(exc)}"
 
 
+# the modules of errors the driver meets reading rows itself (a SQLite file, the Arrow data of verify's small tables)
+_DRIVER_READS = frozenset(("sqlite3", "pyarrow.lib"))
+
+
 def spark_error_line(exc: BaseException) -> str:
-    """The Python error at the bottom of a failed Spark job's message, else its first line; a server's error that
-    the driver met itself as ``driver_error_line`` says it."""
-    if isinstance(exc, psycopg.Error):
+    """The Python error at the bottom of a failed Spark job's message, else its first line; a server's error, or a
+    SQLite or Arrow one, that the driver met itself as ``driver_error_line`` says it."""
+    if isinstance(exc, psycopg.Error) or type(exc).__module__ in _DRIVER_READS:
         return driver_error_line(exc)
     text = str(exc)
     lines = text.splitlines()

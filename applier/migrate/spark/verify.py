@@ -44,8 +44,8 @@ Small tables (``BATCH_PAGES``) are compared together, up to ``BATCH_TABLES`` in 
 costs a second or two whatever its size: one per table would cost a schema of many small tables more than
 its rows), told apart by their place in the batch, on either path below (those of each path together);
 when that job fails, each of its tables is compared alone, so that a failure names its own table. Tables of
-at most ``DRIVER_PAGES`` in all (what a sync copies in its driver) are read by the driver and handed to Spark as
-Arrow data (``read_here``): a Python process planning each side's scan and Python workers reading it cost more
+at most ``DRIVER_PAGES`` in all, every leaf and TOAST included (what a sync on a local master copies in its driver), are read by
+the driver and handed to Spark as Arrow data (``read_here``): a Python process planning each side's scan and Python workers reading it cost more
 than their rows.
 
 PostgreSQL target (``compare_on_servers``): when every compared column has the same type on both
@@ -342,7 +342,7 @@ class Compared:
     target_format: str
     columns: list[str]
     key: list[str]
-    pages: int  # the source table's (``read_here``)
+    pages: int  # the source table's size, every leaf and TOAST included (``read_here``)
 
     def sides(self, spark: Any, here: bool = False) -> tuple[Any, Any]:
         """Both sides' rows, ``prepared``; ``here``: read in the driver (``read_tables_here``)."""
@@ -356,8 +356,9 @@ class Compared:
 
 def read_here(tables: list[Compared]) -> bool:
     """Whether ``tables`` are read in the driver (``read_tables_here``): at most ``DRIVER_PAGES`` of source pages
-    in all, the size of a table that a sync copies in its driver (a Python process planning each side's scan and
-    the Python workers reading it cost a local verify's first job more than such tables' rows)."""
+    in all (every leaf, TOAST included), the size of a table that a sync on a local master copies in its driver (a
+    Python process planning each side's scan and the Python workers reading it cost a verify's first job more
+    than such tables' rows). The driver holds them whole while Spark takes them: on any master."""
     return sum(t.pages for t in tables) <= DRIVER_PAGES
 
 
@@ -531,7 +532,7 @@ def compare_on_servers(session: Callable[[], Any], tables: list[Compared], kind:
 
 # -- the command ---------------------------------------------------------------------------------
 
-BATCH_PAGES = 1024  # a table of at most this many pages (8 MB) is read by one task a side, in a job with others
+BATCH_PAGES = 1024  # a table of at most this many pages (8 MB) is compared in a job with others, one range a side
 BATCH_TABLES = 64  # at most this many tables in one job
 
 
@@ -686,7 +687,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                 nulls = [c for c in target.columns_without_default(t) if c in t.unpublished]
                 qcols = [quote_ident(c) for c in cols]
                 mapped = not target.backend.keeps_types  # compared as the kind's mapping of the source's values
-                small = t.pages <= BATCH_PAGES  # read whole by one task per side, compared with other small ones
+                small = t.pages <= BATCH_PAGES  # read whole (one range a side), compared with other small ones
                 parts = 1 if small else nparts
                 src_plan = pg_plan(cfg.source["dsn"], t.qname, qcols + ["NULL"] * len(nulls), pages=t.pages,
                                    partitions=parts, snapshot=info.snapshot_name, where=t.rowfilter,
@@ -704,7 +705,7 @@ def verify(cfg: Config, *, spark: Any = None, max_keys: int = 10, say: Any = Non
                     lazy.begin()  # its rows are read into Spark: started in the background while others are planned
                 (servers if on_servers else batch).add(
                     len(report.tables) - 1, Compared(t.qualified, src_plan, tgt_plan, fmt, cols + nulls,
-                                                     t.key_columns, t.pages), small)
+                                                     t.key_columns, t.size_pages), small)
             batch.flush()
             servers.flush()
         finally:
