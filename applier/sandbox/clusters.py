@@ -319,7 +319,7 @@ def _readable(fd: int) -> bool:
 
 # Statements that PostgreSQL refuses, after waiting 5 s, while another session is connected to the database they name.
 _WANTS_DATABASE_UNUSED = re.compile(
-    r"\s*(DROP\s+DATABASE|ALTER\s+DATABASE\s.*\s(RENAME\s+TO|SET\s+TABLESPACE)|CREATE\s+DATABASE\s.*\sTEMPLATE\s)",
+    r"\s*(DROP\s+DATABASE|ALTER\s+DATABASE\s.*\s(RENAME\s+TO|SET\s+TABLESPACE)|CREATE\s+DATABASE\s.*\sTEMPLATE\b)",
     re.I | re.S)
 
 # What a new session takes from the catalog (``ALTER DATABASE/ROLE … SET``): a kept session made before a change of it

@@ -85,11 +85,16 @@ def read_table(spark: Any, fmt: str, plan: str) -> Any:
     return spark.read.format(fmt).schema(schema_of(ncols)).option("plan", plan).load()
 
 
+def _many(plans: list[tuple[str, str]]) -> tuple[list[tuple[str, dict[str, Any]]], int]:
+    """``(format, plan)`` pairs of several tables with their plans decoded, and the widest table's column count."""
+    decoded = [(fmt, json.loads(plan)) for fmt, plan in plans]
+    return decoded, max(len(plan["columns"]) for _, plan in decoded)
+
+
 def read_tables(spark: Any, plans: list[tuple[str, str]], partitions: int) -> Any:
     """The DataFrame of several tables read in one scan (``applier_many``) of ``partitions`` partitions, each
     reading its share of the tables' ranges one after the other: ``(format, plan)`` each."""
-    decoded = [(fmt, json.loads(plan)) for fmt, plan in plans]
-    width = max(len(plan["columns"]) for _, plan in decoded)
+    decoded, width = _many(plans)
     return (spark.read.format("applier_many").schema(many_schema(width))
             .option("plans", json.dumps(decoded)).option("partitions", partitions).load())
 
@@ -99,8 +104,7 @@ def read_tables_here(spark: Any, plans: list[tuple[str, str]]) -> Any:
     the same reader, and handed to Spark as Arrow data: no Python process plans a scan and no Python worker reads
     one. For a few small tables: a local verify's first job of a 10-row table took 6 s this way against 14-15 s
     through the data source (idle 2-CPU machine, bench/README.md). The rows are held in the driver's memory."""
-    decoded = [(fmt, json.loads(plan)) for fmt, plan in plans]
-    width = max(len(plan["columns"]) for _, plan in decoded)
+    decoded, width = _many(plans)
     reader = _ManyReader(decoded, width, 1)
     schema = many_schema(width)
     arrow = pa.schema([pa.field("t", pa.int32()), *(pa.field(f.name, pa.binary()) for f in schema.fields[1:])])
