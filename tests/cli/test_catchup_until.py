@@ -15,6 +15,8 @@ from applier.lsn import LSN
 from tests.cli.opsrig import Rig
 from tests.plugins.clusters import ScratchDb
 
+MARGIN = 16 << 20  # bytes of WAL between the source's position and --until (``test_until_past_the_source_waits_for_it``)
+
 
 @pytest.fixture
 def rig(source_db: ScratchDb, tmp_path: Path) -> Iterator[Rig]:
@@ -81,15 +83,20 @@ def test_until_between_prepare_and_commit_prepared(source_db: ScratchDb, tmp_pat
 
 def test_until_past_the_source_waits_for_it(rig: Rig) -> None:
     rig.src("INSERT INTO t VALUES (1, 'x')")
-    # a margin the server's own WAL (a running-xacts record every 15 s, autovacuum) does not cross in the wait
-    ahead = LSN(LSN.parse(rig.src("SELECT pg_current_wal_insert_lsn()::text")[0][0]) + 65536)
+    # a margin that the WAL of the whole cluster does not cross in the wait: the server's own (a running-xacts
+    # record every 15 s, autovacuum) and that of the other tests sharing the cluster (64 kB was crossed once)
+    ahead = LSN(LSN.parse(rig.src("SELECT pg_current_wal_insert_lsn()::text")[0][0]) + MARGIN)
     proc = rig.start("catchup", "--until", str(ahead))
     try:
         time.sleep(4)
         assert proc.poll() is None, proc.communicate()  # still waiting: the source has not reached it
         assert ids(rig) == [1]  # what lies before it is applied meanwhile
-        # committed past the position (~300 kB of WAL): ends the wait, not applied
-        rig.src("INSERT INTO t SELECT 2, string_agg(md5(g::text), '') FROM generate_series(1, 10000) AS g")
+        # the WAL brought past the position by an unpublished table's rows, then a change committed past it: the
+        # wait ends, the change is not applied
+        rig.src("CREATE TABLE pad (g int, v text)")
+        while LSN.parse(rig.src("SELECT pg_current_wal_insert_lsn()::text")[0][0]) <= ahead:
+            rig.src("INSERT INTO pad SELECT g, md5(g::text) FROM generate_series(1, 100000) AS g")
+        rig.src("INSERT INTO t VALUES (2, 'past')")
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
