@@ -104,6 +104,10 @@ class Rig(TargetSide):
         return {r[0] for r in self.tgt("SELECT name FROM sqlite_master WHERE type = 'table' "
                                        "AND name LIKE 'applier%'")}
 
+    def wal_insert_lsn(self) -> LSN:
+        """The source's WAL insert position (the cluster's: other databases' writes move it too)."""
+        return LSN.parse(self.src("SELECT pg_current_wal_insert_lsn()::text")[0][0])
+
     def applied_lsn(self) -> LSN:
         """The target's recorded position for apply.name 'applier'."""
         rows = self.tgt("SELECT lsn FROM applier_progress WHERE name = 'applier'")

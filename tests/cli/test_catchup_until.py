@@ -67,7 +67,7 @@ def test_until_between_prepare_and_commit_prepared(source_db: ScratchDb, tmp_pat
     rig.prepare("init")
     rig.src("BEGIN; INSERT INTO t VALUES (10, 'prepared'); PREPARE TRANSACTION 'g1'")
     rig.src("CREATE TABLE unpublished (id int); INSERT INTO unpublished VALUES (1)")  # WAL after the PREPARE's end
-    between = LSN.parse(rig.src("SELECT pg_current_wal_insert_lsn()::text")[0][0])
+    between = rig.wal_insert_lsn()
     rig.src("COMMIT PREPARED 'g1'")
 
     # just before the COMMIT PREPARED's record (which starts at ``between``): the PREPARE is applied, it is not
@@ -85,7 +85,7 @@ def test_until_past_the_source_waits_for_it(rig: Rig) -> None:
     rig.src("INSERT INTO t VALUES (1, 'x')")
     # a margin that the WAL of the whole cluster does not cross in the wait: the server's own (a running-xacts
     # record every 15 s, autovacuum) and that of the other tests sharing the cluster (64 kB was crossed once)
-    ahead = LSN(LSN.parse(rig.src("SELECT pg_current_wal_insert_lsn()::text")[0][0]) + MARGIN)
+    ahead = LSN(rig.wal_insert_lsn() + MARGIN)
     proc = rig.start("catchup", "--until", str(ahead))
     try:
         time.sleep(4)
@@ -94,7 +94,7 @@ def test_until_past_the_source_waits_for_it(rig: Rig) -> None:
         # the WAL brought past the position by an unpublished table's rows, then a change committed past it: the
         # wait ends, the change is not applied
         rig.src("CREATE TABLE pad (g int, v text)")
-        while LSN.parse(rig.src("SELECT pg_current_wal_insert_lsn()::text")[0][0]) <= ahead:
+        while rig.wal_insert_lsn() <= ahead:
             rig.src("INSERT INTO pad SELECT g, md5(g::text) FROM generate_series(1, 100000) AS g")
         rig.src("INSERT INTO t VALUES (2, 'past')")
         out, err = proc.communicate(timeout=60)
