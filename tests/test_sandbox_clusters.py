@@ -125,7 +125,11 @@ def test_each_database_keeps_its_connection_yet_sees_new_defaults_and_can_be_a_t
 
         cluster.execute("SELECT 1", "a")
         cluster.release("a")
-        assert cluster.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = 'a'") == [(0,)]
+        # the backend ends after the client closed (PostgreSQL's DROP DATABASE waits up to 5 s for that too)
+        deadline = time.monotonic() + 5
+        while cluster.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = 'a'") != [(0,)]:
+            assert time.monotonic() < deadline, cluster.execute("SELECT * FROM pg_stat_activity WHERE datname = 'a'")
+            time.sleep(0.05)
         cluster.drop_database("a")
         assert cluster.execute("SELECT count(*) FROM pg_database WHERE datname IN ('a', 'b', 'c')") == [(0,)]
 

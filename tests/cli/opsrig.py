@@ -19,7 +19,7 @@ from typing import Any
 from applier.decoder.messages import Begin, Commit
 from applier.decoder.pgoutput import decode_message
 from applier.lsn import LSN
-from tests.plugins.cli import applier_script, clean_env, invoke, write_toml
+from tests.plugins.cli import applier_script, clean_env, invoke, run_cli, write_toml
 from tests.plugins.clusters import ScratchDb
 from tests.plugins.target_side import TargetSide
 
@@ -61,9 +61,8 @@ class Rig(TargetSide):
         assert r.returncode == 0, r.stderr
 
     def applier(self, *args: str, config: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        """``applier ARGS -c CONFIG`` (this rig's config, or ``config``), run to its end."""
-        return subprocess.run([applier_script(), *args, "-c", str(config or self.config)], capture_output=True,
-                              text=True, timeout=timeout, env=clean_env(), stdin=subprocess.DEVNULL)
+        """``applier ARGS -c CONFIG`` (this rig's config, or ``config``), run to its end (``run_cli``)."""
+        return run_cli(*args, "-c", str(config or self.config), timeout=timeout)
 
     def variant(self, name: str, **changes: dict[str, Any]) -> Path:
         """A config file beside this one with ``changes`` (section -> keys) made to it."""

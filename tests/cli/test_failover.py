@@ -29,7 +29,7 @@ import pytest
 
 from applier.lsn import LSN
 from applier.sandbox.clusters import Cluster, PgInstall, find_install, find_installs
-from tests.plugins.cli import applier_script, clean_env, invoke, write_toml
+from tests.plugins.cli import applier_script, clean_env, invoke, run_cli, write_toml
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 from tests.plugins.target_side import TargetSide
 
@@ -109,8 +109,7 @@ class Replica(TargetSide):
     config: Path
 
     def applier(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([applier_script(), *args, "-c", str(self.config)], capture_output=True, text=True,
-                              timeout=timeout, env=clean_env(), stdin=subprocess.DEVNULL)
+        return run_cli(*args, "-c", str(self.config), timeout=timeout)
 
     def start(self, *args: str) -> subprocess.Popen[str]:
         return subprocess.Popen([applier_script(), *args, "-c", str(self.config)], stdout=subprocess.PIPE,

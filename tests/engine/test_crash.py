@@ -49,7 +49,7 @@ from applier.lsn import LSN
 from applier.sandbox.clusters import Cluster, find_install
 from tests.engine import workload as wl
 from tests.engine.conftest import NEWEST_PG, Target, applier_script, clean_env, make_cfg
-from tests.plugins.cli import write_toml
+from tests.plugins.cli import run_cli, write_toml
 from tests.plugins.clusters import ScratchDb
 
 pytestmark = pytest.mark.parametrize("pg_install", [NEWEST_PG], indirect=True, ids=lambda v: f"pg{v}")
@@ -286,8 +286,7 @@ def target_in_transaction(target: Target) -> bool:
 
 
 def catchup(config: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([applier_script(), "catchup", "-c", str(config)], capture_output=True, text=True,
-                          timeout=timeout, env=clean_env(), stdin=subprocess.DEVNULL)
+    return run_cli("catchup", "-c", str(config), timeout=timeout)
 
 
 def check_result(source: ScratchDb, target: Target, where: str) -> int:

@@ -26,7 +26,7 @@ from applier.admin import init
 from applier.config import load_config
 from tests.engine import workload as wl
 from tests.engine.conftest import Target
-from tests.plugins.cli import applier_script, clean_env, write_toml
+from tests.plugins.cli import clean_env, run_cli, write_toml
 from tests.plugins.clusters import ScratchDb, scratch_db
 
 PATHS = {"compiled": {"APPLIER_PURE_PYTHON": "0"}, "pure": {"APPLIER_PURE_PYTHON": "1"}}
@@ -45,8 +45,7 @@ def config(path: Path, source: ScratchDb, slot: str, url: str, work: Path, **sou
 
 
 def catchup(cfg: Path, extra_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([applier_script(), "catchup", "-c", str(cfg)], capture_output=True, text=True,
-                          timeout=300, env={**clean_env(), **extra_env}, stdin=subprocess.DEVNULL)
+    return run_cli("catchup", "-c", str(cfg), env=extra_env, timeout=300)
 
 
 def counts(stderr: str) -> str:

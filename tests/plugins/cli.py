@@ -1,5 +1,6 @@
-"""What tests need to run the installed ``applier`` script: its path, a clean environment, TOML values; and
-``invoke``, the same command in this process (where the command's own process is not the point: no Python start)."""
+"""What tests need to run the installed ``applier`` script: its path, a clean environment, TOML values; ``run_cli``,
+a command as a process of its own (forked from ``tests.plugins.forked``'s server: no Python start each); and
+``invoke``, the same command in this process."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 from typer.testing import CliRunner
 
 from applier.cli.app import app
+from tests.plugins.forked import FORKS
 
 # The ``applier`` script's entry point, writing the names of the modules it imported to argv[1] at exit (run it as
 # ``python -c PROBE FILE <applier arguments>``).
@@ -66,10 +68,15 @@ def ctrl_c(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[str, str]
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
             cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """``applier ARGS`` as its own process (the installed script, ``clean_env`` and ``env`` on top, no stdin): where
-    the process is the point (exit codes, one-line errors, signals, what it prints)."""
+    """``applier ARGS`` as its own process (``clean_env`` and ``env`` on top, no stdin), run to its end: exit codes,
+    one-line errors, what it prints. Forked from this process's fork server (``tests.plugins.forked``: the script's
+    ``main`` without a Python start) unless ``env`` picks another row path than the server's."""
+    full_env = {**clean_env(), **(env or {})}
+    server = FORKS.get(applier_script())
+    if server.serves(full_env):
+        return server.run(list(args), full_env, cwd, timeout)
     return subprocess.run([applier_script(), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**clean_env(), **(env or {})}, stdin=subprocess.DEVNULL, cwd=cwd)
+                          env=full_env, stdin=subprocess.DEVNULL, cwd=cwd)
 
 
 def invoke(*args: str) -> subprocess.CompletedProcess[str]:
