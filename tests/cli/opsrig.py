@@ -19,7 +19,7 @@ from typing import Any
 from applier.decoder.messages import Begin, Commit
 from applier.decoder.pgoutput import decode_message
 from applier.lsn import LSN
-from tests.plugins.cli import applier_script, clean_env, invoke, run_cli, write_toml
+from tests.plugins.cli import invoke, popen, run_cli, write_toml
 from tests.plugins.clusters import ScratchDb
 from tests.plugins.target_side import TargetSide
 
@@ -73,8 +73,7 @@ class Rig(TargetSide):
 
     def start(self, *args: str) -> subprocess.Popen[str]:
         """``applier ARGS -c CONFIG`` in the background."""
-        return subprocess.Popen([applier_script(), *args, "-c", str(self.config)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=clean_env(), stdin=subprocess.DEVNULL)
+        return popen([*args, "-c", str(self.config)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def start_daemon(self) -> subprocess.Popen[str]:
         """``applier run`` in the background, returned once it streams from the slot (the slot is active)."""

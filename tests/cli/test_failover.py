@@ -29,7 +29,7 @@ import pytest
 
 from applier.lsn import LSN
 from applier.sandbox.clusters import Cluster, PgInstall, find_install, find_installs
-from tests.plugins.cli import applier_script, clean_env, invoke, run_cli, write_toml
+from tests.plugins.cli import invoke, popen, run_cli, write_toml
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 from tests.plugins.target_side import TargetSide
 
@@ -112,8 +112,7 @@ class Replica(TargetSide):
         return run_cli(*args, "-c", str(self.config), timeout=timeout)
 
     def start(self, *args: str) -> subprocess.Popen[str]:
-        return subprocess.Popen([applier_script(), *args, "-c", str(self.config)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=clean_env(), stdin=subprocess.DEVNULL)
+        return popen([*args, "-c", str(self.config)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def applied(self) -> LSN:
         rows = self.tgt("SELECT lsn FROM applier_progress")

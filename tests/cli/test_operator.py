@@ -26,7 +26,7 @@ import pytest
 
 from applier.sandbox.clusters import find_install
 from tests.cli.test_config_errors import closed_port
-from tests.plugins.cli import applier_script, clean_env, ctrl_c, foreground, invoke, run_cli, write_toml
+from tests.plugins.cli import ctrl_c, foreground, invoke, popen, run_cli, write_toml
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 
 SECRET = "Sup3rSecret"
@@ -40,8 +40,7 @@ def run(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> 
 def run_a_while(*args: str, env: dict[str, str] | None = None, seconds: float = 4) -> subprocess.CompletedProcess[str]:
     """``run`` with ``args`` (a daemon, which may wait for a database): stopped by SIGTERM after ``seconds`` if it
     is still running; what it printed."""
-    proc = subprocess.Popen([applier_script(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**clean_env(), **(env or {})}, stdin=subprocess.DEVNULL)
+    proc = popen(list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         out, err = proc.communicate(timeout=seconds)
     except subprocess.TimeoutExpired:
@@ -194,8 +193,7 @@ def test_exit_codes_by_kind(world: World) -> None:
     assert info["name"] == "applier" and "cannot open the target" in info["error"], info
 
     # 5: refused: the claim is held by a running applier
-    daemon = subprocess.Popen([applier_script(), "run", "-c", str(good)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=clean_env(), stdin=subprocess.DEVNULL)
+    daemon = popen(["run", "-c", str(good)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         # waited for with `status` in this process (no Python start per look: the wait is not the point)
@@ -228,10 +226,8 @@ def test_exit_codes_by_kind(world: World) -> None:
 def test_an_interrupted_typer_command_is_one_line_and_130(world: World) -> None:
     config = world.config("interrupt", {"slot": "interrupt"})
     world.src("SELECT pg_create_logical_replication_slot('interrupt', 'pgoutput')")
-    proc = subprocess.Popen([applier_script(), "record", "-c", str(config), "-o", str(world.tmp / "i.rec"),
-                             "--until-lsn", "FFFFFFFF/0", "--idle-timeout", "60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
-                            stdin=subprocess.DEVNULL)
+    proc = popen(["record", "-c", str(config), "-o", str(world.tmp / "i.rec"), "--until-lsn", "FFFFFFFF/0",
+                 "--idle-timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while not world.src("SELECT 1 FROM pg_replication_slots WHERE slot_name = 'interrupt' AND active"):

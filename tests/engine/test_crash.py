@@ -48,8 +48,8 @@ from applier.admin import init, read_progress
 from applier.lsn import LSN
 from applier.sandbox.clusters import Cluster, find_install
 from tests.engine import workload as wl
-from tests.engine.conftest import NEWEST_PG, Target, applier_script, clean_env, make_cfg
-from tests.plugins.cli import run_cli, write_toml
+from tests.engine.conftest import NEWEST_PG, Target, make_cfg
+from tests.plugins.cli import popen, run_cli, write_toml
 from tests.plugins.clusters import ScratchDb
 
 pytestmark = pytest.mark.parametrize("pg_install", [NEWEST_PG], indirect=True, ids=lambda v: f"pg{v}")
@@ -217,8 +217,7 @@ class Daemon:
         with self.log_path.open("ab") as out:
             out.write(b"---- start\n")
             out.flush()
-            self.proc = subprocess.Popen([applier_script(), "run", "-c", str(self.config)], stdout=out, stderr=out,
-                                         stdin=subprocess.DEVNULL, env=clean_env(), start_new_session=True)
+            self.proc = popen(["run", "-c", str(self.config)], stdout=out, stderr=out, start_new_session=True)
         return self.proc
 
     def signal(self, sig: int) -> None:

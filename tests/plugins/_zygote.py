@@ -5,7 +5,7 @@ interpreter's normal shutdown (atexit handlers, buffered output flushed, the exi
 Run as ``python _zygote.py SOCKET SCRIPT``: it imports every applier module (the row path picked by this process's
 environment, as a started script's would be), binds the Unix socket SOCKET (SOCK_SEQPACKET: one message each), says
 ``ready`` on stdout and serves until stdin closes (its client's process is gone). A request is one JSON message
-``{"argv": [...], "env": {...}, "cwd": str | null}`` with three file descriptors (the child's stdin, stdout, stderr);
+``{"argv": [...], "env": {...}, "cwd": str | null, "session": bool}`` with three file descriptors (the child's stdin, stdout, stderr);
 the answers are two messages on the same connection: the child's pid when it started, its exit code (as
 ``subprocess`` reports one: minus the signal that ended it) when it ended.
 
@@ -86,7 +86,9 @@ def serve(path: str) -> dict[str, object]:
 
 
 def run_child(request: dict[str, object], script: str) -> None:
-    """In the child: the request's environment, directory and arguments, then the script's ``main``."""
+    """In the child: the request's session, environment, directory and arguments, then the script's ``main``."""
+    if request.get("session"):
+        os.setsid()
     env = request["env"]
     assert isinstance(env, dict)
     os.environ.clear()

@@ -17,7 +17,7 @@ from typing import Any
 from typer.testing import CliRunner
 
 from applier.cli.app import app
-from tests.plugins.forked import FORKS
+from tests.plugins.forked import FORKS, Output
 
 # The ``applier`` script's entry point, writing the names of the modules it imported to argv[1] at exit (run it as
 # ``python -c PROBE FILE <applier arguments>``).
@@ -44,13 +44,26 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_") or k == "APPLIER_PURE_PYTHON"}
 
 
+def popen(args: list[str], stdout: Output = None, stderr: Output = None, text: bool = False,
+          start_new_session: bool = False, env: dict[str, str] | None = None) -> Any:
+    """``applier ARGS`` in the background (``clean_env`` and ``env`` on top, no stdin), as ``subprocess.Popen`` takes
+    ``stdout``, ``stderr``, ``text`` and ``start_new_session``: forked from this process's fork server
+    (``tests.plugins.forked.ForkedProcess``, Popen's interface) unless ``env`` picks another row path than the
+    server's (then a ``subprocess.Popen`` of the script)."""
+    full_env = {**clean_env(), **(env or {})}
+    server = FORKS.get(applier_script())
+    if server.serves(full_env):
+        return server.start(args, full_env, None, stdout, stderr, text, start_new_session)
+    return subprocess.Popen([applier_script(), *args], stdout=stdout, stderr=stderr, text=text, env=full_env,
+                            stdin=subprocess.DEVNULL, start_new_session=start_new_session)
+
+
 @contextlib.contextmanager
-def foreground(*args: str) -> Iterator[subprocess.Popen[str]]:
+def foreground(*args: str) -> Iterator[Any]:
     """``applier ARGS`` started as a terminal's foreground job (a process group of its own, which a Ctrl-C reaches
     whole: the command and any JVM it starts), ``clean_env``, no stdin, stdout and stderr piped; killed with its
     group at the end if it still runs."""
-    proc = subprocess.Popen([applier_script(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=clean_env(), stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = popen(list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         yield proc
     finally:
@@ -59,7 +72,7 @@ def foreground(*args: str) -> Iterator[subprocess.Popen[str]]:
             proc.wait()
 
 
-def ctrl_c(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[str, str]:
+def ctrl_c(proc: Any, timeout: float = 120) -> tuple[str, str]:
     """A terminal's Ctrl-C to a ``foreground`` command: SIGINT to its process group; its (stdout, stderr) once it
     exited."""
     os.killpg(proc.pid, signal.SIGINT)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -27,6 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import IO, Any
 
 _ZYGOTE = Path(__file__).with_name("_zygote.py")
 
@@ -54,56 +56,23 @@ class ForkServer:
             timeout: float) -> subprocess.CompletedProcess[str]:
         """``applier ARGV`` forked, no stdin, its output captured, waited for (killed and ``TimeoutExpired`` after
         ``timeout`` seconds, as ``subprocess.run`` does)."""
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        null = os.open(os.devnull, os.O_RDONLY)
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        proc = self.start(argv, env, cwd, subprocess.PIPE, subprocess.PIPE, text=True)
         try:
-            conn.connect(self.path)
-            request = json.dumps({"argv": argv, "env": env, "cwd": str(cwd) if cwd is not None else None})
-            socket.send_fds(conn, [request.encode()], [null, out_w, err_w])
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
         finally:
-            for fd in (null, out_w, err_w):
-                os.close(fd)
-        deadline = time.monotonic() + timeout
-        chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
-        answers: list[int] = []
-        sel = selectors.DefaultSelector()
-        sel.register(out_r, selectors.EVENT_READ)
-        sel.register(err_r, selectors.EVENT_READ)
-        sel.register(conn, selectors.EVENT_READ)
-        try:
-            while len(sel.get_map()):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    if answers:
-                        with_pid = answers[0]
-                        try:
-                            os.kill(with_pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                    raise subprocess.TimeoutExpired(["applier", *argv], timeout)
-                for key, _ in sel.select(left):
-                    if key.fileobj is conn:
-                        data = conn.recv(64)
-                        if not data:
-                            sel.unregister(conn)
-                        else:
-                            answers.append(int(data))
-                    else:
-                        fd = int(key.fd)
-                        data = os.read(fd, 65536)
-                        if data:
-                            chunks[fd].append(data)
-                        else:
-                            sel.unregister(fd)
-        finally:
-            sel.close()
-            conn.close()
-            os.close(out_r)
-            os.close(err_r)
-        assert len(answers) == 2, f"the fork server did not run applier {argv} ({answers})"
-        return subprocess.CompletedProcess(["applier", *argv], answers[1], _text(chunks[out_r]), _text(chunks[err_r]))
+            proc.close()
+        return subprocess.CompletedProcess(proc.args, proc.wait(), out, err)
+
+    def start(self, argv: list[str], env: dict[str, str], cwd: Path | None, stdout: Output, stderr: Output,
+              text: bool = False, start_new_session: bool = False) -> ForkedProcess:
+        """``applier ARGV`` forked in the background, no stdin; ``stdout`` and ``stderr`` as ``subprocess.Popen``
+        takes them (PIPE, DEVNULL, STDOUT for stderr, a file or a descriptor); ``start_new_session``: a session and
+        process group of its own."""
+        return ForkedProcess(self.path, argv, env, cwd, stdout, stderr, text, start_new_session)
 
     def close(self) -> None:
         """End the server (its stdin closed) and remove its socket."""
@@ -118,9 +87,132 @@ class ForkServer:
         self._dir.cleanup()
 
 
-def _text(chunks: list[bytes]) -> str:
-    """Captured output as ``subprocess.run(text=True)`` gives it (universal newlines)."""
-    return b"".join(chunks).decode().replace("\r\n", "\n").replace("\r", "\n")
+Output = int | IO[Any] | None
+
+
+class ForkedProcess:
+    """A command forked by the server, with what the tests use of ``subprocess.Popen``'s interface: ``pid``,
+    ``args``, ``returncode``, ``stdout``/``stderr`` (PIPE), ``poll``, ``wait``, ``communicate``, ``send_signal``,
+    ``terminate``, ``kill``. Its exit code comes from the server, which reaps it (this process is not its parent)."""
+
+    def __init__(self, path: str, argv: list[str], env: dict[str, str], cwd: Path | None, stdout: Output,
+                 stderr: Output, text: bool, start_new_session: bool) -> None:
+        self.args = ["applier", *argv]
+        self.returncode: int | None = None
+        self._lock = threading.Lock()
+        self._text = text
+        self._chunks: dict[int, list[bytes]] = {}  # what was read, by pipe descriptor
+        self._fds: dict[int, int] = {}  # id of a pipe's file object -> its descriptor
+        sent: list[int] = []  # descriptors to close once sent
+        try:
+            null = os.open(os.devnull, os.O_RDONLY)
+            sent.append(null)
+            out_w, self.stdout = self._output(stdout, sent, None)
+            err_w, self.stderr = self._output(stderr, sent, out_w)
+            self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._conn.connect(path)
+            request = {"argv": argv, "env": env, "cwd": str(cwd) if cwd is not None else None,
+                       "session": start_new_session}
+            socket.send_fds(self._conn, [json.dumps(request).encode()], [null, out_w, err_w])
+        finally:
+            for fd in sent:
+                os.close(fd)
+        ready, _, _ = select.select([self._conn], [], [], 60)
+        answer = self._conn.recv(64) if ready else b""
+        assert answer, f"the fork server did not start applier {argv}"
+        self.pid = int(answer)
+
+    def _output(self, how: Output, sent: list[int], stdout_w: int | None) -> tuple[int, IO[Any] | None]:
+        """The child's descriptor for one output (appended to ``sent`` when made here), and the pipe to read."""
+        if how == subprocess.PIPE:
+            r, w = os.pipe()
+            sent.append(w)
+            self._chunks[r] = []
+            pipe = open(r, "r" if self._text else "rb")  # noqa: SIM115 - closed at its end or in close()
+            self._fds[id(pipe)] = r
+            return w, pipe
+        if how == subprocess.STDOUT:
+            assert stdout_w is not None
+            return stdout_w, None
+        if how == subprocess.DEVNULL or how is None:
+            fd = os.open(os.devnull, os.O_WRONLY)
+            sent.append(fd)
+            return fd, None
+        return (how if isinstance(how, int) else how.fileno()), None
+
+    def poll(self) -> int | None:
+        """The exit code if the command ended, else None."""
+        return self._status(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the command's end; ``TimeoutExpired`` after ``timeout`` seconds."""
+        code = self._status(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return code
+
+    def _status(self, timeout: float | None) -> int | None:
+        """The exit code, waited for up to ``timeout`` seconds (from any thread: a watchdog's ``kill`` polls)."""
+        if self.returncode is None and select.select([self._conn], [], [], timeout)[0]:
+            with self._lock:
+                if self.returncode is None:
+                    try:
+                        answer = self._conn.recv(64, socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        return None
+                    assert answer, f"the fork server lost {self.args}"
+                    self.returncode = int(answer)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
+        """Read the pipes to their end and wait for the command, as ``Popen.communicate`` (``TimeoutExpired``
+        leaves it running; a later call goes on from there)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pipes = {self._fds[id(f)]: f for f in (self.stdout, self.stderr) if f is not None and not f.closed}
+        with selectors.DefaultSelector() as sel:
+            for fd in pipes:
+                sel.register(fd, selectors.EVENT_READ)
+            while sel.get_map():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(self.args, timeout or 0)
+                for key, _ in sel.select(left):
+                    data = os.read(key.fd, 65536)
+                    if data:
+                        self._chunks[key.fd].append(data)
+                    else:
+                        sel.unregister(key.fd)
+                        pipes[key.fd].close()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self.wait(left)
+        return (self._read(self.stdout), self._read(self.stderr))
+
+    def _read(self, pipe: IO[Any] | None) -> Any:
+        if pipe is None:
+            return None
+        data = b"".join(self._chunks[self._fds[id(pipe)]])
+        return data.decode().replace("\r\n", "\n").replace("\r", "\n") if self._text else data
+
+    def send_signal(self, sig: int) -> None:
+        """Signal the command unless it is known to have ended (one that ended meanwhile is not an error)."""
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def close(self) -> None:
+        """Close the pipes and the connection to the server."""
+        for pipe in (self.stdout, self.stderr):
+            if pipe is not None:
+                pipe.close()
+        self._conn.close()
 
 
 class ForkServers:

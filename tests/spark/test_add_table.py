@@ -40,7 +40,7 @@ from applier.sandbox.clusters import find_install
 from applier.targets.claim import copy_claim_name
 from applier.targets.postgres.claim import pg_claim
 from applier.targets.postgres.target import libpq_dsn
-from tests.plugins.cli import applier_script, clean_env, invoke, run_cli, write_toml
+from tests.plugins.cli import invoke, popen, run_cli, write_toml
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 from tests.spark.conftest import make_config, target_exec
 
@@ -126,8 +126,7 @@ def cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> 
 def start_daemon(cfg_file: Path, log: Path) -> subprocess.Popen[bytes]:
     """``applier run`` in the background, its output appended to ``log``."""
     with log.open("ab") as out:
-        return subprocess.Popen([applier_script(), "run", "-c", str(cfg_file)], stdout=out, stderr=subprocess.STDOUT,
-                                env=clean_env(), stdin=subprocess.DEVNULL)
+        return popen(["run", "-c", str(cfg_file)], stdout=out, stderr=subprocess.STDOUT)
 
 
 def synced(spark: Any, cfg_file: Path) -> None:
@@ -269,9 +268,8 @@ def _added_under_a_running_daemon(spark: Any, src: ScratchDb, target_url: str, t
             res.start()
             assert [t.table for t in res.join_result().tables] == ["public.n"]
         else:  # SIGKILL the daemon while the command copies, and start it again
-            adder = subprocess.Popen([applier_script(), "sync", "-c", str(cfg_file), "--table", "public.n", "-q"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
-                                     stdin=subprocess.DEVNULL)
+            adder = popen(["sync", "-c", str(cfg_file), "--table", "public.n", "-q"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
             wait_for("the copy", lambda: sync_state(target_url) == "copying" or adder.poll() is not None)
             assert sync_state(target_url) == "copying", "the copy was over before the daemon could be killed"
             daemon.send_signal(signal.SIGKILL)
@@ -374,9 +372,8 @@ def test_copy_killed_and_run_again(spark: Any, target_kind: str, src: ScratchDb,
         writer.pause(1.0)
         src.cluster.execute("ALTER PUBLICATION pub ADD TABLE n", src.dbname)
         writer.pause(1.0)
-        adder = subprocess.Popen([applier_script(), "sync", "-c", str(cfg_file), "--table", "public.n",
-                                  "--partitions", "8", "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                 env=clean_env(), stdin=subprocess.DEVNULL, start_new_session=True)
+        adder = popen(["sync", "-c", str(cfg_file), "--table", "public.n", "--partitions", "8", "-q"],
+                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
         def some_parts() -> bool:
             try:

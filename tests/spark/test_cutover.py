@@ -34,7 +34,7 @@ from applier.migrate.cutover import CutoverError, cutover
 from applier.migrate.schema import read_source_tables
 from applier.migrate.sync import sync
 from applier.targets.postgres.schema import prepare_pg_tables
-from tests.plugins.cli import applier_script, clean_env, invoke, run_cli, write_toml
+from tests.plugins.cli import invoke, popen, run_cli, write_toml
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config, target_exec
 from tests.spark.test_add_table import wait_for
@@ -359,8 +359,7 @@ def test_the_command_refuses_in_one_line_and_prints_json(source_db: ScratchDb, t
 def test_a_running_applier_is_waited_for(source_db: ScratchDb, target_db: ScratchDb, tmp_path: Path) -> None:
     cfg = _replica(source_db, target_db, tmp_path)
     conf = _toml(cfg, tmp_path / "applier.toml")
-    daemon = subprocess.Popen([applier_script(), "run", "-c", str(conf)], env=clean_env(), stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    daemon = popen(["run", "-c", str(conf)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _write(source_db.dsn, 50)
         deadline = time.monotonic() + 60
@@ -387,9 +386,8 @@ def test_the_lag_is_measured_when_applier_run_holds_the_target(source_db: Scratc
                                                               tmp_path: Path) -> None:
     """`applier run` goes on applying while cutover sets the sequences: the report gives the lag it measured."""
     cfg = _replica(source_db, target_db, tmp_path)
-    daemon = subprocess.Popen([applier_script(), "run", "-c", str(_toml(cfg, tmp_path / "applier.toml"))],
-                              env=clean_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    daemon = popen(["run", "-c", str(_toml(cfg, tmp_path / "applier.toml"))], stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE, text=True)
     stopped = threading.Event()
 
     def after_the_goal_is_read(line: str) -> None:

@@ -32,7 +32,7 @@ from applier.sandbox.clusters import find_install
 from applier.targets.claim import copy_claim_name
 from applier.targets.postgres.claim import pg_claim
 from applier.targets.postgres.target import libpq_dsn
-from tests.plugins.cli import applier_script, clean_env
+from tests.plugins.cli import popen
 from tests.plugins.clusters import ClusterPool, ScratchDb, scratch_db
 from tests.spark.conftest import make_config, target_exec
 from tests.spark.test_add_table import cli, config_file, start_daemon, stop_once
@@ -273,9 +273,8 @@ def test_killed_halfway_then_rerun(src: ScratchDb, dst: ScratchDb, spark: Any, t
     lock = psycopg.connect(libpq_dsn(dst.url))
     lock.execute(f"SELECT id FROM t1 WHERE id % 3 = 0 ORDER BY {bucket_of(['id'])} DESC LIMIT 1 FOR UPDATE")
     watch = psycopg.connect(libpq_dsn(dst.url), autocommit=True)  # one connection for the looks, not one a look
-    proc = subprocess.Popen([applier_script(), "repair", "-c", str(cfg_file), "--table", "public.t1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
-                            stdin=subprocess.DEVNULL)
+    proc = popen(["repair", "-c", str(cfg_file), "--table", "public.t1"], stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180
         while proc.poll() is None and time.monotonic() < deadline:

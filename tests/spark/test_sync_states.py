@@ -42,7 +42,7 @@ from applier.migrate.sync import SyncError, _drop_incomplete_slot, sync
 from applier.progress.migrate import migrate
 from applier.source.base import StreamOptions
 from applier.source.walsender import WalSender
-from tests.plugins.cli import applier_script, clean_env
+from tests.plugins.cli import popen
 from tests.plugins.clusters import ScratchDb
 from tests.spark.conftest import make_config, target_exec
 from tests.spark.test_add_table import config_file, wait_for
@@ -434,8 +434,8 @@ def test_a_sync_stopped_while_it_builds_the_keys_is_rerun_and_ends_with_them(spa
     keyed = "SELECT table_name FROM applier_keys_owed WHERE table_oid = 'a'::regclass::oid"
     said_file = tmp_path / "sync.err"
     with said_file.open("w") as said_to:
-        command = subprocess.Popen([applier_script(), "sync", "-c", str(cfg_file), "-q"], stdout=subprocess.DEVNULL,
-                                   stderr=said_to, env=clean_env(), stdin=subprocess.DEVNULL, start_new_session=True)
+        command = popen(["sync", "-c", str(cfg_file), "-q"], stdout=subprocess.DEVNULL, stderr=said_to,
+                        start_new_session=True)
     try:
         with psycopg.connect(dst.dsn, autocommit=True) as reader:
             wait_for("target table a created", lambda: command.poll() is not None or reader.execute(

@@ -29,7 +29,7 @@ from applier import __version__
 from applier._cmodule import IMPLEMENTATION
 from applier.metrics import Metrics
 from tests.engine.test_crash import slot_state
-from tests.plugins.cli import applier_script, clean_env, run_cli
+from tests.plugins.cli import popen, run_cli
 
 from .conftest import Rig
 
@@ -90,8 +90,7 @@ def daemon(rig: Rig, config: Path, *args: str) -> Iterator[tuple[subprocess.Pope
     """``applier run -c config args…`` streaming (stderr to a file); SIGTERM and exit 0 at the end."""
     err = rig.tmp / "daemon.err"
     with err.open("wb") as out:
-        proc = subprocess.Popen([applier_script(), "run", "-c", str(config), *args], stdout=subprocess.DEVNULL,
-                                stderr=out, stdin=subprocess.DEVNULL, env=clean_env(), start_new_session=True)
+        proc = popen(["run", "-c", str(config), *args], stdout=subprocess.DEVNULL, stderr=out, start_new_session=True)
     try:
         wait_for("the daemon to stream", lambda: slot_state(rig.source, rig.slot)[0], proc=proc, log=err)
         yield proc, err

@@ -30,7 +30,7 @@ from applier.source.base import stream_options
 from applier.source.walsender import WalSender
 from applier.targets import opener
 from tests.engine.features.conftest import Rig
-from tests.plugins.cli import applier_script, clean_env, run_cli
+from tests.plugins.cli import popen, run_cli
 from tests.plugins.clusters import ClusterPool, scratch_db
 
 
@@ -308,8 +308,7 @@ def test_a_conflict_stopped_by_the_error_policy_is_counted(rig: Rig) -> None:
 def test_sighup_stops_run_with_its_summary(cli_rig: Rig) -> None:
     rig = cli_rig
     rig.published_table()
-    daemon = subprocess.Popen([applier_script(), "run", "-c", str(rig.config_file())], env=clean_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    daemon = popen(["run", "-c", str(rig.config_file())], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: rig.sqlite_path.exists() and rig.target_rows() == 100, "run to apply")
     finally:

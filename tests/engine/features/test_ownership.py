@@ -27,7 +27,7 @@ from applier.source.base import SlotInUseError
 from applier.targets import claim
 from applier.targets.postgres.claim import pg_lock_key
 from tests.engine.features.conftest import Rig
-from tests.plugins.cli import applier_script, clean_env, run_cli
+from tests.plugins.cli import popen, run_cli
 
 
 def _wait_for(cond, what: str, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
@@ -80,8 +80,8 @@ def test_second_process_is_refused_with_one_line_naming_the_first(cli_rig: Rig) 
     rig = cli_rig
     rig.published_table()
     other = _second_slot(rig)
-    first = subprocess.Popen([applier_script(), "run", "-c", str(rig.config_file(apply_group_commit_delay=0.0))],
-                             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = popen(["run", "-c", str(rig.config_file(apply_group_commit_delay=0.0))], stdout=subprocess.PIPE,
+                  stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: rig.target_rows() == 100, "the first applier to apply")
         second = run_cli("catchup", "-c", str(rig.config_file("other.toml", source_slot=other)))
@@ -115,9 +115,8 @@ def test_a_slot_in_use_is_named_with_its_pid_catchup_ends_and_run_waits(rig: Rig
         assert len(lines) == 1 and f"replication slot '{rig.slot}' is in use: active for PID {pid}" in lines[0]
         with pytest.raises(SlotInUseError, match=f"active for PID {pid}"):  # through the SQL interface too
             Runner(rig.cfg(apply_name="c", source_sql_interface=True), catchup=True).run()
-        waiting = subprocess.Popen(
-            [applier_script(), "run", "-c", str(rig.config_file("b.toml", apply_name="b", apply_retry_initial=0.2))],
-            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        waiting = popen(["run", "-c", str(rig.config_file("b.toml", apply_name="b", apply_retry_initial=0.2))],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(4)
         waiting.send_signal(signal.SIGTERM)
         _, err = waiting.communicate(timeout=60)

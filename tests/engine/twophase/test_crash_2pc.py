@@ -34,7 +34,7 @@ import psycopg
 import pytest
 
 from applier.sandbox.clusters import find_installs
-from tests.plugins.cli import applier_script, clean_env, run_cli
+from tests.plugins.cli import popen, run_cli
 
 from .conftest import TpRig
 
@@ -319,8 +319,7 @@ def test_sigkill_daemon_during_streaming_and_two_phase(tp: TpRig, pg_install: An
         nonlocal run_n
         run_n += 1
         with open(logs / f"run-{run_n:03d}.log", "wb") as out:
-            return subprocess.Popen([applier_script(), "run", "-c", str(config)], stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=clean_env())
+            return popen(["run", "-c", str(config)], stdout=out, stderr=subprocess.STDOUT)
 
     def tail(n: int) -> str:
         return (logs / f"run-{n:03d}.log").read_text(errors="replace")[-3000:]
