@@ -9,8 +9,9 @@ environment, as a started script's would be), binds the Unix socket SOCKET (SOCK
 the answers are two messages on the same connection: the child's pid when it started, its exit code (as
 ``subprocess`` reports one: minus the signal that ended it) when it ended.
 
-NOTES: the server has no thread (it forks) and starts nothing at import (no JVM, no connection); children inherit
-nothing of it but the imported modules: its sockets and pidfds are closed in the child, the environment, working
+NOTES: the server starts nothing at import (no JVM, no connection) and no Python thread; pyarrow's allocator keeps
+a background thread (jemalloc's, which has its fork handlers), so the server forks with that one running. Children
+inherit nothing of it but the imported modules: its sockets and pidfds are closed in the child, the environment, working
 directory, ``sys.argv`` and standard streams are the request's.
 """
 
@@ -21,6 +22,7 @@ import json
 import os
 import pkgutil
 import select
+import signal
 import socket
 import sys
 
@@ -46,13 +48,22 @@ def serve(path: str) -> dict[str, object]:
         ready, _, _ = select.select([sys.stdin, listener, *children], [], [])
         for r in ready:
             if r is sys.stdin:
-                if not os.read(sys.stdin.fileno(), 1024):
+                if not os.read(sys.stdin.fileno(), 1024):  # the test process is gone: so are its commands
+                    for pidfd in children:
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                     raise SystemExit(0)
             elif r is listener:
                 conn, _ = listener.accept()
+                conn.settimeout(10)  # a request comes whole at once: a client that sends none blocks no one
                 try:
                     msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
                 except OSError:
+                    conn.close()
+                    continue
+                conn.settimeout(None)
+                if len(fds) != 3:
+                    for fd in fds:
+                        os.close(fd)
                     conn.close()
                     continue
                 pid = os.fork()

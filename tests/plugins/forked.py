@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -38,7 +39,7 @@ class ForkServer:
 
     def __init__(self, script: str) -> None:
         self.script = script
-        self.row_path = os.environ.get("APPLIER_PURE_PYTHON", "")
+        self.startup = _startup(os.environ)
         self._dir = tempfile.TemporaryDirectory(prefix="applier-zygote-")
         self.path = os.path.join(self._dir.name, "s")
         self.proc = subprocess.Popen([sys.executable, str(_ZYGOTE), self.path, script], stdin=subprocess.PIPE,
@@ -49,8 +50,9 @@ class ForkServer:
         atexit.register(self.close)
 
     def serves(self, env: dict[str, str]) -> bool:
-        """Whether a command in ``env`` runs here as it would started anew (its row path is this server's)."""
-        return self.proc.poll() is None and env.get("APPLIER_PURE_PYTHON", "") == self.row_path
+        """Whether a command in ``env`` runs here as it would started anew: what a Python start settles from the
+        environment (the row path, locale, ``PYTHON*``, time zone, typer's rich) is this server's."""
+        return self.proc.poll() is None and _startup(env) == self.startup
 
     def run(self, argv: list[str], env: dict[str, str], cwd: Path | None,
             timeout: float) -> subprocess.CompletedProcess[str]:
@@ -59,7 +61,7 @@ class ForkServer:
         proc = self.start(argv, env, cwd, subprocess.PIPE, subprocess.PIPE, text=True)
         try:
             out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except BaseException:  # a timeout, an interrupt: nothing left running, as subprocess.run
             proc.kill()
             proc.wait()
             raise
@@ -90,6 +92,15 @@ class ForkServer:
 Output = int | IO[Any] | None
 
 
+def _startup(env: Mapping[str, str]) -> dict[str, str]:
+    """What of ``env`` a Python start (or an import) settles once: the row path (``APPLIER_PURE_PYTHON``, "" and
+    "0" alike), locale and encodings, ``PYTHON*``, the time zone, typer's use of rich."""
+    out = {k: v for k, v in env.items()
+           if k in ("LANG", "TZ", "TYPER_USE_RICH") or k.startswith(("LC_", "PYTHON"))}
+    out["APPLIER_PURE_PYTHON"] = "" if env.get("APPLIER_PURE_PYTHON", "") in ("", "0") else "1"
+    return out
+
+
 class ForkedProcess:
     """A command forked by the server, with what the tests use of ``subprocess.Popen``'s interface: ``pid``,
     ``args``, ``returncode``, ``stdout``/``stderr`` (PIPE), ``poll``, ``wait``, ``communicate``, ``send_signal``,
@@ -103,6 +114,8 @@ class ForkedProcess:
         self._text = text
         self._chunks: dict[int, list[bytes]] = {}  # what was read, by pipe descriptor
         self._fds: dict[int, int] = {}  # id of a pipe's file object -> its descriptor
+        request = json.dumps({"argv": argv, "env": env, "cwd": str(cwd) if cwd is not None else os.getcwd(),
+                              "session": start_new_session}).encode()  # before anything is opened: it may fail
         sent: list[int] = []  # descriptors to close once sent
         try:
             null = os.open(os.devnull, os.O_RDONLY)
@@ -111,9 +124,7 @@ class ForkedProcess:
             err_w, self.stderr = self._output(stderr, sent, out_w)
             self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             self._conn.connect(path)
-            request = {"argv": argv, "env": env, "cwd": str(cwd) if cwd is not None else None,
-                       "session": start_new_session}
-            socket.send_fds(self._conn, [json.dumps(request).encode()], [null, out_w, err_w])
+            socket.send_fds(self._conn, [request], [null, out_w, err_w])
         finally:
             for fd in sent:
                 os.close(fd)
