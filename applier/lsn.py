@@ -34,7 +34,8 @@ class LSN(int):
         return super().__new__(cls, (int(m.group(1), 16) << 32) | int(m.group(2), 16))
 
     def __str__(self) -> str:
-        return f"{int(self) >> 32:X}/{int(self) & 0xFFFFFFFF:X}"
+        # printf-style: about half the time of the f-string (a position is printed at every group commit)
+        return "%X/%X" % (self >> 32, self & 0xFFFFFFFF)  # noqa: UP031
 
     def __repr__(self) -> str:
         return f"LSN('{self}')"

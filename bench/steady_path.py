@@ -2,8 +2,10 @@
 
 What ``applier run`` does for each pgbench tpcb-like transaction that commits alone, less the receiving: a group
 (``PostgresTarget.begin``), three one-row keyed updates on three tables (``update_rows``, pipelined, the fast path),
-and the commit's round trip (``commit``); CPU time (``time.process_time``) of the process per group, best of 5
-runs of ``--groups`` each. Counts in CPU time, not wall time: it reads the same on a loaded machine. Each tree
+the ``pgbench_history`` row inserted (``insert``), and the commit with the progress write and the replication
+origin's position (``write_progress``, ``commit``: one round trip, as a group of ``applier run``); CPU time
+(``time.process_time``) of the process per group, and of its target backend (``/proc/PID/stat``, clock ticks), best
+of 5 runs of ``--groups`` each. Counts in CPU time, not wall time: it reads the same on a loaded machine. Each tree
 (``--trees name=DIR,…``, default this checkout) runs in a child process with DIR first on PYTHONPATH, twice, in
 turn, against one throwaway PostgreSQL server (fsync off: the server's side is not measured here). Run it with
 PYTHONPATH set to a checkout (the project's rule): the parent needs ``applier.sandbox`` only.
@@ -23,33 +25,52 @@ from pathlib import Path
 
 from applier.decoder.messages import Column, Relation, TupleData, Update
 from applier.lsn import LSN
+from applier.progress.migrate import migrate
 from applier.sandbox.clusters import Cluster, find_install
 from applier.targets.postgres.target import PostgresTarget
 
 TABLES = ("pgbench_accounts", "pgbench_tellers", "pgbench_branches")
+TICK = os.sysconf("SC_CLK_TCK")
+COMMIT_TIME = 849_000_000_000_000  # a source commit's time (µs since 2000-01-01): the origin's position has one
+
+
+def backend_cpu(pid: int) -> float:
+    """utime + stime of a server process, seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def child(url: str, groups: int) -> None:
     """Run in the tree under test (its PYTHONPATH): prints the CPU µs per group of each of 5 runs."""
-    target = PostgresTarget(url, "steady_path")
+    target = PostgresTarget(url, f"steady_path_{os.getpid()}")  # a progress row of its own
     target.pipeline(True)
     cols = (Column(1, "id", 23, -1), Column(0, "bid", 23, -1), Column(0, "bal", 23, -1), Column(0, "filler", 1042, 88))
     binds = [target.bind(Relation(None, 16384 + k, "public", name, "d", cols), {}, LSN(0)) for k, name in
              enumerate(TABLES)]
     rows = [[Update(None, 16384 + k, None, None, TupleData(b"tttt", (b"%d" % (1 + (i * 7 + k) % 10), b"1", b"%d" % i,
                                                                         b"x" * 84)))] for i in range(50) for k in range(3)]
-    lsn = LSN(0)
-    runs = []
+    hcols = (Column(0, "tid", 23, -1), Column(0, "bid", 23, -1), Column(0, "aid", 23, -1), Column(0, "delta", 23, -1),
+             Column(0, "mtime", 1114, -1), Column(0, "filler", 1042, 22))
+    history = target.bind(Relation(None, 16390, "public", "pgbench_history", "n", hcols), {}, LSN(0))
+    inserted = [TupleData(b"tttttn", (b"1", b"1", b"%d" % i, b"-42", b"2026-11-29 00:00:00.%06d" % i, None))
+                for i in range(50)]
+    backend = int(target.conn.execute("SELECT pg_backend_pid()").fetchone()[0])
+    lsn = LSN(0x16000000)
+    runs, server = [], []
     for _ in range(5):
-        c0 = time.process_time()
+        c0, s0 = time.process_time(), backend_cpu(backend)
         for i in range(groups):
             target.begin()
             for k in range(3):
                 target.update_rows(binds[k], rows[(i % 50) * 3 + k], lsn)
-            target.commit(lsn)
+            target.insert(history, inserted[i % 50:i % 50 + 1], lsn)
+            lsn = LSN(lsn + 4096)
+            target.write_progress(lsn, COMMIT_TIME)
+            target.commit(lsn, COMMIT_TIME)
         runs.append((time.process_time() - c0) / groups * 1e6)
+        server.append((backend_cpu(backend) - s0) / groups * 1e6)
     target.close()
-    print(" ".join(f"{r:.1f}" for r in runs))
+    print(" ".join(f"{r:.1f}" for r in runs), "|", " ".join(f"{r:.1f}" for r in server))
 
 
 def main() -> int:
@@ -71,7 +92,11 @@ def main() -> int:
         for name in TABLES:
             cluster.execute(f"CREATE TABLE {name} (id int PRIMARY KEY, bid int, bal int, filler char(88))")
             cluster.execute(f"INSERT INTO {name} SELECT g, 1, 0, '' FROM generate_series(1, 10) g")
-        print(f"µs CPU per group (BEGIN, 3 one-row keyed updates, COMMIT), 5 runs of {args.groups}; load average "
+        migrate(cluster.url())  # the control tables: the progress row each commit writes
+        cluster.execute("CREATE TABLE pgbench_history (tid int, bid int, aid int, delta int, mtime timestamp, "
+                        "filler char(22))")
+        print(f"µs CPU per group (BEGIN, 3 one-row keyed updates, an insert, the progress write, COMMIT), 5 runs of {args.groups}: "
+              f"the process, and its target backend; load average "
               f"{os.getloadavg()[0]:.1f}; row path: {'pure' if os.environ.get('APPLIER_PURE_PYTHON') else 'as built'}")
         for rnd in range(2):
             for name, tree in trees:
@@ -80,8 +105,9 @@ def main() -> int:
                                      env=env, capture_output=True, text=True, check=False)
                 if out.returncode != 0:
                     raise SystemExit(f"steady_path: {name} failed: {out.stderr.strip().splitlines()[-1:]}")
-                runs = [float(v) for v in out.stdout.split()]
-                print(f"round {rnd} {name:>8}: best {min(runs):6.1f}   ({out.stdout.strip()})", flush=True)
+                mine, theirs = ([float(v) for v in part.split()] for part in out.stdout.split("|"))
+                print(f"round {rnd} {name:>8}: process best {min(mine):6.1f} ({' '.join(map(str, mine))}); backend "
+                      f"best {min(theirs):6.1f} ({' '.join(map(str, theirs))})", flush=True)
     finally:
         cluster.stop()
     return 0

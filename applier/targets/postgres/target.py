@@ -81,7 +81,7 @@ from psycopg.generators import fetch_many
 from psycopg.generators import send as psycopg_send
 
 from applier._cmodule import twin
-from applier.decoder.messages import BINARY, NULL, Relation, TupleData, Type, pg_timestamp
+from applier.decoder.messages import BINARY, NULL, Relation, TupleData, Type
 from applier.errors import ApplyError, Conflicted, FinalError, MissingTable, TargetUnreachable
 from applier.lsn import LSN
 from applier.progress.store import progress_sql
@@ -311,9 +311,11 @@ _ADVANCE = f"WITH p AS ({PG_SQL.advance} RETURNING 1) SELECT (SELECT CASE WHEN c
            f"ELSE '{_MOVED_MARK}' END FROM p)::pg_lsn"
 _UPSERT = _numbered(_ADVANCE)
 _CLEAR_SKIP = _numbered(PG_SQL.clear_skip)
-# the progress write and the origin's position in one statement
-_ORIGIN_SETUP = b"SELECT pg_replication_origin_xact_setup($1, $2)"
-_UPSERT_ORIGIN = _numbered(f"{_ADVANCE}, pg_replication_origin_xact_setup(%s, %s)")
+# the progress write and the origin's position in one statement; the source commit's time goes as the wire sent it
+# (µs since 2000-01-01 UTC, exact as a float8 below 2^53 µs: 285 years), the server makes it a timestamptz
+_COMMIT_TIME = "timestamptz '2000-01-01 00:00:00+00' + {}::float8 * interval '1 microsecond'"
+_ORIGIN_SETUP = f"SELECT pg_replication_origin_xact_setup($1, {_COMMIT_TIME.format('$2')})".encode()
+_UPSERT_ORIGIN = _numbered(f"{_ADVANCE}, pg_replication_origin_xact_setup(%s, {_COMMIT_TIME.format('%s')})")
 _WAL_POSITIONS = "SELECT pg_current_wal_insert_lsn()::text, pg_current_wal_flush_lsn()::text"
 
 
@@ -802,6 +804,10 @@ class PostgresTarget(TargetBase):
     # position, COMMIT and the WAL insert position after it go in one libpq pipeline (the one the group's
     # statements are in, when no row count of them is still to be checked).
     _progress: tuple[list[bytes | None], bool] | None = None  # the upsert's parameters, whether to clear skip_lsn
+    _progress_at = LSN(0)  # the position ``_progress`` writes
+    # the upsert's parameters that stay for a session (name, source system, slot, timeline), and their encoding
+    _fixed_key: tuple[Any, ...] = ()
+    _fixed: list[bytes | None] = []
 
     def begin(self) -> None:
         """Open a transaction (BEGIN goes out with the group's first statement when ``pipelined``)."""
@@ -816,11 +822,14 @@ class PostgresTarget(TargetBase):
         """Record ``lsn`` as applied in the open transaction. The statements are kept and sent by ``commit``,
         ahead of COMMIT in the same transaction, so progress and rows still commit together or not at all."""
         enc = self._encoding
-        self._next_lsn = str(lsn)
-        self._progress = ([None if v is None else str(v).encode(enc)
-                           for v in (self.name, lsn, commit_time, self.source_system, self.slot, self.timeline,
-                                     self._read_lsn)],
-                          clear_skip)
+        text = self._next_lsn = str(lsn)
+        fixed = (self.name, self.source_system, self.slot, self.timeline)
+        if fixed != self._fixed_key:  # encoded once a session, not at every group
+            self._fixed_key, self._fixed = fixed, [None if v is None else str(v).encode(enc) for v in fixed]
+        name, system, slot, timeline = self._fixed
+        self._progress_at = lsn
+        self._progress = ([name, text.encode(enc), None if commit_time is None else b"%d" % commit_time, system, slot,
+                           timeline, str(self._read_lsn).encode(enc)], clear_skip)
 
     def commit(self, source_lsn: LSN, commit_time: int | None = None) -> None:
         """Commit; the commit is the newest not yet placed in the target's WAL (``durable_lsn``).
@@ -836,8 +845,9 @@ class PostgresTarget(TargetBase):
             self.settle()
         progress, self._progress = self._progress, None
         origin: list[bytes | None] | None = None  # pg_replication_origin_xact_setup's parameters
-        if self.has_origin and commit_time is not None:
-            origin = [str(source_lsn).encode(), str(pg_timestamp(commit_time)).encode()]
+        if self.has_origin and commit_time is not None:  # the position as the progress write has it, if the same
+            at = progress[0][1] if progress is not None and source_lsn == self._progress_at else str(source_lsn).encode()
+            origin = [at, b"%d" % commit_time]
         if progress is not None:
             if origin is not None:
                 self._send(_UPSERT_ORIGIN, progress[0] + origin, "COMMIT", None, -1, source_lsn, flush=False)

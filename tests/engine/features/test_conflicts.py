@@ -321,6 +321,32 @@ def test_origin_differs_policies(ts_rig: Rig) -> None:
           "apply_remote", "apply_remote", {"id": "6", "v": "local6"}, {"id": "6"})
 
 
+def test_a_replicated_commit_carries_the_source_commits_end_and_time(ts_rig: Rig) -> None:
+    """As PostgreSQL's subscriber: the target's commit of a replicated transaction records, through applier's
+    replication origin, the source commit's end LSN (``pg_replication_origin_status``) and its time, to the
+    microsecond (the target's commit timestamp: what *_origin_differs and last_update_wins compare), not the time
+    it was applied."""
+    rig = ts_rig
+    name = f"ts_{rig.slot}"  # origins are the cluster's: one of this test's own
+    rig.both("CREATE TABLE c (id int PRIMARY KEY)")
+    rig.publish("c")
+    rig.init(apply_name=name)
+    rig.src("INSERT INTO c VALUES (1)")
+    rig.src("INSERT INTO c VALUES (2)")
+    time.sleep(1.1)
+    started = time.time()
+    rig.catchup(apply_name=name, apply_group_commit_delay=0.0)  # each transaction a target commit of its own
+    progress = rig.tgt("SELECT lsn, commit_time FROM applier_progress WHERE name = %s", [name])
+    rows = rig.tgt("SELECT id, (extract(epoch FROM pg_xact_commit_timestamp(xmin) - "
+                   "timestamptz '2000-01-01 00:00:00+00') * 1000000)::bigint, "
+                   "extract(epoch FROM pg_xact_commit_timestamp(xmin))::float8 FROM c ORDER BY id")
+    assert rows[1][1] == progress[0][1], (rows, progress)  # the last one's time, as the stream gave it
+    assert rows[0][1] < rows[1][1] and rows[1][2] < started - 1.0, rows  # the source's times, before the apply
+    origin = rig.tgt("SELECT remote_lsn::text FROM pg_replication_origin_status s JOIN pg_replication_origin o "
+                     "ON o.roident = s.local_id WHERE o.roname = %s", [f"applier_{name}"])
+    assert origin == [(progress[0][0],)], (origin, progress)
+
+
 # -- restarts: resolved once, recorded once -----------------------------------------------------------------
 
 
