@@ -115,6 +115,13 @@ def setting_seconds(cluster: Cluster, name: str) -> float:
     return float(value) * {"ms": 0.001, "s": 1.0, "min": 60.0}.get(unit or "s", 1.0)
 
 
+def wal_written(cluster: Cluster) -> dict[str, int]:
+    """The WAL the server has written since its statistics were reset (``pg_stat_wal``, PostgreSQL 14+): records,
+    full-page images and bytes."""
+    records, fpi, size = cluster.execute("SELECT wal_records, wal_fpi, wal_bytes FROM pg_stat_wal")[0]
+    return {"records": int(records), "fpi": int(fpi), "bytes": int(size)}
+
+
 def checkpoint_count(cluster: Cluster) -> int:
     """Checkpoints the server has started (timed + requested) since it started."""
     if server_version_num(cluster) >= 170000:

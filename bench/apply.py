@@ -321,6 +321,7 @@ class Bench:
         if checkpoint_target:
             self.dst.execute("CHECKPOINT")
         before = (C.checkpoint_count(self.src), C.checkpoint_count(self.dst))
+        wal = C.wal_written(self.dst) if checkpoint_target else None
         try:
             out = fn()
         except Exception as exc:  # noqa: BLE001 - one consumer failing must not stop the others
@@ -330,6 +331,8 @@ class Bench:
             return {"error": one_line(exc)}
         after = (C.checkpoint_count(self.src), C.checkpoint_count(self.dst))
         out["checkpoints_during"] = (after[0] - before[0]) + (after[1] - before[1])
+        if wal is not None:  # what the target wrote to its WAL meanwhile (records, full-page images, bytes)
+            out["target_wal"] = {k: v - wal[k] for k, v in C.wal_written(self.dst).items()}
         out["rows_per_s"] = changes / out["seconds"] if out.get("seconds") else None
         if out.get("engine_s"):
             out["engine_rows_per_s"] = changes / out["engine_s"]
@@ -707,6 +710,13 @@ def print_catchup(results: dict[str, dict[str, Any]]) -> None:
               f"{_f(g['applier_sqlite'].get('seconds'), '.3f', 15)} {_f(g['applier_sqlite'].get('applied_s'), '.3f', 9)} "
               f"{_f(g['applier_sqlite'].get('engine_s'), '.3f', 9)}  {r['stream']['transactions']:>7,}  "
               f"{'; '.join(notes)}")
+    print()
+    print("the target's WAL while a consumer ran (pg_stat_wal): MB, records, full-page images")
+    for key, r in results.items():
+        w = {c: r.get(c, {}).get("target_wal") for c in ("native", "applier_pg")}
+        if "error" not in r and all(w.values()):
+            print(f"{key:8} " + "   ".join(f"{c} {x['bytes'] / 1e6:,.1f} MB, {x['records']:,} records, {x['fpi']:,} FPI"
+                                         for c, x in w.items()))
 
 
 def print_lag(results: dict[str, dict[str, Any]]) -> None:
