@@ -827,9 +827,9 @@ class PostgresTarget(TargetBase):
         if fixed != self._fixed_key:  # encoded once a session, not at every group
             self._fixed_key, self._fixed = fixed, [None if v is None else str(v).encode(enc) for v in fixed]
         name, system, slot, timeline = self._fixed
-        self._progress_at = lsn
         self._progress = ([name, text.encode(enc), None if commit_time is None else b"%d" % commit_time, system, slot,
                            timeline, str(self._read_lsn).encode(enc)], clear_skip)
+        self._progress_at = lsn
 
     def commit(self, source_lsn: LSN, commit_time: int | None = None) -> None:
         """Commit; the commit is the newest not yet placed in the target's WAL (``durable_lsn``).
@@ -846,8 +846,9 @@ class PostgresTarget(TargetBase):
         progress, self._progress = self._progress, None
         origin: list[bytes | None] | None = None  # pg_replication_origin_xact_setup's parameters
         if self.has_origin and commit_time is not None:  # the position as the progress write has it, if the same
-            at = progress[0][1] if progress is not None and source_lsn == self._progress_at else str(source_lsn).encode()
-            origin = [at, b"%d" % commit_time]
+            same = progress is not None and source_lsn == self._progress_at
+            origin = [progress[0][1] if progress is not None and same else str(source_lsn).encode(),
+                      b"%d" % commit_time]
         if progress is not None:
             if origin is not None:
                 self._send(_UPSERT_ORIGIN, progress[0] + origin, "COMMIT", None, -1, source_lsn, flush=False)

@@ -325,26 +325,31 @@ def test_a_replicated_commit_carries_the_source_commits_end_and_time(ts_rig: Rig
     """As PostgreSQL's subscriber: the target's commit of a replicated transaction records, through applier's
     replication origin, the source commit's end LSN (``pg_replication_origin_status``) and its time, to the
     microsecond (the target's commit timestamp: what *_origin_differs and last_update_wins compare), not the time
-    it was applied."""
+    it was applied, whatever the target session's time zone."""
     rig = ts_rig
-    name = f"ts_{rig.slot}"  # origins are the cluster's: one of this test's own
+    name = f"ts_{rig.slot}"  # origins are the cluster's: one of this test's own, dropped at the end
+    url = f"{rig.target_url}?options=-c%20TimeZone%3DAsia/Kathmandu"  # +05:45: an offset no conversion hides
     rig.both("CREATE TABLE c (id int PRIMARY KEY)")
     rig.publish("c")
-    rig.init(apply_name=name)
+    rig.init(apply_name=name, target_url=url)
     rig.src("INSERT INTO c VALUES (1)")
     rig.src("INSERT INTO c VALUES (2)")
     time.sleep(1.1)
     started = time.time()
-    rig.catchup(apply_name=name, apply_group_commit_delay=0.0)  # each transaction a target commit of its own
-    progress = rig.tgt("SELECT lsn, commit_time FROM applier_progress WHERE name = %s", [name])
-    rows = rig.tgt("SELECT id, (extract(epoch FROM pg_xact_commit_timestamp(xmin) - "
-                   "timestamptz '2000-01-01 00:00:00+00') * 1000000)::bigint, "
-                   "extract(epoch FROM pg_xact_commit_timestamp(xmin))::float8 FROM c ORDER BY id")
-    assert rows[1][1] == progress[0][1], (rows, progress)  # the last one's time, as the stream gave it
-    assert rows[0][1] < rows[1][1] and rows[1][2] < started - 1.0, rows  # the source's times, before the apply
-    origin = rig.tgt("SELECT remote_lsn::text FROM pg_replication_origin_status s JOIN pg_replication_origin o "
-                     "ON o.roident = s.local_id WHERE o.roname = %s", [f"applier_{name}"])
-    assert origin == [(progress[0][0],)], (origin, progress)
+    try:  # each transaction a target commit of its own
+        rig.catchup(apply_name=name, target_url=url, apply_group_commit_delay=0.0)
+        progress = rig.tgt("SELECT lsn, commit_time FROM applier_progress WHERE name = %s", [name])
+        rows = rig.tgt("SELECT id, (extract(epoch FROM pg_xact_commit_timestamp(xmin) - "
+                       "timestamptz '2000-01-01 00:00:00+00') * 1000000)::bigint, "
+                       "extract(epoch FROM pg_xact_commit_timestamp(xmin))::float8 FROM c ORDER BY id")
+        assert rows[1][1] == progress[0][1], (rows, progress)  # the last one's time, as the stream gave it
+        assert rows[0][1] < rows[1][1] and rows[1][2] < started - 1.0, rows  # the source's times, before the apply
+        origin = rig.tgt("SELECT remote_lsn::text FROM pg_replication_origin_status s JOIN pg_replication_origin o "
+                         "ON o.roident = s.local_id WHERE o.roname = %s", [f"applier_{name}"])
+        assert [LSN.parse(v) for (v,) in origin] == [LSN.parse(progress[0][0])], (origin, progress)
+    finally:
+        rig.tgt("SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname = %s",
+                [f"applier_{name}"])
 
 
 # -- restarts: resolved once, recorded once -----------------------------------------------------------------
