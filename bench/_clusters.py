@@ -115,6 +115,17 @@ def setting_seconds(cluster: Cluster, name: str) -> float:
     return float(value) * {"ms": 0.001, "s": 1.0, "min": 60.0}.get(unit or "s", 1.0)
 
 
+def cpu_s(pid: int) -> float | None:
+    """utime + stime of a process (all its threads), seconds, from ``/proc/PID/stat`` (clock ticks); None once it is
+    gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name: field 3 (state) onwards
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def wal_written(cluster: Cluster) -> dict[str, int]:
     """The WAL the server has written since its statistics were reset (``pg_stat_wal``, PostgreSQL 14+): records,
     full-page images and bytes."""

@@ -48,21 +48,10 @@ from apply import Bench, code_identity, log, one_line  # noqa: E402
 from applier.sandbox.clusters import Cluster, find_install  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TICKS = os.sysconf("SC_CLK_TCK")
 CONSUMERS = {"native": "native subscription", "applier_pg": "applier run > PG",
              "applier_sqlite": "applier run > SQLite", "applier_pure": "applier run > PG, pure"}
 GOAL_PROCESS = 1.0  # the applier process alone, times the native worker's cost
 GOAL_TOTAL = 2.0  # the applier process plus its target backends, times the native worker's cost
-
-
-def cpu_s(pid: int) -> float | None:
-    """utime + stime of a process (all its threads), seconds; None once it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()  # after the command name: field 3 (state) onwards
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def client_ports(pid: int, server_port: int) -> list[int]:
@@ -108,7 +97,7 @@ class Steady(Bench):
 
     def window_start(self, c: str, slot: str, dbname: str, sub: str, daemon: C.ApplierDaemon | None) -> Any:
         procs = self.processes(slot, dbname, sub, daemon)
-        return (slot, dbname, sub, daemon, {p: cpu_s(p) for pids in procs.values() for p in pids})
+        return (slot, dbname, sub, daemon, {p: C.cpu_s(p) for pids in procs.values() for p in pids})
 
     def window_end(self, window: Any) -> dict[str, Any]:
         """CPU seconds of each part since ``window_start``: a process that started meanwhile counts whole,
@@ -118,7 +107,7 @@ class Steady(Bench):
         gone = [p for p in before if all(p not in pids for pids in procs.values())]
         cpu = {}
         for part, pids in procs.items():
-            now = {p: cpu_s(p) for p in pids}
+            now = {p: C.cpu_s(p) for p in pids}
             cpu[part] = sum((v or 0.0) - (before.get(p) or 0.0) for p, v in now.items())
         out = {"cpu_s": cpu, "pids": {k: sorted(v) for k, v in procs.items()}, "gone": gone}
         if daemon is not None:  # the row path the process says it runs, from its start line

@@ -23,6 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _clusters as C  # noqa: E402
+
 from applier.decoder.messages import Column, Relation, TupleData, Update
 from applier.lsn import LSN
 from applier.progress.migrate import migrate
@@ -30,14 +34,7 @@ from applier.sandbox.clusters import Cluster, find_install
 from applier.targets.postgres.target import PostgresTarget
 
 TABLES = ("pgbench_accounts", "pgbench_tellers", "pgbench_branches")
-TICK = os.sysconf("SC_CLK_TCK")
 COMMIT_TIME = 849_000_000_000_000  # a source commit's time (µs since 2000-01-01): the origin's position has one
-
-
-def backend_cpu(pid: int) -> float:
-    """utime + stime of a server process, seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def child(url: str, groups: int) -> None:
@@ -58,7 +55,7 @@ def child(url: str, groups: int) -> None:
     lsn = LSN(0x16000000)
     runs, server = [], []
     for _ in range(5):
-        c0, s0 = time.process_time(), backend_cpu(backend)
+        c0, s0 = time.process_time(), C.cpu_s(backend) or 0.0
         for i in range(groups):
             target.begin()
             for k in range(3):
@@ -68,7 +65,7 @@ def child(url: str, groups: int) -> None:
             target.write_progress(lsn, COMMIT_TIME)
             target.commit(lsn, COMMIT_TIME)
         runs.append((time.process_time() - c0) / groups * 1e6)
-        server.append((backend_cpu(backend) - s0) / groups * 1e6)
+        server.append(((C.cpu_s(backend) or 0.0) - s0) / groups * 1e6)
     target.close()
     print(" ".join(f"{r:.1f}" for r in runs), "|", " ".join(f"{r:.1f}" for r in server))
 

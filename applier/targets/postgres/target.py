@@ -803,8 +803,8 @@ class PostgresTarget(TargetBase):
     # A group commit is one round trip (``commit``): the progress upsert ``write_progress`` kept, the origin's
     # position, COMMIT and the WAL insert position after it go in one libpq pipeline (the one the group's
     # statements are in, when no row count of them is still to be checked).
-    _progress: tuple[list[bytes | None], bool] | None = None  # the upsert's parameters, whether to clear skip_lsn
-    _progress_at = LSN(0)  # the position ``_progress`` writes
+    # the upsert's parameters, whether to clear skip_lsn, the position it writes
+    _progress: tuple[list[bytes | None], bool, LSN] | None = None
     # the upsert's parameters that stay for a session (name, source system, slot, timeline), and their encoding
     _fixed_key: tuple[Any, ...] = ()
     _fixed: list[bytes | None] = []
@@ -828,8 +828,7 @@ class PostgresTarget(TargetBase):
             self._fixed_key, self._fixed = fixed, [None if v is None else str(v).encode(enc) for v in fixed]
         name, system, slot, timeline = self._fixed
         self._progress = ([name, text.encode(enc), None if commit_time is None else b"%d" % commit_time, system, slot,
-                           timeline, str(self._read_lsn).encode(enc)], clear_skip)
-        self._progress_at = lsn
+                           timeline, str(self._read_lsn).encode(enc)], clear_skip, lsn)
 
     def commit(self, source_lsn: LSN, commit_time: int | None = None) -> None:
         """Commit; the commit is the newest not yet placed in the target's WAL (``durable_lsn``).
@@ -846,9 +845,8 @@ class PostgresTarget(TargetBase):
         progress, self._progress = self._progress, None
         origin: list[bytes | None] | None = None  # pg_replication_origin_xact_setup's parameters
         if self.has_origin and commit_time is not None:  # the position as the progress write has it, if the same
-            same = progress is not None and source_lsn == self._progress_at
-            origin = [progress[0][1] if progress is not None and same else str(source_lsn).encode(),
-                      b"%d" % commit_time]
+            at = progress[0][1] if progress is not None and source_lsn == progress[2] else str(source_lsn).encode()
+            origin = [at, b"%d" % commit_time]
         if progress is not None:
             if origin is not None:
                 self._send(_UPSERT_ORIGIN, progress[0] + origin, "COMMIT", None, -1, source_lsn, flush=False)

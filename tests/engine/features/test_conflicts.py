@@ -28,6 +28,7 @@ import pytest
 from applier.admin import read_progress
 from applier.errors import ApplyError
 from applier.lsn import LSN
+from applier.targets.postgres.target import PostgresTarget
 from tests.engine import test_crash as crash
 from tests.engine.conftest import NEWEST_PG, Target
 from tests.plugins.cli import run_cli
@@ -321,14 +322,34 @@ def test_origin_differs_policies(ts_rig: Rig) -> None:
           "apply_remote", "apply_remote", {"id": "6", "v": "local6"}, {"id": "6"})
 
 
+KATHMANDU = "?options=-c%20TimeZone%3DAsia/Kathmandu"  # a target session at +05:45: an offset no conversion hides
+
+
+def committed(rig: Rig, name: str) -> tuple[list[tuple[int, float]], list[LSN]]:
+    """Table c's rows' commit timestamps (µs since 2000-01-01 UTC, and seconds since 1970), by id; the position of
+    apply.name ``name``'s replication origin."""
+    rows = rig.tgt("SELECT (extract(epoch FROM pg_xact_commit_timestamp(xmin) - "
+                   "timestamptz '2000-01-01 00:00:00+00') * 1000000)::bigint, "
+                   "extract(epoch FROM pg_xact_commit_timestamp(xmin))::float8 FROM c ORDER BY id")
+    origin = rig.tgt("SELECT remote_lsn::text FROM pg_replication_origin_status s JOIN pg_replication_origin o "
+                     "ON o.roident = s.local_id WHERE o.roname = %s", [f"applier_{name}"])
+    return [(int(us), float(s)) for us, s in rows], [LSN.parse(v) for (v,) in origin]
+
+
+def drop_origin(rig: Rig, name: str) -> None:
+    """Origins are the cluster's, not the database's: a test's own is dropped at its end."""
+    rig.tgt("SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname = %s",
+            [f"applier_{name}"])
+
+
 def test_a_replicated_commit_carries_the_source_commits_end_and_time(ts_rig: Rig) -> None:
     """As PostgreSQL's subscriber: the target's commit of a replicated transaction records, through applier's
     replication origin, the source commit's end LSN (``pg_replication_origin_status``) and its time, to the
     microsecond (the target's commit timestamp: what *_origin_differs and last_update_wins compare), not the time
     it was applied, whatever the target session's time zone."""
     rig = ts_rig
-    name = f"ts_{rig.slot}"  # origins are the cluster's: one of this test's own, dropped at the end
-    url = f"{rig.target_url}?options=-c%20TimeZone%3DAsia/Kathmandu"  # +05:45: an offset no conversion hides
+    name = f"ts_{rig.slot}"  # an origin of this test's own
+    url = rig.target_url + KATHMANDU
     rig.both("CREATE TABLE c (id int PRIMARY KEY)")
     rig.publish("c")
     rig.init(apply_name=name, target_url=url)
@@ -338,18 +359,32 @@ def test_a_replicated_commit_carries_the_source_commits_end_and_time(ts_rig: Rig
     started = time.time()
     try:  # each transaction a target commit of its own
         rig.catchup(apply_name=name, target_url=url, apply_group_commit_delay=0.0)
-        progress = rig.tgt("SELECT lsn, commit_time FROM applier_progress WHERE name = %s", [name])
-        rows = rig.tgt("SELECT id, (extract(epoch FROM pg_xact_commit_timestamp(xmin) - "
-                       "timestamptz '2000-01-01 00:00:00+00') * 1000000)::bigint, "
-                       "extract(epoch FROM pg_xact_commit_timestamp(xmin))::float8 FROM c ORDER BY id")
-        assert rows[1][1] == progress[0][1], (rows, progress)  # the last one's time, as the stream gave it
-        assert rows[0][1] < rows[1][1] and rows[1][2] < started - 1.0, rows  # the source's times, before the apply
-        origin = rig.tgt("SELECT remote_lsn::text FROM pg_replication_origin_status s JOIN pg_replication_origin o "
-                         "ON o.roident = s.local_id WHERE o.roname = %s", [f"applier_{name}"])
-        assert [LSN.parse(v) for (v,) in origin] == [LSN.parse(progress[0][0])], (origin, progress)
+        ((lsn, commit_time),) = rig.tgt("SELECT lsn, commit_time FROM applier_progress WHERE name = %s", [name])
+        rows, origin = committed(rig, name)
+        assert rows[1][0] == commit_time, (rows, commit_time)  # the last one's time, as the stream gave it
+        assert rows[0][0] < rows[1][0] and rows[1][1] < started - 1.0, rows  # the source's times, before the apply
+        assert origin == [LSN.parse(lsn)], (origin, lsn)
     finally:
-        rig.tgt("SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname = %s",
-                [f"applier_{name}"])
+        drop_origin(rig, name)
+
+
+def test_a_commit_without_a_progress_write_carries_the_source_commits_end_and_time(ts_rig: Rig) -> None:
+    """``Target.commit`` given a source commit's end and time with no progress write in its transaction (the
+    contract allows it) still sets the origin's position and the commit timestamp, as one with the write does."""
+    rig = ts_rig
+    name = f"bare_{rig.slot}"
+    rig.tgt("CREATE TABLE c (id int PRIMARY KEY)")
+    target = PostgresTarget(rig.target_url + KATHMANDU, name)
+    try:
+        target.begin()
+        target.cur.execute("INSERT INTO c VALUES (1)")
+        target.commit(LSN.parse("1/2345678"), 849_000_000_123_456)
+        rows, origin = committed(rig, name)
+        assert [us for us, _ in rows] == [849_000_000_123_456], rows
+        assert origin == [LSN.parse("1/2345678")], origin
+    finally:
+        target.close()
+        drop_origin(rig, name)
 
 
 # -- restarts: resolved once, recorded once -----------------------------------------------------------------
